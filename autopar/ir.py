@@ -1,0 +1,220 @@
+"""The operator-graph IR: the one graph type every pass reads and annotates.
+
+An ``OpGraph`` is a topologically ordered list of ``Node``s taken from a ``torch.export`` graph (forward
+pass of the model plus its loss).  Shapes are stored *per sample*: a tensor whose size scales with the
+batch keeps the index of that dimension in ``TensorInfo.batch_dim`` and the per-sample extent in
+``shape`` (``[b, s, h]`` is stored as ``(1, s, h)`` with ``batch_dim=0``; a flattened ``[b*s, h]`` as
+``(s, h)``).  ``shape_at(batch)`` gives concrete shapes, so one trace serves every micro-batch size.
+
+Each pass owns one annotation key on ``Node.annotations`` (and ``OpGraph.annotations`` for graph-wide
+results); passes never pass results through globals.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+NodeKind = Literal["input", "param", "buffer", "constant", "op", "output"]
+
+#: Bytes per element of the dtypes that appear in traced graphs.
+DTYPE_BYTES: dict[str, int] = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "complex64": 8,
+}
+
+
+def is_floating(dtype: str) -> bool:
+    return dtype.startswith(("float", "bfloat", "complex"))
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    """Metadata of one tensor value: per-sample shape, dtype, which dim carries the batch."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    batch_dim: int | None = None
+    requires_grad: bool = False
+
+    def shape_at(self, batch: int) -> tuple[int, ...]:
+        if self.batch_dim is None:
+            return self.shape
+        s = list(self.shape)
+        s[self.batch_dim] *= batch
+        return tuple(s)
+
+    def numel_at(self, batch: int) -> int:
+        return math.prod(self.shape_at(batch))
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_BYTES.get(self.dtype, 4)
+
+    @property
+    def is_floating(self) -> bool:
+        return is_floating(self.dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class BatchLinear:
+    """A quantity linear in the batch size: ``per_sample * batch + fixed`` (bytes, FLOPs, seconds)."""
+
+    per_sample: float = 0.0
+    fixed: float = 0.0
+
+    def at(self, batch: float) -> float:
+        return self.per_sample * batch + self.fixed
+
+    def __add__(self, other: BatchLinear) -> BatchLinear:
+        return BatchLinear(self.per_sample + other.per_sample, self.fixed + other.fixed)
+
+    def __mul__(self, k: float) -> BatchLinear:
+        return BatchLinear(self.per_sample * k, self.fixed * k)
+
+    __rmul__ = __mul__
+
+
+@dataclass(frozen=True, slots=True)
+class Ref:
+    """A reference, inside ``Node.args``, to output ``index`` of node ``name``."""
+
+    name: str
+    index: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class BatchScaled:
+    """An integer argument that scales with the batch (a ``view`` size such as ``b*s``): ``factor * batch``."""
+
+    factor: int
+
+    def at(self, batch: int) -> int:
+        return self.factor * batch
+
+
+@dataclass(slots=True)
+class Node:
+    """One operation (or graph input/output) of the traced forward graph."""
+
+    name: str
+    kind: NodeKind
+    op: str  # "aten.linear.default", "getitem", or the kind for placeholders
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    outputs: tuple[TensorInfo | None, ...] = ()
+    module: str = ""  # FQN of the innermost module that produced this node ("" = the root)
+    module_type: str = ""
+    params: tuple[str, ...] = ()  # canonical FQNs of the parameters this node reads directly
+    layer: int | None = None  # index in the repeated block stack, None outside it
+    target: str = ""  # for param/buffer/input placeholders: the FQN or input name
+    alias_of: str | None = None  # the input node whose storage this op's output views (view ops)
+    batch_scaled: bool = False  # its work scales with the batch (it reads or writes batch-sized tensors)
+    annotations: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        """Names of the nodes this node reads, in argument order (duplicates kept)."""
+        return tuple(r.name for r in iter_refs((self.args, self.kwargs)))
+
+    @property
+    def out(self) -> TensorInfo | None:
+        """The first output (most ops have exactly one)."""
+        return self.outputs[0] if self.outputs else None
+
+
+def iter_refs(obj: Any) -> Iterator[Ref]:
+    """All ``Ref``s inside a nested args structure, in order."""
+    if isinstance(obj, Ref):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            yield from iter_refs(x)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            yield from iter_refs(x)
+
+
+@dataclass(frozen=True, slots=True)
+class ParamInfo:
+    """A parameter (tied parameters appear once, under their first FQN, with the others as aliases)."""
+
+    fqn: str
+    shape: tuple[int, ...]
+    dtype: str
+    aliases: tuple[str, ...] = ()
+    layer: int | None = None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerInfo:
+    """One element of the repeated block stack (``blocks.3``) and its structural hash."""
+
+    index: int
+    prefix: str
+    structural_hash: str
+
+
+@dataclass(slots=True)
+class OpGraph:
+    """The traced model: nodes in topological order plus parameter and layer tables."""
+
+    nodes: list[Node]
+    params: dict[str, ParamInfo]
+    layers: list[LayerInfo]
+    layer_container: str | None
+    seq_len: int
+    trace_time_s: float = 0.0
+    #: "derived-per-op": the backward pass is not traced; passes derive it from each forward op.
+    backward: str = "derived-per-op"
+    annotations: dict[str, Any] = field(default_factory=dict)
+    _index: dict[str, Node] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self._index = {n.name: n for n in self.nodes}
+
+    def scale(self, node: Node, batch: int) -> int:
+        """Multiplier turning a per-sample cost of ``node`` into the cost at ``batch``."""
+        return batch if node.batch_scaled else 1
+
+    def __getitem__(self, name: str) -> Node:
+        return self._index[name]
+
+    def __iter__(self) -> Iterator[Node]:
+        return iter(self.nodes)
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def ops(self) -> Iterator[Node]:
+        """The operator nodes (no placeholders, no output)."""
+        return (n for n in self.nodes if n.kind == "op")
+
+    def tensor(self, ref: Ref) -> TensorInfo | None:
+        outs = self._index[ref.name].outputs
+        return outs[ref.index] if ref.index < len(outs) else None
+
+    def users(self) -> dict[str, list[str]]:
+        """Map node name -> names of the nodes that read it (in graph order)."""
+        users: dict[str, list[str]] = {n.name: [] for n in self.nodes}
+        for n in self.nodes:
+            for src in dict.fromkeys(n.inputs):
+                users[src].append(n.name)
+        return users
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(p.numel for p in self.params.values())
+
+    def layer_types(self) -> dict[str, list[int]]:
+        """Structural hash -> indices of the layers with that structure (identical layers share a hash)."""
+        types: dict[str, list[int]] = {}
+        for layer in self.layers:
+            types.setdefault(layer.structural_hash, []).append(layer.index)
+        return types

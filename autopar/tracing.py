@@ -1,0 +1,363 @@
+"""Trace a model and its loss into an ``OpGraph`` with ``torch.export`` on fake tensors.
+
+Route: the model is built (or already lives) under ``FakeTensorMode`` so no real memory is used, then
+``torch.export.export(strict=False)`` traces ``loss_fn(model(*inputs), *inputs)`` into an aten graph
+(the pre-dispatch training IR: ``aten.linear``, ``aten.scaled_dot_product_attention``, ...).
+
+Backward: **derived per op**, not traced.  Only the forward graph is exported (joint-graph export costs
+about 3x the time and is what made a 7B model miss the 10 s budget); the cost passes derive each op's
+backward FLOPs, bytes and saved tensors from the forward op (``passes/flops.py``, ``passes/activations.py``).
+
+Batch: inputs are re-made with a *sentinel* batch size, a prime no model dimension is a multiple of.
+Every traced dimension that is a multiple of it scales with the batch, which lets the IR store shapes
+per sample (``TensorInfo.batch_dim``) and lets one trace serve every micro-batch size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import operator
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+from autopar.errors import TraceError
+from autopar.ir import BatchScaled, LayerInfo, Node, OpGraph, ParamInfo, Ref, TensorInfo
+
+LossFn = Callable[..., torch.Tensor]
+
+#: Ops whose output is always a view of their first tensor input.
+VIEW_OPS = frozenset({
+    "aten.view.default", "aten.transpose.int", "aten.permute.default", "aten.t.default", "aten.expand.default",
+    "aten.unsqueeze.default", "aten.squeeze.dim", "aten.squeeze.default", "aten.squeeze.dims", "aten.slice.Tensor",
+    "aten.select.int", "aten.alias.default", "aten.split.Tensor", "aten.split_with_sizes.default",
+    "aten.chunk.default", "aten.unflatten.int", "aten.narrow.default", "aten.unbind.int", "aten.view_as.default",
+    "aten.expand_as.default", "aten.detach.default", "aten.as_strided.default", "aten.diagonal.default",
+    "aten.movedim.int", "aten.swapaxes.default", "aten.tensor_split.sections",
+})
+#: Ops that return a view when their input is contiguous and a copy otherwise.
+VIEW_IF_CONTIGUOUS_OPS = frozenset({
+    "aten.reshape.default", "aten.flatten.using_ints", "aten.contiguous.default", "aten.view_as.default",
+})
+
+#: Candidate sentinel batch sizes (primes); the first that divides no model dimension is used.
+SENTINEL_BATCHES = (1009, 1013, 1019, 1021, 1031)
+
+
+def default_loss_fn(output: Any, *inputs: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy of logits ``[b, s, vocab]`` against the token ids ``inputs[0]``.
+
+    ``output`` may be a tensor or a HuggingFace ``ModelOutput`` (its ``logits`` are used).
+    """
+    logits = output.logits if hasattr(output, "logits") else output
+    if isinstance(logits, (tuple, list)):
+        logits = logits[0]
+    ids = inputs[0]
+    return nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+
+class LossWrapper(nn.Module):
+    """``forward(*inputs) = loss_fn(model(*inputs), *inputs)``; the model is the ``model`` child."""
+
+    def __init__(self, model: nn.Module, loss_fn: LossFn | None = None) -> None:
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn or default_loss_fn
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(self.model(*inputs), *inputs)
+
+
+def trace(
+    model: nn.Module,
+    example_inputs: Sequence[torch.Tensor],
+    loss_fn: LossFn | None = None,
+) -> OpGraph:
+    """Trace ``loss_fn(model(*example_inputs), *example_inputs)`` into an ``OpGraph``.
+
+    ``example_inputs`` give dtype and per-sample shape; dim 0 of every tensor input is the batch.
+    The model is traced in training mode.  Build it under ``FakeTensorMode`` to trace a model that
+    does not fit in memory (``autopar.modelfile.load_model`` does).
+    """
+    t0 = time.perf_counter()
+    fake_mode = _fake_mode_of(model) or FakeTensorMode(allow_non_fake_inputs=True)
+    forbidden = _model_dims(model, example_inputs)
+    sentinel = next((p for p in SENTINEL_BATCHES if not any(d % p == 0 for d in forbidden)), None)
+    if sentinel is None:
+        raise TraceError("could not find a sentinel batch size that divides no model dimension")
+    inputs = _rebatch_inputs(example_inputs, sentinel, fake_mode)
+    wrapper = LossWrapper(model, loss_fn)
+    was_training = model.training
+    wrapper.train()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ep = torch.export.export(wrapper, tuple(inputs), strict=False)
+    except Exception as exc:  # torch.export raises many exception types; all mean "cannot trace"
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise TraceError(f"torch.export could not trace the model: {type(exc).__name__}: {first_line}") from exc
+    finally:
+        model.train(was_training)
+    graph = _to_opgraph(ep, model, sentinel, seq_len=_seq_len_of(example_inputs))
+    graph.trace_time_s = time.perf_counter() - t0
+    return graph
+
+
+def _fake_mode_of(model: nn.Module) -> FakeTensorMode | None:
+    for p in model.parameters():
+        if isinstance(p, FakeTensor):
+            return p.fake_mode
+    return None
+
+
+def _model_dims(model: nn.Module, example_inputs: Sequence[torch.Tensor]) -> set[int]:
+    dims: set[int] = set()
+    for t in [*model.parameters(), *model.buffers()]:
+        dims.update(int(d) for d in t.shape if d > 1)
+    for x in example_inputs:
+        if isinstance(x, torch.Tensor):
+            dims.update(int(d) for d in x.shape[1:] if d > 1)
+    return dims
+
+
+def _seq_len_of(example_inputs: Sequence[torch.Tensor]) -> int:
+    for x in example_inputs:
+        if isinstance(x, torch.Tensor) and x.dim() >= 2:
+            return int(x.shape[1])
+    return 1
+
+
+def _rebatch_inputs(example_inputs: Sequence[torch.Tensor], batch: int, fake_mode: FakeTensorMode) -> list[Any]:
+    out: list[Any] = []
+    for x in example_inputs:
+        if not isinstance(x, torch.Tensor):
+            out.append(x)
+            continue
+        if x.dim() == 0:
+            raise TraceError("example inputs must have a batch dimension (dim 0)")
+        with fake_mode:
+            out.append(torch.empty((batch, *x.shape[1:]), dtype=x.dtype).fill_(0) if x.is_floating_point()
+                       else torch.zeros((batch, *x.shape[1:]), dtype=x.dtype))
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# torch.export graph -> OpGraph
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _strip_root(path: str) -> str:
+    """Export paths are relative to the LossWrapper; drop its ``model.`` prefix."""
+    if path == "model":
+        return ""
+    return path.removeprefix("model.")
+
+
+def _find_layer_container(model: nn.Module) -> str | None:
+    """The repeated block stack: a ModuleList/ModuleDict of >= 2 same-class children keyed 0..n-1.
+
+    When several exist (experts inside blocks), the one holding the most parameters wins.
+    """
+    best, best_params = None, 0
+    for name, mod in model.named_modules():
+        children = list(mod.named_children())
+        if len(children) < 2 or [c for c, _ in children] != [str(i) for i in range(len(children))]:
+            continue
+        if len({type(c) for _, c in children}) != 1:
+            continue
+        n_params = sum(p.numel() for p in mod.parameters())
+        if n_params > best_params:
+            best, best_params = name, n_params
+    return best
+
+
+def _layer_of(path: str, container: str | None) -> int | None:
+    if container is None:
+        return None
+    prefix = container + "." if container else ""
+    if not path.startswith(prefix):
+        return None
+    head = path[len(prefix):].split(".", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+def _param_aliases(model: nn.Module) -> dict[str, str]:
+    """Every parameter FQN (tied ones included) -> the canonical FQN (first in registration order)."""
+    canonical: dict[int, str] = {}
+    out: dict[str, str] = {}
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        out[fqn] = canonical.setdefault(id(p), fqn)
+    return out
+
+
+def _to_opgraph(ep: torch.export.ExportedProgram, model: nn.Module, sentinel: int, seq_len: int) -> OpGraph:
+    from torch.export.graph_signature import InputKind
+
+    aliases = _param_aliases(model)
+    container = _find_layer_container(model)
+    spec_of = {s.arg.name: s for s in ep.graph_signature.input_specs if hasattr(s.arg, "name")}
+
+    nodes: list[Node] = []
+    # name -> (depends on a user input, depends on a parameter)
+    flow: dict[str, tuple[bool, bool]] = {}
+    # getitem nodes are folded into Refs with an index
+    getitem: dict[str, Ref] = {}
+
+    def convert(a: Any) -> Any:
+        if isinstance(a, torch.fx.Node):
+            return getitem.get(a.name, Ref(a.name))
+        if isinstance(a, (list, tuple)):
+            return type(a)(convert(x) for x in a)
+        if isinstance(a, dict):
+            return {k: convert(v) for k, v in a.items()}
+        if isinstance(a, bool) or a is None or isinstance(a, (float, str)):
+            return a
+        if isinstance(a, int):
+            return BatchScaled(a // sentinel) if a and a % sentinel == 0 else a
+        if isinstance(a, (torch.dtype, torch.device, torch.memory_format, torch.layout)):
+            return str(a)
+        return repr(a)
+
+    def tensor_info(val: Any, batch_dep: bool, grad: bool) -> TensorInfo | None:
+        if not isinstance(val, torch.Tensor):
+            return None
+        shape = [int(d) for d in val.shape]
+        batch_dim = None
+        if batch_dep:
+            batch_dim = next((i for i, d in enumerate(shape) if d and d % sentinel == 0), None)
+            if batch_dim is not None:
+                shape[batch_dim] //= sentinel
+        return TensorInfo(tuple(shape), _dtype_name(val.dtype), batch_dim, grad and val.is_floating_point())
+
+    for fx_node in ep.graph.nodes:
+        name = fx_node.name
+        val = fx_node.meta.get("val")
+        if fx_node.op == "placeholder":
+            spec = spec_of.get(name)
+            kind = spec.kind if spec is not None else InputKind.USER_INPUT
+            if kind == InputKind.PARAMETER:
+                fqn = aliases.get(_strip_root(spec.target), _strip_root(spec.target))
+                nodes.append(Node(name, "param", "param", outputs=(tensor_info(val, False, True),),
+                                  target=fqn, params=(fqn,), layer=_layer_of(fqn, container)))
+                flow[name] = (False, True)
+            elif kind in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
+                target = _strip_root(spec.target)
+                k = "buffer" if kind == InputKind.BUFFER else "constant"
+                nodes.append(Node(name, k, k, outputs=(tensor_info(val, False, False),), target=target,
+                                  layer=_layer_of(target, container)))
+                flow[name] = (False, False)
+            else:
+                nodes.append(Node(name, "input", "input", outputs=(tensor_info(val, True, False),), target=name))
+                flow[name] = (True, False)
+            continue
+        if fx_node.op == "output":
+            nodes.append(Node(name, "output", "output", args=convert(tuple(fx_node.args))))
+            continue
+        srcs = [a.name for a in fx_node.all_input_nodes]
+        batch_dep = any(flow[s][0] for s in srcs)
+        grad = any(flow[s][1] for s in srcs)
+        flow[name] = (batch_dep, grad)
+        if fx_node.target is operator.getitem:
+            src, idx = fx_node.args
+            getitem[name] = Ref(getitem.get(src.name, Ref(src.name)).name, int(idx))
+            continue
+        stack = fx_node.meta.get("nn_module_stack") or {}
+        path, mtype = (list(stack.values())[-1] if stack else ("model", ""))
+        module = _strip_root(str(path))
+        vals = val if isinstance(val, (tuple, list)) else (val,)
+        outputs = tuple(tensor_info(v, batch_dep, grad) for v in vals)
+        args = convert(tuple(fx_node.args))
+        kwargs = convert(dict(fx_node.kwargs))
+        node = Node(name, "op", str(fx_node.target), args=args, kwargs=kwargs, outputs=outputs,
+                    module=module, module_type=str(getattr(mtype, "__name__", mtype)).rsplit(".", 1)[-1],
+                    layer=_layer_of(module, container), batch_scaled=batch_dep)
+        alias = _alias_source(fx_node)
+        node.alias_of = getitem[alias].name if alias in getitem else alias
+        nodes.append(node)
+
+    by_name = {n.name: n for n in nodes}
+    for n in nodes:
+        if n.kind == "op":
+            n.params = tuple(dict.fromkeys(by_name[r].target for r in n.inputs if by_name[r].kind == "param"))
+
+    params = _param_table(nodes, aliases, container)
+    layers = _layer_table(nodes, container, by_name)
+    return OpGraph(nodes=nodes, params=params, layers=layers, layer_container=container, seq_len=seq_len)
+
+
+def _alias_source(fx_node: torch.fx.Node) -> str | None:
+    """The input whose storage a view op's output shares (activation memory is counted per storage)."""
+    op = str(fx_node.target)
+    src = next((a for a in fx_node.args if isinstance(a, torch.fx.Node)), None)
+    if src is None:
+        return None
+    if op in VIEW_OPS:
+        return src.name
+    val = src.meta.get("val")
+    if op in VIEW_IF_CONTIGUOUS_OPS and isinstance(val, torch.Tensor) and val.is_contiguous():
+        return src.name
+    return None
+
+
+def _param_table(nodes: list[Node], aliases: dict[str, str], container: str | None) -> dict[str, ParamInfo]:
+    others: dict[str, list[str]] = {}
+    for fqn, canon in aliases.items():
+        if fqn != canon:
+            others.setdefault(canon, []).append(fqn)
+    params = {}
+    for n in nodes:
+        if n.kind == "param":
+            t = n.out
+            params[n.target] = ParamInfo(n.target, t.shape, t.dtype, tuple(others.get(n.target, ())),
+                                         _layer_of(n.target, container))
+    return params
+
+
+def _layer_table(nodes: list[Node], container: str | None, by_name: dict[str, Node]) -> list[LayerInfo]:
+    """Group op nodes by layer index and hash each layer's structure (ops, shapes, relative wiring)."""
+    if container is None:
+        return []
+    members: dict[int, list[Node]] = {}
+    for n in nodes:
+        if n.kind == "op" and n.layer is not None:
+            members.setdefault(n.layer, []).append(n)
+    layers = []
+    for idx in sorted(members):
+        local = {n.name: i for i, n in enumerate(members[idx])}
+        my_prefix = f"{container}.{idx}" if container else str(idx)
+
+        def rel(a: Any, local: dict[str, int] = local, my_prefix: str = my_prefix) -> Any:
+            if isinstance(a, Ref):
+                if a.name in local:
+                    return ("local", local[a.name], a.index)
+                src = by_name[a.name]
+                if src.kind == "param":
+                    return ("param", _relative(src.target, my_prefix), src.out.shape)
+                t = src.outputs[a.index] if a.index < len(src.outputs) else None
+                return ("ext", src.kind, t.shape if t else None)
+            if isinstance(a, (list, tuple)):
+                return tuple(rel(x) for x in a)
+            if isinstance(a, dict):
+                return tuple(sorted((k, rel(v)) for k, v in a.items()))
+            return a
+
+        h = hashlib.sha1()
+        for n in members[idx]:
+            sig = (n.op, _relative(n.module, my_prefix), rel(n.args), rel(n.kwargs),
+                   tuple((o.shape, o.dtype, o.batch_dim) if o else None for o in n.outputs))
+            h.update(repr(sig).encode())
+        layers.append(LayerInfo(idx, my_prefix, h.hexdigest()[:12]))
+    return layers
+
+
+def _relative(path: str, prefix: str) -> str:
+    return path[len(prefix):] if path.startswith(prefix) else path
+

@@ -1,0 +1,56 @@
+"""Parameter, gradient and optimizer-state bytes (the model state), per layer and in total.
+
+Byte counts per parameter come from ``PrecisionPolicy`` (default: mixed-precision Adam, 2 + 2 + 12 = 16
+bytes per parameter).  Tied parameters count once.  Annotation ``state_memory`` on the graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.passes.context import PassContext
+
+from autopar.ir import OpGraph
+
+
+@dataclass(frozen=True, slots=True)
+class StateBytes:
+    weights: float
+    grads: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer
+
+
+@dataclass(frozen=True, slots=True)
+class StateMemory:
+    parameters: int
+    per_layer_parameters: dict[int, int]
+    outside_layer_parameters: int
+    total: StateBytes
+
+    def bytes_for(self, num_params: float, ctx: PassContext) -> StateBytes:
+        p = ctx.precision
+        return StateBytes(num_params * p.weight_bytes, num_params * p.grad_bytes, num_params * p.optimizer_bytes)
+
+
+def annotate_state_memory_pass(graph: OpGraph, ctx: PassContext) -> OpGraph:
+    """Set ``annotations["state_memory"]`` on the graph."""
+    per_layer: dict[int, int] = {}
+    outside = 0
+    for p in graph.params.values():
+        if p.layer is None:
+            outside += p.numel
+        else:
+            per_layer[p.layer] = per_layer.get(p.layer, 0) + p.numel
+    n = graph.num_parameters
+    pol = ctx.precision
+    graph.annotations["state_memory"] = StateMemory(
+        parameters=n,
+        per_layer_parameters=dict(sorted(per_layer.items())),
+        outside_layer_parameters=outside,
+        total=StateBytes(n * pol.weight_bytes, n * pol.grad_bytes, n * pol.optimizer_bytes),
+    )
+    return graph
