@@ -139,6 +139,7 @@ def _from_toml(text: str, default_name: str, origin: str) -> Cluster:
         if base not in PRESETS:
             raise ClusterSpecError(f"{origin}: unknown base preset {base!r} (presets: {', '.join(PRESETS)})")
         values = load_cluster(base).to_dict()
+        values["name"] = default_name
     unknown = sorted(set(data) - _FIELD_NAMES)
     if unknown:
         raise ClusterSpecError(f"{origin}: unknown key {unknown[0]!r} (known keys: {', '.join(sorted(_FIELD_NAMES))})")

@@ -15,11 +15,14 @@ per sample (``TensorInfo.batch_dim``) and lets one trace serve every micro-batch
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
+import logging
 import operator
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -95,7 +98,7 @@ def trace(
     was_training = model.training
     wrapper.train()
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _quiet_torch_logs():
             warnings.simplefilter("ignore")
             ep = torch.export.export(wrapper, tuple(inputs), strict=False)
     except Exception as exc:  # torch.export raises many exception types; all mean "cannot trace"
@@ -106,6 +109,22 @@ def trace(
     graph = _to_opgraph(ep, model, sentinel, seq_len=_seq_len_of(example_inputs))
     graph.trace_time_s = time.perf_counter() - t0
     return graph
+
+
+@contextlib.contextmanager
+def _quiet_torch_logs() -> Iterator[None]:
+    """torch.export logs whole graphs on failure; the error we raise says what went wrong."""
+    loggers = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict)
+               if name == "torch" or name.startswith("torch.")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 
 def _fake_mode_of(model: nn.Module) -> FakeTensorMode | None:
@@ -126,8 +145,9 @@ def _model_dims(model: nn.Module, example_inputs: Sequence[torch.Tensor]) -> set
 
 
 def _seq_len_of(example_inputs: Sequence[torch.Tensor]) -> int:
+    """Tokens per sample: the length of the first ``[batch, seq]`` integer input, else 1."""
     for x in example_inputs:
-        if isinstance(x, torch.Tensor) and x.dim() >= 2:
+        if isinstance(x, torch.Tensor) and x.dim() >= 2 and not x.is_floating_point():
             return int(x.shape[1])
     return 1
 

@@ -1,0 +1,58 @@
+"""From a model reference (zoo name or file) to an annotated ``OpGraph``: build on fake tensors, trace, run passes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from autopar import modelfile
+from autopar.errors import ModelFileError
+from autopar.ir import OpGraph
+from autopar.passes import PassContext, run_pipeline
+from autopar.tracing import trace
+
+
+@dataclass(slots=True)
+class TracedModel:
+    """A model file's module, the fake-tensor model built from it, and its annotated graph."""
+
+    ref: str
+    config: dict[str, Any]
+    module: ModuleType
+    model: nn.Module
+    graph: OpGraph
+    seq_len: int
+
+
+def build_fake(module: ModuleType, config: dict[str, Any], ref: str,
+               seq_len: int | None) -> tuple[nn.Module, dict[str, Any]]:
+    """Build the model with fake parameters.  A ``--seq-len`` the config does not set is passed on as
+    ``seq_len`` when ``build_model`` accepts it (it sizes position tables)."""
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        if seq_len is not None and "seq_len" not in config:
+            try:
+                with_seq = {**config, "seq_len": seq_len}
+                return modelfile.build(module, with_seq, ref), with_seq
+            except ModelFileError as exc:
+                if "'seq_len'" not in str(exc):
+                    raise
+        return modelfile.build(module, config, ref), config
+
+
+def trace_model(ref: str, config: dict[str, Any] | None = None, seq_len: int | None = None,
+                ctx: PassContext | None = None) -> TracedModel:
+    """Load ``ref``, build it on fake tensors, trace one sample and run the default pass pipeline."""
+    config = dict(config or {})
+    module = modelfile.load_module(ref)
+    model, config = build_fake(module, config, ref, seq_len)
+    seq = seq_len if seq_len is not None else modelfile.infer_seq_len(model, config)
+    if seq < 1:
+        raise ModelFileError(f"sequence length must be >= 1, got {seq}")
+    inputs = modelfile.example_inputs(module, model, 1, seq, config)
+    graph = trace(model, inputs, modelfile.loss_fn_of(module))
+    graph = run_pipeline(graph, ctx or PassContext())
+    return TracedModel(ref, config, module, model, graph, graph.seq_len)

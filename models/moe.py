@@ -1,0 +1,100 @@
+"""A GPT-style transformer whose MLPs are top-k routed mixtures of experts (Switch/GShard style).
+
+A model file for ``autopar plan``.  Config keys: those of ``models/gpt.py`` plus ``experts``, ``top_k``
+and ``capacity_factor``.  Routing is per sequence with a fixed expert capacity
+``C = ceil(top_k * seq * capacity_factor / experts)``; tokens over capacity are dropped (their residual
+passes through).  Dispatch and combine use gather/scatter on index tensors, so every shape is static and
+``torch.export`` can trace it; expert weights are stacked ``[experts, ...]`` so the expert dimension can be
+sharded (expert parallelism).  Defaults: 12 layers, hidden 1024, 8 experts, top-2.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from autopar.models import gpt
+from torch import nn
+
+
+@dataclass(kw_only=True)
+class MoEConfig(gpt.GPTConfig):
+    layers: int = 12
+    hidden: int = 1024
+    heads: int = 16
+    vocab: int = 50304
+    seq_len: int = 1024
+    experts: int = 8
+    top_k: int = 2
+    capacity_factor: float = 1.25
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 1 <= self.top_k <= self.experts:
+            raise ValueError(f"top_k ({self.top_k}) must be between 1 and experts ({self.experts})")
+
+
+class MoEMLP(nn.Module):
+    def __init__(self, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.experts, self.top_k, self.capacity_factor = cfg.experts, cfg.top_k, cfg.capacity_factor
+        self.router = nn.Linear(cfg.hidden, cfg.experts, bias=False)
+        self.w_in = nn.Parameter(torch.empty(cfg.experts, cfg.hidden, cfg.ffn))
+        self.w_out = nn.Parameter(torch.empty(cfg.experts, cfg.ffn, cfg.hidden))
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def capacity(self, seq: int) -> int:
+        return max(1, math.ceil(self.top_k * seq * self.capacity_factor / self.experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, h = x.shape
+        e, k, cap = self.experts, self.top_k, self.capacity(t)
+        probs = F.softmax(self.router(x), dim=-1)  # [b, t, e]
+        gate, expert = probs.topk(k, dim=-1)  # [b, t, k]
+        gate = gate / gate.sum(dim=-1, keepdim=True)
+        expert = expert.reshape(b, t * k)  # assignments in token order
+        onehot = F.one_hot(expert, e)  # [b, t*k, e]
+        position = ((onehot.cumsum(dim=1) - 1) * onehot).sum(dim=-1)  # slot inside the expert
+        keep = position < cap
+        # Flat slot in [0, e*cap); dropped assignments go to the spare slot e*cap.
+        slot = torch.where(keep, expert * cap + position, torch.full_like(position, e * cap))
+        token = torch.arange(t * k, device=x.device).div(k, rounding_mode="floor").expand(b, -1)
+        slot_token = torch.full((b, e * cap + 1), t, dtype=torch.long, device=x.device)
+        slot_token = slot_token.scatter(1, slot, token)[:, : e * cap]  # token of each slot (t = empty)
+        slot_gate = torch.zeros(b, e * cap + 1, dtype=x.dtype, device=x.device)
+        slot_gate = slot_gate.scatter(1, slot, gate.reshape(b, t * k) * keep)[:, : e * cap]
+        padded = torch.cat([x, x.new_zeros(b, 1, h)], dim=1)  # row t is the empty slot
+        index = slot_token.unsqueeze(-1).expand(-1, -1, h)
+        expert_in = padded.gather(1, index).view(b, e, cap, h)
+        hidden = F.gelu(torch.einsum("bech,ehf->becf", expert_in, self.w_in), approximate="tanh")
+        expert_out = torch.einsum("becf,efh->bech", hidden, self.w_out).reshape(b, e * cap, h)
+        combined = padded.new_zeros(b, t + 1, h).scatter_add(1, index, expert_out * slot_gate.unsqueeze(-1))
+        return self.dropout(combined[:, :t])
+
+
+class Block(gpt.Block):
+    def __init__(self, cfg: MoEConfig) -> None:
+        super().__init__(cfg)
+        self.mlp = MoEMLP(cfg)
+
+
+class MoETransformer(gpt.GPT):
+    def __init__(self, cfg: MoEConfig) -> None:
+        nn.Module.__init__(self)
+        self.cfg = cfg
+        self.tok = nn.Embedding(cfg.vocab, cfg.hidden)
+        self.pos = nn.Embedding(cfg.seq_len, cfg.hidden)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.layers)})
+        self.ln_f = nn.LayerNorm(cfg.hidden)
+        self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+        if cfg.tie_embeddings:
+            self.head.weight = self.tok.weight
+        self.init_weights()
+
+
+def build_model(**config) -> MoETransformer:
+    """Build the MoE transformer from the gpt keys plus ``experts, top_k, capacity_factor``."""
+    return MoETransformer(MoEConfig(**config))

@@ -1,0 +1,75 @@
+"""The ``autopar plan`` command: summary output and one-line errors with exit code 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from autopar.cli import main
+
+SMALL = "layers=2,hidden=64,heads=4,vocab=128,seq_len=32"
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_plan_json_model_section(capsys):
+    code, out, err = run(capsys, "plan", "gpt", "--config", SMALL, "--global-batch", "8", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    model = data["model"]
+    for key in ("parameters", "layers", "layer_types", "flops_per_token", "trace_time_s"):
+        assert key in model
+    assert model["layers"] == 2 and len(model["layer_types"]) == 1 and model["layer_types"][0]["count"] == 2
+    assert model["flops_per_iteration"] == pytest.approx(8 * model["seq_len"] * model["flops_per_token"])
+
+
+def test_plan_human_summary(capsys):
+    code, out, _ = run(capsys, "plan", "gpt", "--config", SMALL)
+    assert code == 0
+    assert "parameters" in out and "FLOPs per token" in out and "optimizer state" in out
+
+
+def test_plan_model_file_path(capsys, examples):
+    code, out, err = run(capsys, "plan", str(examples / "hf_llama.py"), "--config", "layers=2,hidden=64,heads=4",
+                         "--json")
+    assert code == 0, err
+    assert json.loads(out)["model"]["layers"] == 2
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["plan", "missing_model.py"], "model file not found: missing_model.py"),
+        (["plan", "{fixtures}/no_build.py"], "defines no build_model"),
+        (["plan", "gpt", "--config", "layerz=2"], "unknown config key 'layerz'"),
+        (["plan", "gpt", "--config", SMALL, "--cluster", "tpu-v9"], "unknown cluster 'tpu-v9'"),
+        (["plan", "gpt", "--config", SMALL, "--cluster", "{fixtures}/bad_key.toml"], "unknown key 'peak_flop'"),
+        (["plan", "{fixtures}/untraceable.py"], "torch.export could not trace the model"),
+        (["plan", "gpt", "--config", "layers"], "expected key=value"),
+        (["plan", "gpt", "--gpus", "0"], "--gpus must be >= 1"),
+        (["plan", "gpt", "--bogus-flag"], "unrecognized arguments"),
+    ],
+)
+def test_bad_input_gives_one_line_error_and_exit_2(capsys, fixtures, argv, message):
+    argv = [a.replace("{fixtures}", str(fixtures)) for a in argv]
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse usage errors
+        code = exc.code
+    out, err = capsys.readouterr()
+    assert code == 2
+    lines = [line for line in err.strip().splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert message in lines[0]
+    assert "Traceback" not in err and out == ""
+
+
+def test_debug_shows_traceback(capsys):
+    code = main(["plan", "gpt", "--config", "layerz=2", "--debug"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" in err

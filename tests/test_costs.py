@@ -1,0 +1,88 @@
+"""Cost passes against closed forms: GPT-3 parameter and FLOP counts, Korthikanti activation memory."""
+
+from __future__ import annotations
+
+import pytest
+from autopar.passes import PassContext
+from autopar.passes.flops import total_flops
+from autopar.passes.traffic import tensor_bytes
+
+from autopar.frontend import trace_model
+
+GPT3 = {"layers": 96, "hidden": 12288, "heads": 96, "vocab": 51200, "seq_len": 2048}
+
+
+@pytest.fixture(scope="module")
+def gpt3():
+    return trace_model("gpt", GPT3).graph
+
+
+def test_gpt3_175b_parameter_count(gpt3):
+    n_layers, h, V, s = GPT3["layers"], GPT3["hidden"], GPT3["vocab"], GPT3["seq_len"]
+    expected = 12 * n_layers * h**2 * (1 + 13 / (12 * h) + (V + s) / (12 * n_layers * h))
+    assert abs(gpt3.num_parameters / expected - 1) < 0.005
+
+
+@pytest.mark.parametrize("batch", [1, 1536])
+def test_gpt3_175b_flops_per_iteration(gpt3, batch):
+    n_layers, h, V, s = GPT3["layers"], GPT3["hidden"], GPT3["vocab"], GPT3["seq_len"]
+    expected = 72 * batch * s * n_layers * h**2 * (1 + s / (6 * h) + V / (12 * n_layers * h))
+    assert abs(total_flops(gpt3, batch, "model") / expected - 1) < 0.02
+
+
+def test_flash_backward_recomputes_scores(gpt3):
+    sdpa = next(n for n in gpt3.ops() if n.op == "aten.scaled_dot_product_attention.default")
+    f = sdpa.annotations["flops"]
+    assert f.bwd_model == pytest.approx(2 * f.fwd)
+    assert f.bwd == pytest.approx(2.5 * f.fwd)  # flash: QK^T recomputed in backward
+    assert total_flops(gpt3, 1, "hardware") > total_flops(gpt3, 1, "model")
+
+
+def _layer_bytes(attention: str, seq: int, heads: int = 16, hidden: int = 1024, dropout: float = 0.1) -> float:
+    cfg = {"layers": 2, "hidden": hidden, "heads": heads, "vocab": 512, "seq_len": seq, "dropout": dropout}
+    g = trace_model("gpt", cfg, ctx=PassContext(attention=attention)).graph
+    return g.annotations["activations"].per_layer[0]
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_math_attention_activation_memory_matches_korthikanti(batch):
+    s, h, a = 1024, 1024, 16
+    per_layer = _layer_bytes("math", s, a, h).at(batch)
+    expected = s * batch * h * (34 + 5 * a * s / h)
+    assert abs(per_layer / expected - 1) < 0.05
+
+
+def test_flash_attention_has_no_quadratic_term():
+    b1, b2 = _layer_bytes("flash", 512).at(1), _layer_bytes("flash", 1024).at(1)
+    assert b2 == pytest.approx(2 * b1, rel=1e-9)  # linear in s: no s^2 tensor saved
+    m1, m2 = _layer_bytes("math", 512).at(1), _layer_bytes("math", 1024).at(1)
+    assert m2 > 2.5 * m1
+
+
+def test_math_attention_traffic_has_quadratic_term():
+    def attn_bytes(attention: str) -> float:
+        cfg = {"layers": 1, "hidden": 256, "heads": 8, "vocab": 64, "seq_len": 1024}
+        g = trace_model("gpt", cfg, ctx=PassContext(attention=attention)).graph
+        sdpa = next(n for n in g.ops() if n.op == "aten.scaled_dot_product_attention.default")
+        return sdpa.annotations["traffic"].fwd_bytes.at(1)
+
+    # 8 heads x 1024^2 scores x 4 passes x 2 bytes on top of q, k, v, o
+    assert attn_bytes("math") - attn_bytes("flash") == pytest.approx(8 * 1024 * 1024 * 4 * 2)
+
+
+def test_state_memory_byte_counts():
+    g = trace_model("gpt", {"layers": 2, "hidden": 64, "heads": 4, "vocab": 128, "seq_len": 16}).graph
+    state = g.annotations["state_memory"]
+    n = g.num_parameters
+    assert state.total.weights == 2 * n and state.total.grads == 2 * n and state.total.optimizer == 12 * n
+    assert sum(state.per_layer_parameters.values()) + state.outside_layer_parameters == n
+
+
+def test_tensor_bytes_use_activation_width():
+    from autopar.ir import TensorInfo
+
+    ctx = PassContext()
+    t = TensorInfo((1, 8, 4), "float32", batch_dim=0)
+    assert tensor_bytes(t, ctx).at(3) == 3 * 32 * 2
+    ids = TensorInfo((1, 8), "int64", batch_dim=0)
+    assert tensor_bytes(ids, ctx).at(2) == 2 * 8 * 8

@@ -1,0 +1,127 @@
+"""Tracing into the OpGraph: metadata on every node, layers and structural hashes, HF models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import autopar
+from autopar.frontend import trace_model
+from autopar.ir import Ref
+
+SMALL_GPT = {"layers": 3, "hidden": 64, "heads": 4, "vocab": 128, "seq_len": 16}
+
+
+@pytest.fixture(scope="module")
+def gpt_graph():
+    return trace_model("gpt", SMALL_GPT).graph
+
+
+def test_every_op_node_carries_metadata(gpt_graph):
+    ops = list(gpt_graph.ops())
+    assert ops
+    for n in ops:
+        assert n.op.startswith("aten.") or n.op == "getitem", n.op
+        assert n.outputs and all(o is None or o.dtype for o in n.outputs)
+    linears = [n for n in ops if n.op == "aten.linear.default"]
+    assert len(linears) == 3 * 6 + 1  # q, k, v, o, fc, proj per block + head
+    q = next(n for n in linears if n.module == "blocks.1.attn.q")
+    assert q.layer == 1
+    assert q.params == ("blocks.1.attn.q.weight", "blocks.1.attn.q.bias")
+    assert q.out.shape_at(5) == (5, 16, 64)
+    assert q.out.batch_dim == 0 and q.out.requires_grad
+    assert gpt_graph.tensor(q.args[0]).shape == (1, 16, 64)
+
+
+def test_identical_layers_share_a_structural_hash(gpt_graph):
+    assert [layer.index for layer in gpt_graph.layers] == [0, 1, 2]
+    assert len(gpt_graph.layer_types()) == 1
+    assert gpt_graph.layer_container == "blocks"
+
+
+def _stack(widths: list[int]) -> torch.nn.Module:
+    class Stack(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(32, widths[0])
+            self.blocks = torch.nn.ModuleList(
+                [torch.nn.Linear(widths[i], widths[i + 1]) for i in range(len(widths) - 1)])
+            self.head = torch.nn.Linear(widths[-1], 32)
+
+        def forward(self, ids):
+            x = self.emb(ids)
+            for block in self.blocks:
+                x = block(x)
+            return self.head(x)
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        return Stack()
+
+
+def test_layers_with_different_shapes_get_different_hashes():
+    ids = (torch.zeros(1, 8, dtype=torch.long),)
+    same = autopar.trace(_stack([16, 16, 16, 16]), ids)
+    assert len(same.layers) == 3 and len(same.layer_types()) == 1
+    mixed = autopar.trace(_stack([16, 16, 16, 32]), ids)
+    assert len(mixed.layers) == 3
+    assert mixed.layer_types() == {mixed.layers[0].structural_hash: [0, 1], mixed.layers[2].structural_hash: [2]}
+
+
+def test_tied_parameters_count_once(gpt_graph):
+    assert "tok.weight" in gpt_graph.params
+    assert "head.weight" not in gpt_graph.params
+    assert gpt_graph.params["tok.weight"].aliases == ("head.weight",)
+    head = next(n for n in gpt_graph.ops() if n.module == "head")
+    assert head.params == ("tok.weight",)
+
+
+def test_view_ops_alias_their_input(gpt_graph):
+    views = [n for n in gpt_graph.ops() if n.op == "aten.view.default"]
+    assert views and all(n.alias_of for n in views)
+    linear = next(n for n in gpt_graph.ops() if n.op == "aten.linear.default")
+    assert linear.alias_of is None
+
+
+def test_batch_dimension_is_recovered_through_flattening():
+    traced = trace_model("gpt", SMALL_GPT)
+    g = traced.graph
+    ce = next(n for n in g.ops() if n.op == "aten.cross_entropy_loss.default")
+    logits = g.tensor(ce.args[0])
+    # logits[:, :-1].flatten(0, 1): (b * 15, vocab)
+    assert logits.batch_dim == 0 and logits.shape == (15, 128)
+    assert logits.shape_at(4) == (60, 128)
+    view_args = [a for n in g.ops() if n.op == "aten.view.default" for a in n.args[1]]
+    assert any(not isinstance(a, (int, Ref)) for a in view_args)  # BatchScaled sizes
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama", "mlp", "moe"])
+def test_zoo_models_trace(name):
+    config = {"gpt": SMALL_GPT, "llama": {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "ffn": 96,
+                                          "vocab": 128, "seq_len": 16},
+              "mlp": {"layers": 3, "hidden": 32, "in_dim": 8, "classes": 4},
+              "moe": {"layers": 2, "hidden": 32, "heads": 4, "vocab": 64, "seq_len": 16, "experts": 4}}[name]
+    traced = trace_model(name, config)
+    g = traced.graph
+    assert len(g.layers) == config["layers"]
+    assert len(g.layer_types()) == 1
+    assert g.num_parameters == sum(p.numel() for p in traced.model.parameters())
+
+
+@pytest.mark.parametrize("example", ["hf_gpt2.py", "hf_llama.py"])
+def test_huggingface_models_trace_from_config(example, examples):
+    traced = trace_model(str(examples / example), {"layers": 2, "hidden": 64, "heads": 4, "vocab": 128,
+                                                    "seq_len": 32})
+    g = traced.graph
+    assert len(g.layers) == 2 and len(g.layer_types()) == 1
+    assert g.num_parameters == sum(p.numel() for p in traced.model.parameters())
+    products = [n for n in g.ops() if n.annotations["flops"].fwd > 0]
+    assert any(n.layer == 1 for n in products)
+    assert g.seq_len == 32
+
+
+def test_trace_of_a_user_module_uses_no_real_memory():
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        big = torch.nn.Sequential(torch.nn.Embedding(50_000, 8192), torch.nn.Linear(8192, 50_000))
+    g = autopar.trace(big, (torch.zeros(1, 4, dtype=torch.long),))  # ~3.3 GB of fp32 weights if real
+    assert g.num_parameters > 800_000_000
