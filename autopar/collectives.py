@@ -21,7 +21,8 @@ all-to-all         ``(n-1) alpha + max((k-1)/n * D / B_intra, (n-k)/n * D / B_ni
 send/recv          ``alpha + D / B_link`` over the link between the two ranks.
 =================  ===========================================================================
 
-An axis of size 1 costs nothing.
+Every collective also pays a fixed ``launch`` cost (one kernel launch, the cluster's
+``kernel_overhead_s``).  An axis of size 1 costs nothing.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class AxisLink:
     latency_s: float
     intra_bandwidth_bytes_per_s: float
     nic_bandwidth_bytes_per_s: float
+    launch_s: float = 0.0  # fixed cost of issuing one collective (a kernel launch)
 
     @property
     def crosses_nodes(self) -> bool:
@@ -59,9 +61,10 @@ def axis_link(cluster: Cluster, size: int, stride: int) -> AxisLink:
     per_node = 1 if stride >= gpn else max(1, min(size, gpn // stride))
     intra = cluster.intra_node_bandwidth_bytes_per_s * cluster.intra_node_collective_efficiency
     nic = cluster.inter_node_bandwidth_bytes_per_s * cluster.inter_node_collective_efficiency
+    launch = cluster.kernel_overhead_s
     if per_node >= size:
-        return AxisLink(size, size, intra, cluster.intra_node_latency_s, intra, nic)
-    return AxisLink(size, per_node, min(intra, per_node * nic), cluster.inter_node_latency_s, intra, nic)
+        return AxisLink(size, size, intra, cluster.intra_node_latency_s, intra, nic, launch)
+    return AxisLink(size, per_node, min(intra, per_node * nic), cluster.inter_node_latency_s, intra, nic, launch)
 
 
 def mesh_links(cluster: Cluster, shape: tuple[int, ...]) -> tuple[AxisLink, ...]:
@@ -77,7 +80,7 @@ def all_reduce_s(nbytes: float, link: AxisLink) -> float:
     b, a = link.bus_bandwidth_bytes_per_s, link.latency_s
     ring = 2 * (n - 1) * a + 2 * (n - 1) / n * nbytes / b
     tree = 2 * math.ceil(math.log2(n)) * a + 2 * nbytes / b
-    return min(ring, tree)
+    return link.launch_s + min(ring, tree)
 
 
 def all_gather_s(nbytes: float, link: AxisLink) -> float:
@@ -85,7 +88,7 @@ def all_gather_s(nbytes: float, link: AxisLink) -> float:
     n = link.size
     if n <= 1 or nbytes <= 0:
         return 0.0
-    return (n - 1) * link.latency_s + (n - 1) / n * nbytes / link.bus_bandwidth_bytes_per_s
+    return link.launch_s + (n - 1) * link.latency_s + (n - 1) / n * nbytes / link.bus_bandwidth_bytes_per_s
 
 
 def reduce_scatter_s(nbytes: float, link: AxisLink) -> float:
@@ -100,7 +103,7 @@ def all_to_all_s(nbytes: float, link: AxisLink) -> float:
         return 0.0
     intra = (k - 1) / n * nbytes / link.intra_bandwidth_bytes_per_s
     inter = (n - k) / n * nbytes / link.nic_bandwidth_bytes_per_s
-    return (n - 1) * link.latency_s + max(intra, inter)
+    return link.launch_s + (n - 1) * link.latency_s + max(intra, inter)
 
 
 def send_recv_s(nbytes: float, cluster: Cluster, across_nodes: bool) -> float:

@@ -44,6 +44,9 @@ class PassContext:
     ``math``: scores, softmax and dropout as separate kernels that save s x s tensors for backward."""
     precision: PrecisionPolicy = field(default_factory=PrecisionPolicy)
     """Byte counts of weights, gradients, optimizer state and activations."""
+    grad_bucket_bytes: float = 25 * 2**20
+    """Gradient and parameter collectives are bucketed (DDP's default ``bucket_cap_mb=25``; FSDP groups a
+    layer's parameters): each bucket pays one collective's latency, shared by the parameters in it."""
     disabled_passes: frozenset[str] = frozenset()
     """Names of passes to skip (exact function names)."""
     verify_ir: bool = False

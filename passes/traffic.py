@@ -4,7 +4,7 @@ Annotation ``traffic`` = ``NodeTraffic``.  Floating-point tensors are costed at 
 activation width (16-bit); integer and boolean tensors at their own width.  View ops launch no kernel
 and move no bytes.  Backward of an op reads the output gradient and the inputs it saved and writes the
 gradients of the inputs that need one: ``out + in + in_needing_grad``.  Math attention adds the
-``s x s`` score, softmax and dropout tensors its separate kernels write and read (see ``_math_attention``).
+``s x s`` score, softmax and dropout tensors its separate kernels write and read (see ``math_attention_bytes``).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def attention_dropout(node: Node) -> float:
     return float(p or 0.0)
 
 
-def _math_attention(graph: OpGraph, node: Node, ctx: PassContext) -> tuple[BatchLinear, BatchLinear]:
+def math_attention_bytes(graph: OpGraph, node: Node, ctx: PassContext) -> tuple[BatchLinear, BatchLinear]:
     """Extra traffic of unfused attention on the ``heads x s_q x s_k`` scores, per sample.
 
     Forward: write scores, fused scale/mask/softmax reads and writes them, the AV product reads the
@@ -71,7 +71,7 @@ def node_traffic(graph: OpGraph, node: Node, ctx: PassContext) -> NodeTraffic:
     bwd = out_bytes + in_bytes + grad_in if needs_backward else ZERO
     fwd_kernels, bwd_kernels = 1, (2 if needs_backward else 0)
     if node.op == "aten.scaled_dot_product_attention.default" and ctx.attention == "math":
-        extra_fwd, extra_bwd = _math_attention(graph, node, ctx)
+        extra_fwd, extra_bwd = math_attention_bytes(graph, node, ctx)
         fwd, bwd = fwd + extra_fwd, bwd + extra_bwd
         fwd_kernels, bwd_kernels = 4, 6
     return NodeTraffic(fwd, bwd, fwd_kernels, bwd_kernels)

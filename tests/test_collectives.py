@@ -19,6 +19,7 @@ A100 = load_cluster("a100-80gb").with_overrides(gpus=64)
 INTRA_BW = 300e9 * 0.78  # NVLink x NCCL efficiency
 NIC_BW = 25e9 * 0.85  # HDR x NCCL efficiency
 MB = 1e6
+L = 4e-6  # launch cost of one collective (kernel_overhead_s)
 
 
 def test_axis_inside_a_node():
@@ -26,7 +27,7 @@ def test_axis_inside_a_node():
     assert not link.crosses_nodes
     assert link.bus_bandwidth_bytes_per_s == pytest.approx(INTRA_BW)
     # ring: 2*7*2us + 2*7/8*100MB/234GB/s
-    expected = 2 * 7 * 2e-6 + 2 * 7 / 8 * 100 * MB / INTRA_BW
+    expected = L + 2 * 7 * 2e-6 + 2 * 7 / 8 * 100 * MB / INTRA_BW
     assert all_reduce_s(100 * MB, link) == pytest.approx(expected)
 
 
@@ -34,7 +35,7 @@ def test_axis_across_nodes_one_rank_per_node():
     link = axis_link(A100, 8, 8)  # dp over 8 nodes, tp=8 inside
     assert link.crosses_nodes and link.ranks_per_node == 1
     assert link.bus_bandwidth_bytes_per_s == pytest.approx(NIC_BW)
-    expected_ring = 2 * 7 * 6e-6 + 2 * 7 / 8 * 1000 * MB / NIC_BW
+    expected_ring = L + 2 * 7 * 6e-6 + 2 * 7 / 8 * 1000 * MB / NIC_BW
     assert all_reduce_s(1000 * MB, link) == pytest.approx(expected_ring)
 
 
@@ -54,18 +55,18 @@ def test_tree_wins_for_small_messages_on_large_groups():
     ring = 2 * (n - 1) * a + 2 * (n - 1) / n * small / b
     tree = 2 * 7 * a + 2 * small / b
     assert tree < ring
-    assert all_reduce_s(small, link) == pytest.approx(tree)
+    assert all_reduce_s(small, link) == pytest.approx(L + tree)
 
 
 def test_gather_scatter_and_all_to_all():
     link = axis_link(A100, 4, 1)
-    assert all_gather_s(40 * MB, link) == pytest.approx(3 * 2e-6 + 3 / 4 * 40 * MB / INTRA_BW)
+    assert all_gather_s(40 * MB, link) == pytest.approx(L + 3 * 2e-6 + 3 / 4 * 40 * MB / INTRA_BW)
     assert reduce_scatter_s(40 * MB, link) == all_gather_s(40 * MB, link)
     # all-to-all inside a node: 3/4 of the buffer leaves each rank over NVLink
-    assert all_to_all_s(40 * MB, link) == pytest.approx(3 * 2e-6 + 3 / 4 * 40 * MB / INTRA_BW)
+    assert all_to_all_s(40 * MB, link) == pytest.approx(L + 3 * 2e-6 + 3 / 4 * 40 * MB / INTRA_BW)
     across = axis_link(A100, 16, 1)  # 8 ranks per node, 2 nodes
     # half of the buffer leaves the node through each rank's own NIC
-    assert all_to_all_s(16 * MB, across) == pytest.approx(15 * 6e-6 + 8 / 16 * 16 * MB / NIC_BW)
+    assert all_to_all_s(16 * MB, across) == pytest.approx(L + 15 * 6e-6 + 8 / 16 * 16 * MB / NIC_BW)
 
 
 def test_size_one_axis_is_free():

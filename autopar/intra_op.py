@@ -1,0 +1,343 @@
+"""Intra-operator sharding: build the ILP for a slice of the graph on a device mesh, solve it, read it back.
+
+Steps (each a function below):
+
+1. ``_representatives``: identical layers (same structural hash) map onto the first of their type, so
+   they share one set of decisions and their costs are multiplied; solve time does not grow with depth.
+2. ``_classify``: nodes with no activation input (parameter views, factories, buffer slices) are
+   replicated constants.  An op with exactly one activation input *follows* it when every strategy of its
+   producer has a matching strategy of the follower (Alpa's merging of element-wise and view ops); the
+   others are *anchors* with their own decision.  Graph inputs (the batch) are anchors too: the data
+   loader can hand each device any slice of the batch for free.
+3. ``_group_costs``: per group strategy, compute time of every member, parameter synchronization and
+   ZeRO traffic, and per-device memory (model state plus saved activations).
+4. ``_edge_costs``: every edge between groups gets a matrix of forward + backward resharding costs,
+   accumulated over all the layers that map onto it.
+
+The result is a ``SolverRequest`` of plain arrays (``autopar.solvers``); ``solve_intra_op`` returns the
+chosen strategy of every op and the placement of every parameter.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from autopar.cluster import Cluster
+from autopar.ir import Node, OpGraph, Ref, TensorInfo
+from autopar.passes.context import PassContext
+from autopar.passes.sharding_costs import (
+    MeshSpec,
+    compute_s,
+    edge_cost_s,
+    param_cost,
+    shard_factor,
+)
+from autopar.passes.strategies import AxisStrategy, R, Strategy, divides, mesh_strategies, shard, tensor_refs
+from autopar.solvers.ilp import Backend, solve_ilp
+from autopar.solvers.request import SolverRequest, SolverResult
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class IntraOpConfig:
+    """Knobs of one intra-op solve."""
+
+    batch: int
+    """Samples the whole mesh processes per micro-batch (the mesh shards them)."""
+    zero: int = 0
+    """ZeRO level on the ``dp`` axis: 0 all-reduce, 1 optimizer, 2 + gradients, 3 + weights sharded."""
+    grad_sync_weight: float = 1.0
+    """Share of the once-per-iteration gradient synchronization charged to one micro-batch."""
+    activation_multiplier: float = 1.0
+    """Micro-batches whose saved activations are alive at once (pipeline in-flight count)."""
+    memory_budget_bytes: float | None = None
+    """Per-device memory limit; ``None``: unlimited."""
+    sequence_parallel: bool = True
+    """Allow sharding activations along the sequence dimension on the ``tp`` axis."""
+    backend: Backend = "cbc"
+    time_limit_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.batch < 1:
+            raise ValueError("batch must be >= 1")
+        if self.zero not in (0, 1, 2, 3):
+            raise ValueError("zero must be 0, 1, 2 or 3")
+
+
+@dataclass(slots=True)
+class _Group:
+    name: str
+    anchor: str
+    strategies: list[Strategy]
+    members: list[str] = field(default_factory=list)
+    # node name -> its strategy under each group strategy
+    place: dict[str, list[Strategy]] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class IntraOpProblem:
+    """The ILP and what is needed to read its answer back."""
+
+    request: SolverRequest
+    groups: list[_Group]
+    group_of: dict[str, int]
+    rep_of: dict[str, str]
+    constants: set[str]
+    build_time_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class IntraOpSolution:
+    result: SolverResult
+    node_strategies: dict[str, Strategy]
+    """Chosen strategy of every op node in the slice (placements per mesh axis)."""
+    param_placements: dict[str, tuple[str, ...]]
+    """Parameter FQN -> placement per mesh axis, as its first consumer requires it."""
+    build_time_s: float
+    num_groups: int
+    mesh_names: tuple[str, ...] = ()
+
+    def placements_by_axis(self) -> dict[str, dict[str, str]]:
+        """Parameter FQN -> {mesh axis name: placement}, the form the Plan stores.  A parameter consumed as a
+        pending partial (a row-parallel bias is added on one rank) is stored replicated."""
+        return {fqn: {axis: ("R" if p == "P" else p) for axis, p in zip(self.mesh_names, places)}
+                for fqn, places in sorted(self.param_placements.items())}
+
+    def op_strategies(self) -> dict[str, dict[str, dict[str, list[str | None]]]]:
+        """Op name -> {mesh axis name: {"outputs": [...], "inputs": [...]}} in DTensor's short notation."""
+        return {name: {axis: {"outputs": list(ax.outputs), "inputs": list(ax.inputs)}
+                       for axis, ax in zip(self.mesh_names, strat)}
+                for name, strat in sorted(self.node_strategies.items())}
+
+
+def _representatives(graph: OpGraph, nodes: list[Node]) -> dict[str, str]:
+    """Node name -> the node it shares decisions with (itself, or its twin in the first identical layer)."""
+    by_layer: dict[int, list[Node]] = {}
+    for n in nodes:
+        if n.layer is not None:
+            by_layer.setdefault(n.layer, []).append(n)
+    first_of_type: dict[str, int] = {}
+    rep = {n.name: n.name for n in nodes}
+    hash_of = {layer.index: layer.structural_hash for layer in graph.layers}
+    for idx in sorted(by_layer):
+        h = hash_of.get(idx)
+        if h is None:
+            continue
+        first = first_of_type.setdefault(h, idx)
+        if first != idx and len(by_layer[first]) == len(by_layer[idx]):
+            for a, b in zip(by_layer[idx], by_layer[first]):
+                rep[a.name] = b.name
+    return rep
+
+
+def _input_strategies(t: TensorInfo, mesh: MeshSpec, batch: int) -> list[Strategy]:
+    singles = [R, *(shard(d) for d in range(len(t.shape)))]
+    out = []
+    for combo in itertools.product(singles, repeat=len(mesh.shape)):
+        if divides(t, combo, mesh.shape, batch):
+            out.append(tuple(AxisStrategy((p,), ()) for p in combo))
+    return out
+
+
+def _is_sequence_sharded(graph: OpGraph, node: Node, strategy: Strategy, tp: int | None) -> bool:
+    if tp is None:
+        return False
+    for i, t in enumerate(node.outputs):
+        p = strategy[tp].outputs[i] if i < len(strategy[tp].outputs) else None
+        if t is None or not p or not p.startswith("S("):
+            continue
+        d = int(p[2:-1])
+        if d != t.batch_dim and d < len(t.shape) and t.shape[d] == graph.seq_len and graph.seq_len > 1:
+            return True
+    return False
+
+
+def build_intra_op(graph: OpGraph, node_names: Iterable[str], mesh: MeshSpec, cfg: IntraOpConfig,
+                   cluster: Cluster, ctx: PassContext) -> IntraOpProblem:
+    """The ILP for the op nodes ``node_names`` (a stage, a layer or the whole graph) on ``mesh``."""
+    t0 = time.perf_counter()
+    names = set(node_names)
+    nodes = [n for n in graph.nodes if n.name in names and n.kind == "op"]
+    rep_of = _representatives(graph, nodes)
+    reps = [n for n in nodes if rep_of[n.name] == n.name]
+    tp = mesh.axis("tp")
+    batch = cfg.batch
+
+    constants: set[str] = {n.name for n in graph.nodes if n.kind in ("param", "buffer", "constant")}
+    groups: list[_Group] = []
+    group_of: dict[str, int] = {}
+
+    def activation_inputs(n: Node) -> list[str]:
+        return list(dict.fromkeys(r.name for r in tensor_refs(n) if r.name not in constants))
+
+    # graph inputs feeding the slice
+    for n in graph.nodes:
+        if n.kind == "input" and any(n.name in activation_inputs(m) for m in nodes):
+            strategies = _input_strategies(n.out, mesh, batch)
+            g = _Group(n.name, n.name, strategies, [n.name], {n.name: strategies})
+            group_of[n.name] = len(groups)
+            groups.append(g)
+
+    for n in reps:
+        acts = activation_inputs(n)
+        if not acts:
+            constants.add(n.name)
+            continue
+        strategies = mesh_strategies(graph, n, batch, mesh.shape)
+        if not cfg.sequence_parallel:
+            strategies = [s for s in strategies if not _is_sequence_sharded(graph, n, s, tp)] or strategies[:1]
+        leader = rep_of.get(acts[0], acts[0]) if len(acts) == 1 else None
+        if leader is not None and leader in group_of:
+            placed = _follow(n, acts[0], leader, groups[group_of[leader]], strategies)
+            if placed is not None:
+                g = groups[group_of[leader]]
+                g.members.append(n.name)
+                g.place[n.name] = placed
+                group_of[n.name] = group_of[leader]
+                continue
+        g = _Group(n.name, n.name, strategies, [n.name], {n.name: strategies})
+        group_of[n.name] = len(groups)
+        groups.append(g)
+
+    node_cost, memory = _group_costs(graph, nodes, rep_of, groups, mesh, cfg, cluster, ctx)
+    edges, edge_mats = _edge_costs(graph, nodes, rep_of, groups, group_of, constants, node_cost, mesh, cfg, ctx)
+    request = SolverRequest(
+        node_names=tuple(g.name for g in groups),
+        node_cost_s=tuple(tuple(row) for row in node_cost),
+        memory_bytes=tuple(tuple(row) for row in memory),
+        edges=tuple(edges),
+        edge_cost_s=tuple(tuple(tuple(r) for r in m) for m in edge_mats),
+        memory_budget_bytes=cfg.memory_budget_bytes,
+        time_limit_s=cfg.time_limit_s,
+    )
+    return IntraOpProblem(request, groups, group_of, rep_of, constants, time.perf_counter() - t0)
+
+
+def _follow(node: Node, source: str, leader: str, group: _Group,
+            strategies: list[Strategy]) -> list[Strategy] | None:
+    """Per group strategy, the node's only strategy that takes the leader's output as it is.
+
+    ``None`` when some leader strategy has no match, or more than one (a product given a replicated input
+    may still choose to shard its output: that is a decision, not a consequence).
+    """
+    refs = tensor_refs(node)
+    slots = [i for i, r in enumerate(refs) if r.name == source]  # ``source`` maps onto ``leader``
+    out_index = refs[slots[0]].index
+    by_input: dict[tuple, list[Strategy]] = {}
+    for s in strategies:
+        key = tuple(tuple(ax.inputs[i] for i in slots) for ax in s)
+        by_input.setdefault(key, []).append(s)
+    placed = []
+    for gs in group.place[leader]:
+        want = tuple(tuple([(ax.outputs[out_index] or R)] * len(slots)) for ax in gs)
+        matches = by_input.get(want, [])
+        if len(matches) != 1:
+            return None
+        placed.append(matches[0])
+    return placed
+
+
+def _multiplicity(nodes: list[Node], rep_of: dict[str, str]) -> dict[str, int]:
+    mult: dict[str, int] = {}
+    for n in nodes:
+        mult[rep_of[n.name]] = mult.get(rep_of[n.name], 0) + 1
+    return mult
+
+
+def _group_costs(graph: OpGraph, nodes: list[Node], rep_of: dict[str, str], groups: list[_Group], mesh: MeshSpec,
+                 cfg: IntraOpConfig, cluster: Cluster, ctx: PassContext) -> tuple[list[list[float]], list[list[float]]]:
+    mult = _multiplicity(nodes, rep_of)
+    cost = [[0.0] * len(g.strategies) for g in groups]
+    memory = [[0.0] * len(g.strategies) for g in groups]
+    seen_params: set[str] = set()
+    seen_saved: set[str] = set()
+    for gi, g in enumerate(groups):
+        for name in g.members:
+            if graph[name].kind != "op":
+                continue
+            node, m = graph[name], mult.get(name, 1)
+            refs = tensor_refs(node)
+            param_slots = [(i, graph[r.name]) for i, r in enumerate(refs) if graph[r.name].kind == "param"]
+            new_params = [(i, p) for i, p in param_slots if p.target not in seen_params]
+            seen_params.update(p.target for _, p in param_slots)
+            saved = [t for t in node.annotations.get("saved", ()) if t.key not in seen_saved]
+            seen_saved.update(t.key for t in saved)
+            for s, strat in enumerate(g.place[name]):
+                fwd, bwd = compute_s(node, graph, strat, mesh, cfg.batch, cluster, ctx)
+                total = fwd + bwd
+                mem = 0.0
+                for i, p in param_slots:
+                    pc = param_cost(p.out, tuple(ax.inputs[i] for ax in strat), strat, mesh, cfg.zero, ctx)
+                    total += pc.per_microbatch_s + cfg.grad_sync_weight * pc.per_iteration_s
+                    if (i, p) in new_params:
+                        mem += pc.state_bytes
+                factor = max([shard_factor(tuple(ax.outputs[j] for ax in strat), mesh)
+                              for j in range(len(node.outputs))] +
+                             [shard_factor(tuple(ax.inputs[j] for ax in strat), mesh)
+                              for j, r in enumerate(refs) if graph[r.name].kind not in ("param", "buffer")])
+                mem += sum(t.nbytes.at(cfg.batch) for t in saved) / factor * cfg.activation_multiplier
+                cost[gi][s] += m * total
+                memory[gi][s] += m * mem
+    return cost, memory
+
+
+def _edge_costs(graph: OpGraph, nodes: list[Node], rep_of: dict[str, str], groups: list[_Group],
+                group_of: dict[str, int], constants: set[str], node_cost: list[list[float]], mesh: MeshSpec,
+                cfg: IntraOpConfig, ctx: PassContext) -> tuple[list[tuple[int, int]], list[list[list[float]]]]:
+    # (producer rep, output index, consumer rep, slot) -> how many real edges map onto it
+    weight: dict[tuple[str, int, str, int], int] = {}
+    for n in nodes:
+        for k, r in enumerate(tensor_refs(n)):
+            if r.name in constants or graph[r.name].kind in ("param", "buffer", "constant"):
+                continue
+            pu = rep_of.get(r.name, r.name)
+            if pu not in group_of:
+                continue  # produced outside the slice: a stage boundary, costed by the pipeline model
+            key = (pu, r.index, rep_of[n.name], k)
+            weight[key] = weight.get(key, 0) + 1
+    mats: dict[tuple[int, int], list[list[float]]] = {}
+    for (pu, idx, pc, k), w in weight.items():
+        gu, gc = group_of[pu], group_of[pc]
+        t = graph.tensor(Ref(pu, idx))
+        if t is None:
+            continue
+        prod_place, cons_place = groups[gu].place[pu], groups[gc].place[pc]
+        if gu == gc:
+            for s in range(len(groups[gu].strategies)):
+                produced = tuple(ax.outputs[idx] if idx < len(ax.outputs) else R for ax in prod_place[s])
+                required = tuple(ax.inputs[k] for ax in cons_place[s])
+                node_cost[gu][s] += w * edge_cost_s(t, produced, required, cons_place[s], mesh, cfg.batch, ctx)
+            continue
+        mat = mats.setdefault((gu, gc), [[0.0] * len(groups[gc].strategies) for _ in groups[gu].strategies])
+        for su, ps in enumerate(prod_place):
+            produced = tuple(ax.outputs[idx] if idx < len(ax.outputs) else R for ax in ps)
+            for sc, cs in enumerate(cons_place):
+                required = tuple(ax.inputs[k] for ax in cs)
+                mat[su][sc] += w * edge_cost_s(t, produced, required, cs, mesh, cfg.batch, ctx)
+    edges = sorted(mats)
+    return edges, [mats[e] for e in edges]
+
+
+def solve_intra_op(graph: OpGraph, node_names: Iterable[str], mesh: MeshSpec, cfg: IntraOpConfig,
+                   cluster: Cluster, ctx: PassContext) -> IntraOpSolution:
+    """Build and solve the ILP; map the answer back onto every op and parameter of the slice."""
+    problem = build_intra_op(graph, node_names, mesh, cfg, cluster, ctx)
+    result = solve_ilp(problem.request, cfg.backend)
+    node_strategies: dict[str, Strategy] = {}
+    params: dict[str, tuple[str, ...]] = {}
+    if result.choice:
+        for name, rep in problem.rep_of.items():
+            if rep in problem.group_of:
+                g = problem.groups[problem.group_of[rep]]
+                strat = g.place[rep][result.choice[problem.group_of[rep]]]
+            else:
+                strat = tuple(AxisStrategy((R,) * len(graph[name].outputs), (R,) * len(tensor_refs(graph[name])))
+                              for _ in mesh.shape)
+            node_strategies[name] = strat
+            for k, r in enumerate(tensor_refs(graph[name])):
+                src = graph[r.name]
+                if src.kind == "param" and src.target not in params:
+                    params[src.target] = tuple(ax.inputs[k] or R for ax in strat)
+    return IntraOpSolution(result, node_strategies, params, problem.build_time_s, len(problem.groups), mesh.names)

@@ -1,0 +1,374 @@
+"""Sharding strategies per op, from DTensor's own sharding rules, on meshes that need no processes.
+
+For one mesh axis, an op's strategies come from DTensor's registries
+(``DTensor._op_dispatcher.sharding_propagator``): ``op_strategy_funcs`` (called with every candidate
+placement of every input) and ``op_single_dim_strategy_funcs`` (per-axis rules).  The traced graph is the
+pre-dispatch training IR, whose composite ops DTensor only sees after decomposition, so they are mapped
+onto the ops they decompose into:
+
+- ``linear``/``matmul``/``einsum`` -> DTensor's einsum strategy generator (``gen_einsum_strategies``),
+  the rule behind its ``mm``/``bmm``; the bias follows the output's last dim;
+- ``layer_norm`` -> ``native_layer_norm``; ``rms_norm`` -> ``_fused_rms_norm``; ``dropout`` -> ``native_dropout``;
+- ``scaled_dot_product_attention`` -> ``_scaled_dot_product_flash_attention`` (or the efficient kernel
+  when a mask is given).
+
+Hand-written rules, only where DTensor has none (each tested in ``tests/test_strategies.py``):
+
+- attention batch sharding: DTensor offers only heads-sharding; attention is independent per batch
+  element (``sdpa(q, k, v)[b] == sdpa(q[b], k[b], v[b])``), so ``S(0)`` on q, k, v, out is added;
+- ``cross_entropy_loss``: batch-sharded (``S(0)`` logits and targets -> partial mean) and vocab-parallel
+  (``S(1)`` logits, replicated targets -> replicated loss, as ``loss_parallel`` does);
+- ``one_hot``: element-wise in the input's dims.
+
+An op with no rule falls back to all-Replicate with one warning naming it.  Rules are written for one
+mesh axis; ``mesh_strategies`` expands them to N-D as the Cartesian product over axes and drops every
+strategy that shards a dimension unevenly (``heads % tp != 0``).
+
+Placements are DTensor's short notation as strings: ``"R"``, ``"S(d)"``, ``"P"`` (any partial).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import math
+import string
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
+from torch.distributed.tensor._ops._einsum_strategy import gen_einsum_strategies
+
+from autopar.ir import BatchScaled, Node, OpGraph, Ref, TensorInfo
+
+log = logging.getLogger(__name__)
+
+R = "R"
+PARTIAL = "P"
+
+
+def shard(dim: int) -> str:
+    return f"S({dim})"
+
+
+def shard_dim(p: str) -> int | None:
+    """The tensor dim of ``S(d)``, else ``None``."""
+    return int(p[2:-1]) if p.startswith("S(") else None
+
+
+@dataclass(frozen=True, slots=True)
+class AxisStrategy:
+    """A strategy on one mesh axis: placement of every output and required placement of every tensor input."""
+
+    outputs: tuple[str | None, ...]
+    inputs: tuple[str, ...]
+
+
+#: A strategy on an N-D mesh: one ``AxisStrategy`` per mesh axis.
+Strategy = tuple[AxisStrategy, ...]
+
+_WARNED: set[str] = set()
+
+
+def tensor_refs(node: Node) -> list[Ref]:
+    """The node's tensor arguments in the order strategies list them (positional, lists flattened)."""
+    refs: list[Ref] = []
+    for a in node.args:
+        if isinstance(a, Ref):
+            refs.append(a)
+        elif isinstance(a, (list, tuple)):
+            refs.extend(x for x in a if isinstance(x, Ref))
+    return refs
+
+
+@functools.lru_cache(maxsize=1)
+def _mesh_1d() -> DeviceMesh:
+    # No process group: strategy enumeration only needs the mesh's shape.
+    return DeviceMesh("cpu", torch.arange(2), _init_backend=False, _rank=0)
+
+
+def _propagator() -> Any:
+    return DTensor._op_dispatcher.sharding_propagator
+
+
+class _UnsupportedPlacement(Exception):
+    """A rule uses a partial other than a sum (avg/max/min): autopar's ``P`` always means a pending sum."""
+
+
+def _placement_str(p: Any, is_float: bool = True, is_output: bool = False) -> str:
+    if p is None:
+        return R
+    if isinstance(p, Shard) or type(p).__name__ == "_ShardingPlaceholder":
+        return shard(p.dim)
+    if isinstance(p, Replicate):
+        return R
+    if p.is_partial():
+        if not is_float:  # an index input of a vocab-parallel embedding: the ids are replicated
+            return R
+        op = getattr(p, "reduce_op", "sum")
+        # A reduction may leave a pending average (mean of shards): reduced by the same all-reduce as a sum.
+        # Inputs must be pending sums, or P would mean two different things downstream.
+        if op != "sum" and not (is_output and op == "avg"):
+            raise _UnsupportedPlacement(str(p))
+        return PARTIAL
+    return R
+
+
+def _rule(outputs: list[Any], inputs: list[Any], float_inputs: list[bool]) -> AxisStrategy | None:
+    try:
+        return AxisStrategy(tuple(_placement_str(x, is_output=True) if x is not None else None for x in outputs),
+                            tuple(_placement_str(x, f) for x, f in zip(inputs, float_inputs)))
+    except _UnsupportedPlacement:
+        return None
+
+
+def _meta(t: TensorInfo, batch: int) -> TensorMeta:
+    shape = t.shape_at(batch)
+    dtype = getattr(torch, t.dtype, torch.float32)
+    x = torch.empty(shape, dtype=dtype, device="meta")
+    return TensorMeta(x.shape, x.stride(), x.dtype)
+
+
+def _candidates(meta: TensorMeta) -> OpStrategy:
+    mesh = _mesh_1d()
+    placements = [Replicate(), *(Shard(d) for d in range(len(meta.shape)))]
+    if meta.dtype.is_floating_point:
+        placements.append(Partial())
+    return OpStrategy([OpSpec(DTensorSpec(mesh, (p,), tensor_meta=meta)) for p in placements])
+
+
+def _concrete(a: Any, batch: int) -> Any:
+    if isinstance(a, BatchScaled):
+        return a.at(batch)
+    if isinstance(a, (list, tuple)):
+        return type(a)(_concrete(x, batch) for x in a)
+    return a
+
+
+def _specs_to_strategies(st: Any, n_out: int, float_inputs: list[bool]) -> list[AxisStrategy]:
+    out: list[AxisStrategy] = []
+    for spec in st.strategies:
+        o = spec.output_specs
+        outs = o if isinstance(o, tuple) else (o,)
+        rule = _rule([x.placements[0] if x is not None else None for x in outs[:n_out]],
+                     [x.placements[0] for x in spec.input_specs or ()], float_inputs)
+        if rule is not None:
+            out.append(rule)
+    return out
+
+
+def _einsum_strategies(equation: str, n_out: int, float_inputs: list[bool]) -> list[AxisStrategy]:
+    return _specs_to_strategies(gen_einsum_strategies(equation, _mesh_1d()), n_out, float_inputs)
+
+
+def _linear_strategies(graph: OpGraph, node: Node) -> list[AxisStrategy]:
+    x = graph.tensor(node.args[0])
+    letters = string.ascii_lowercase[: len(x.shape) - 1]
+    eq = f"{letters}k,nk->{letters}n"
+    base = _einsum_strategies(eq, 1, [True, True])
+    has_bias = len(node.args) > 2 and isinstance(node.args[2], Ref)
+    if not has_bias:
+        return base
+    last = len(x.shape) - 1
+    rules = []
+    for s in base:
+        out = s.outputs[0]
+        bias = "S(0)" if out == shard(last) else (PARTIAL if out == PARTIAL else R)
+        rules.append(AxisStrategy(s.outputs, (*s.inputs, bias)))
+    return rules
+
+
+def _matmul_equation(a: tuple[int, ...], b: tuple[int, ...]) -> str | None:
+    if len(a) < 2 or len(b) < 2:
+        return None
+    nb = max(len(a), len(b)) - 2
+    batch = string.ascii_lowercase[:nb]
+    ab, bb = batch[nb - (len(a) - 2):], batch[nb - (len(b) - 2):]
+    return f"{ab}mk,{bb}kn->{batch}mn"
+
+
+def _sdpa_strategies(graph: OpGraph, node: Node, batch: int) -> list[AxisStrategy]:
+    p = _propagator()
+    q, k, v = (graph.tensor(node.args[i]) for i in range(3))
+    metas = [_candidates(_meta(t, batch)) for t in (q, k, v)]
+    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    causal = bool(node.kwargs.get("is_causal", node.args[5] if len(node.args) > 5 else False))
+    if isinstance(mask, Ref):
+        op = torch.ops.aten._scaled_dot_product_efficient_attention.default
+        schema = OpSchema(op, (*metas, None, False, 0.0, causal), {}, schema_info=p.op_to_schema_info.get(op))
+    else:
+        op = torch.ops.aten._scaled_dot_product_flash_attention.default
+        schema = OpSchema(op, (*metas, 0.0, causal), {}, schema_info=p.op_to_schema_info.get(op))
+    rules = _specs_to_strategies(p.op_strategy_funcs[op](schema), 1, [True, True, True])
+    if isinstance(mask, Ref):  # the mask input rides along replicated (it broadcasts over batch/heads)
+        rules = [AxisStrategy(r.outputs, (*r.inputs, R)) for r in rules]
+    batch_rule = AxisStrategy((shard(0),), (shard(0),) * 3 + ((shard(0),) if isinstance(mask, Ref) else ()))
+    if isinstance(mask, Ref) and graph.tensor(mask).shape_at(batch)[0] == 1:
+        batch_rule = AxisStrategy((shard(0),), (shard(0),) * 3 + (R,))
+    return [*rules, batch_rule]
+
+
+def _cross_entropy_strategies(graph: OpGraph, node: Node) -> list[AxisStrategy]:
+    logits = graph.tensor(node.args[0])
+    n_in = len(tensor_refs(node))
+    pad = (R,) * (n_in - 2)
+    rules = [AxisStrategy((R,), (R, R, *pad)), AxisStrategy((PARTIAL,), (shard(0), shard(0), *pad))]
+    if len(logits.shape) == 2:  # vocab-parallel (loss_parallel): class dim sharded, targets replicated
+        rules.append(AxisStrategy((R,), (shard(1), R, *pad)))
+    return rules
+
+
+def _one_hot_strategies(graph: OpGraph, node: Node) -> list[AxisStrategy]:
+    t = graph.tensor(node.args[0])
+    return [AxisStrategy((R,), (R,)), *(AxisStrategy((shard(d),), (shard(d),)) for d in range(len(t.shape)))]
+
+
+_DECOMPOSED = {
+    "aten.layer_norm.default": "native_layer_norm.default",
+    "aten.rms_norm.default": "_fused_rms_norm.default",
+    "aten.dropout.default": "native_dropout.default",
+}
+#: Shape-changing views whose strategies are DTensor's ``reshape`` rule towards the traced output shape.
+_RESHAPES = frozenset({"aten.flatten.using_ints", "aten.unflatten.int", "aten.view.default", "aten.reshape.default",
+                       "aten._unsafe_view.default"})
+
+
+def _resolve_op(name: str) -> Any:
+    name = _DECOMPOSED.get(name, name)
+    packet, _, overload = name.removeprefix("aten.").rpartition(".")
+    return getattr(getattr(torch.ops.aten, packet), overload)
+
+
+def _registry_strategies(graph: OpGraph, node: Node, batch: int) -> list[AxisStrategy] | None:
+    p = _propagator()
+    refs = tensor_refs(node)
+    if node.op in _RESHAPES and refs:
+        node = Node(node.name, node.kind, "aten.reshape.default", args=(refs[0], list(node.out.shape_at(batch))),
+                    outputs=node.outputs)
+    try:
+        op = _resolve_op(node.op)
+    except AttributeError:
+        return None
+    float_inputs = [graph.tensor(r).is_floating for r in refs]
+    n_out = len(node.outputs)
+
+    def build(a: Any, as_meta: bool) -> Any:
+        if isinstance(a, Ref):
+            meta = _meta(graph.tensor(a), batch)
+            return meta if as_meta else _candidates(meta)
+        if isinstance(a, (list, tuple)) and any(isinstance(x, Ref) for x in a):
+            items = [build(x, as_meta) for x in a]
+            return items if as_meta else TupleStrategy(items)
+        return _concrete(a, batch)
+
+    if op in p.op_single_dim_strategy_funcs:
+        args = tuple(build(a, True) for a in node.args)
+        kwargs = {k: build(v, True) for k, v in node.kwargs.items()}
+        rules = p.op_single_dim_strategy_funcs[op](op, args, kwargs)
+        out: list[AxisStrategy] = [AxisStrategy((R,) * n_out, (R,) * len(refs))]
+        n_rule_out = len(rules[0]) - len(refs) if rules else n_out
+        for raw in rules:
+            rule = _rule(list(raw[:n_rule_out])[:n_out], list(raw[n_rule_out:]), float_inputs)
+            if rule is not None and len(rule.inputs) == len(refs):
+                out.append(AxisStrategy(rule.outputs + (R,) * (n_out - len(rule.outputs)), rule.inputs))
+        return out
+    if op in p.op_strategy_funcs:
+        args = tuple(build(a, False) for a in node.args)
+        schema = OpSchema(op, args, {}, schema_info=p.op_to_schema_info.get(op))
+        st = p.op_strategy_funcs[op](schema)
+        if isinstance(st, TupleStrategy):
+            return None
+        return _specs_to_strategies(st, n_out, float_inputs)
+    return None
+
+
+def _replicate_fallback(node: Node) -> list[AxisStrategy]:
+    if node.op not in _WARNED and tensor_refs(node):  # factories (no tensor input) are replicated by nature
+        _WARNED.add(node.op)
+        log.warning("no sharding rule for %s: it runs replicated", node.op)
+    return [AxisStrategy((R,) * len(node.outputs), (R,) * len(tensor_refs(node)))]
+
+
+def _rule_key(graph: OpGraph, node: Node, batch: int) -> tuple:
+    shapes = tuple((t.shape_at(batch), t.dtype) for t in (graph.tensor(r) for r in tensor_refs(node)))
+    args = tuple(repr(_concrete(a, batch)) if not isinstance(a, Ref) else "T" for a in node.args)
+    kwargs = tuple(sorted((k, repr(_concrete(v, batch))) for k, v in node.kwargs.items()))
+    return (node.op, shapes, args, kwargs, len(node.outputs))
+
+
+_AXIS_CACHE: dict[tuple, tuple[AxisStrategy, ...]] = {}
+
+
+def axis_strategies(graph: OpGraph, node: Node, batch: int) -> tuple[AxisStrategy, ...]:
+    """Deduplicated one-axis strategies of ``node`` (all-Replicate always first), cached by op and shapes."""
+    key = _rule_key(graph, node, batch)
+    cached = _AXIS_CACHE.get(key)
+    if cached is not None:
+        return cached
+    op = node.op
+    try:
+        if op == "aten.linear.default":
+            rules = _linear_strategies(graph, node)
+        elif op in ("aten.matmul.default", "aten.mm.default", "aten.bmm.default"):
+            a, b = (graph.tensor(node.args[i]).shape_at(batch) for i in range(2))
+            eq = _matmul_equation(a, b)
+            rules = _einsum_strategies(eq, 1, [True, True]) if eq else _replicate_fallback(node)
+        elif op == "aten.einsum.default":
+            rules = _einsum_strategies(node.args[0].replace(" ", ""), 1, [True] * len(tensor_refs(node)))
+        elif op == "aten.scaled_dot_product_attention.default":
+            rules = _sdpa_strategies(graph, node, batch)
+        elif op == "aten.cross_entropy_loss.default":
+            rules = _cross_entropy_strategies(graph, node)
+        elif op == "aten.one_hot.default":
+            rules = _one_hot_strategies(graph, node)
+        else:
+            rules = _registry_strategies(graph, node, batch) or _replicate_fallback(node)
+    except Exception as exc:  # a DTensor rule that rejects these arguments: run replicated
+        log.debug("strategy enumeration failed for %s: %s", op, exc)
+        rules = _replicate_fallback(node)
+    replicate = AxisStrategy((R,) * len(node.outputs), (R,) * len(tensor_refs(node)))
+    unique = tuple(dict.fromkeys([replicate, *rules]))
+    _AXIS_CACHE[key] = unique
+    return unique
+
+
+def divides(t: TensorInfo | None, placements: tuple[str | None, ...], mesh_shape: tuple[int, ...],
+            batch: int) -> bool:
+    """Whether sharding ``t`` by ``placements`` (one per mesh axis) splits every dim evenly."""
+    if t is None:
+        return True
+    shape = t.shape_at(batch)
+    split = [1] * len(shape)
+    for p, n in zip(placements, mesh_shape):
+        d = shard_dim(p) if p else None
+        if d is not None:
+            if d >= len(shape):
+                return False
+            split[d] *= n
+    return all(size % k == 0 for size, k in zip(shape, split))
+
+
+def mesh_strategies(graph: OpGraph, node: Node, batch: int, mesh_shape: tuple[int, ...]) -> list[Strategy]:
+    """All valid N-D strategies of ``node``: products of per-axis strategies that shard evenly."""
+    per_axis = axis_strategies(graph, node, batch)
+    inputs = [graph.tensor(r) for r in tensor_refs(node)]
+    result = []
+    for combo in itertools.product(per_axis, repeat=len(mesh_shape)):
+        ok = all(divides(t, tuple(s.outputs[i] for s in combo), mesh_shape, batch)
+                 for i, t in enumerate(node.outputs))
+        ok = ok and all(divides(t, tuple(s.inputs[i] for s in combo), mesh_shape, batch)
+                        for i, t in enumerate(inputs))
+        if ok:
+            result.append(combo)
+    return result
+
+
+def local_numel(t: TensorInfo, placements: tuple[str | None, ...], mesh_shape: tuple[int, ...], batch: int) -> float:
+    """Elements of ``t`` held by one device under ``placements``."""
+    k = math.prod(n for p, n in zip(placements, mesh_shape) if p and shard_dim(p) is not None)
+    return t.numel_at(batch) / k

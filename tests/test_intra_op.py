@@ -1,0 +1,168 @@
+"""Intra-op ILP: rediscovery of Megatron and data parallelism, sequence parallelism, backend agreement."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from autopar.passes import PassContext, run_pipeline
+from autopar.passes.sharding_costs import MeshSpec
+from autopar.solvers.evaluate import objective_s
+from autopar.solvers.ilp import solve_ilp
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import autopar
+from autopar.cluster import load_cluster
+from autopar.frontend import trace_model
+from autopar.intra_op import IntraOpConfig, build_intra_op, solve_intra_op
+
+A100 = load_cluster("a100-80gb")
+CTX = PassContext(cluster=A100)
+
+
+class TwoLayerMLP(torch.nn.Module):
+    def __init__(self, h: int) -> None:
+        super().__init__()
+        self.ln = torch.nn.LayerNorm(h)
+        self.fc1 = torch.nn.Linear(h, 4 * h)
+        self.fc2 = torch.nn.Linear(4 * h, h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.nn.functional.gelu(self.fc1(self.ln(x))))
+
+
+def _mlp_graph(h: int):
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        m = TwoLayerMLP(h)
+    g = autopar.trace(m, (torch.zeros(1, h),), loss_fn=lambda out, x: out.pow(2).mean())
+    return run_pipeline(g, CTX)
+
+
+def _solve(g, mesh, cfg):
+    return solve_intra_op(g, [n.name for n in g.ops()], mesh, cfg, A100, CTX)
+
+
+def _collectives(g, sol, mesh, cfg):
+    """(forward, backward) resharding events of the chosen solution, from the edge cost model."""
+    from autopar.passes.sharding_costs import consumer_grad, producer_grad
+    from autopar.passes.strategies import tensor_refs
+
+    fwd, bwd = [], []
+    for n in g.ops():
+        for k, r in enumerate(tensor_refs(n)):
+            if r.name not in sol.node_strategies:
+                continue
+            prod = sol.node_strategies[r.name]
+            cons = sol.node_strategies[n.name]
+            produced = tuple(ax.outputs[r.index] for ax in prod)
+            required = tuple(ax.inputs[k] for ax in cons)
+            if produced != required:
+                fwd.append((r.name, n.name, produced, required))
+            t = g.tensor(r)
+            if t.requires_grad:
+                gc = tuple(consumer_grad(p, cons, a) for a, p in enumerate(required))
+                gp = tuple(producer_grad(p) for p in produced)
+                if gc != gp:
+                    bwd.append((r.name, n.name, gc, gp))
+    return fwd, bwd
+
+
+def test_wide_mlp_on_8_gpus_is_megatron():
+    g = _mlp_graph(8192)
+    mesh = MeshSpec.on_cluster(A100, ("tp",), (8,))
+    cfg = IntraOpConfig(batch=8)
+    sol = _solve(g, mesh, cfg)
+    assert sol.result.status == "optimal"
+    assert sol.param_placements["fc1.weight"] == ("S(0)",)  # column-parallel (weight is [out, in])
+    assert sol.placements_by_axis()["fc2.bias"] == {"tp": "R"}  # added on one rank: stored replicated
+    assert sol.op_strategies()["linear"]["tp"] == {"outputs": ["S(1)"], "inputs": ["R", "S(0)", "S(0)"]}
+    assert sol.param_placements["fc2.weight"] == ("S(1)",)  # row-parallel
+    fwd, bwd = _collectives(g, sol, mesh, cfg)
+    assert [(p, r) for _, _, p, r in fwd if p == ("P",)] == [(("P",), ("R",))]  # one all-reduce forward
+    assert [(c, p) for _, _, c, p in bwd] == [(("P",), ("R",))]  # and one backward
+
+
+def test_narrow_mlp_with_large_batch_is_data_parallel():
+    g = _mlp_graph(64)
+    mesh = MeshSpec.on_cluster(A100, ("tp",), (8,))
+    sol = _solve(g, mesh, IntraOpConfig(batch=4096))
+    assert all(p == ("R",) for p in sol.param_placements.values())
+    for n in g.ops():
+        if n.op == "aten.linear.default":
+            assert sol.node_strategies[n.name][0].inputs[0] == "S(0)"  # batch sharded
+
+
+def test_backends_agree_on_the_mlp():
+    g = _mlp_graph(1024)
+    mesh = MeshSpec.on_cluster(A100, ("tp",), (8,))
+    results = {b: _solve(g, mesh, IntraOpConfig(batch=64, backend=b)).result for b in ("cbc", "cpsat")}
+    assert results["cbc"].objective_s == pytest.approx(results["cpsat"].objective_s, rel=1e-6)
+
+
+@pytest.fixture(scope="module")
+def gpt3_block():
+    cfg = {"layers": 24, "hidden": 12288, "heads": 96, "vocab": 1024, "seq_len": 2048}
+    return trace_model("gpt", cfg, ctx=CTX).graph
+
+
+def _block_solution(graph, sp: bool):
+    cluster = A100.with_overrides(gpus=32)
+    mesh = MeshSpec.on_cluster(cluster, ("dp", "tp"), (4, 8))
+    # one pipeline stage of 24 identical layers: ZeRO-1, 64 micro-batches, 4 in flight
+    cfg = IntraOpConfig(batch=4, zero=1, grad_sync_weight=1 / 64, activation_multiplier=4,
+                        memory_budget_bytes=cluster.usable_memory_bytes, sequence_parallel=sp)
+    nodes = [n.name for n in graph.ops() if n.layer is not None]
+    return solve_intra_op(graph, nodes, mesh, cfg, cluster, CTX)
+
+
+@pytest.mark.parametrize("sp", [True, False])
+def test_gpt_block_on_dp4_tp8(gpt3_block, sp):
+    sol = _block_solution(gpt3_block, sp)
+    assert sol.result.status == "optimal"
+    place = sol.param_placements
+    for name in ("q", "k", "v"):
+        assert place[f"blocks.0.attn.{name}.weight"][1] == "S(0)"  # column-parallel on tp
+    assert place["blocks.0.mlp.fc.weight"][1] == "S(0)" and place["blocks.0.mlp.proj.weight"][1] == "S(1)"
+    for fqn, p in place.items():
+        assert p[0] == "R", f"{fqn} is sharded on dp"
+    ops = {n.name: n for n in gpt3_block.ops() if n.layer == 3}
+    for name, node in ops.items():
+        strat = sol.node_strategies[name]
+        if node.op == "aten.scaled_dot_product_attention.default":
+            assert strat[1].outputs[0] == "S(1)"  # heads sharded on tp
+        if node.op in ("aten.layer_norm.default", "aten.add.Tensor", "aten.dropout.default"):
+            assert strat[0].outputs[0] == "S(0)"  # batch on dp
+            if node.op == "aten.layer_norm.default":
+                assert strat[1].outputs[0] == ("S(1)" if sp else "R")  # sequence parallel when available
+
+
+def test_sequence_parallelism_pays(gpt3_block):
+    assert _block_solution(gpt3_block, True).result.objective_s < _block_solution(gpt3_block, False).result.objective_s
+
+
+def test_layer_tying_keeps_the_problem_size_flat():
+    cfg = {"hidden": 256, "heads": 8, "vocab": 512, "seq_len": 64}
+    mesh = MeshSpec.on_cluster(A100, ("dp", "tp"), (2, 4))
+    sizes = []
+    for layers in (2, 6):
+        g = trace_model("gpt", {**cfg, "layers": layers}, ctx=CTX).graph
+        p = build_intra_op(g, [n.name for n in g.ops()], mesh, IntraOpConfig(batch=8), A100, CTX)
+        sizes.append((len(p.request.node_names), p.request.num_variables))
+    assert sizes[0] == sizes[1]
+
+
+def test_infeasible_memory_reports_the_minimum():
+    g = _mlp_graph(1024)
+    mesh = MeshSpec.on_cluster(A100, ("tp",), (8,))
+    p = build_intra_op(g, [n.name for n in g.ops()], mesh, IntraOpConfig(batch=8, memory_budget_bytes=1e3),
+                       A100, CTX)
+    r = solve_ilp(p.request)
+    assert r.status == "infeasible" and r.min_memory_bytes > 1e3
+    roomy = solve_ilp(type(p.request)(**{**_fields(p.request), "memory_budget_bytes": r.min_memory_bytes * 1.001}))
+    assert roomy.status == "optimal"
+    assert objective_s(p.request, roomy.choice) == pytest.approx(roomy.objective_s)
+
+
+def _fields(req):
+    from dataclasses import fields
+
+    return {f.name: getattr(req, f.name) for f in fields(req)}
