@@ -20,6 +20,7 @@ chosen strategy of every op and the placement of every parameter.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Iterable
@@ -36,6 +37,7 @@ from autopar.passes.sharding_costs import (
     shard_factor,
 )
 from autopar.passes.strategies import AxisStrategy, R, Strategy, divides, mesh_strategies, shard, tensor_refs
+from autopar.solvers.evaluate import min_memory_bytes
 from autopar.solvers.ilp import Backend, solve_ilp
 from autopar.solvers.request import SolverRequest, SolverResult
 
@@ -54,6 +56,9 @@ class IntraOpConfig:
     """Micro-batches whose saved activations are alive at once (pipeline in-flight count)."""
     memory_budget_bytes: float | None = None
     """Per-device memory limit; ``None``: unlimited."""
+    memory_slack: float | None = None
+    """Instead of a fixed budget: allow at most ``(1 + slack)`` times the least memory any choice needs
+    (``0.0`` asks for the fastest of the leanest layouts)."""
     sequence_parallel: bool = True
     """Allow sharding activations along the sequence dimension on the ``tp`` axis."""
     backend: Backend = "cbc"
@@ -324,7 +329,12 @@ def solve_intra_op(graph: OpGraph, node_names: Iterable[str], mesh: MeshSpec, cf
                    cluster: Cluster, ctx: PassContext) -> IntraOpSolution:
     """Build and solve the ILP; map the answer back onto every op and parameter of the slice."""
     problem = build_intra_op(graph, node_names, mesh, cfg, cluster, ctx)
-    result = solve_ilp(problem.request, cfg.backend)
+    request = problem.request
+    if cfg.memory_slack is not None:
+        lean = min_memory_bytes(request) * (1 + cfg.memory_slack)
+        request = dataclasses.replace(request, memory_budget_bytes=lean if request.memory_budget_bytes is None
+                                      else min(lean, request.memory_budget_bytes))
+    result = solve_ilp(request, cfg.backend)
     node_strategies: dict[str, Strategy] = {}
     params: dict[str, tuple[str, ...]] = {}
     if result.choice:

@@ -140,15 +140,21 @@ def producer_grad(placement: str | None) -> str:
     return R if placement in (None, R, PARTIAL) else placement
 
 
+def edge_costs_s(t: TensorInfo, produced: Placements, required: Placements, consumer: Strategy,
+                 mesh: MeshSpec, batch: int, ctx: PassContext) -> tuple[float, float]:
+    """(forward resharding, backward resharding of the gradient) of one edge."""
+    fwd = redistribute_s(t, produced, required, mesh, batch, ctx)
+    if not (t.requires_grad and t.is_floating):
+        return fwd, 0.0
+    g_c = tuple(consumer_grad(r or R, consumer, a) for a, r in enumerate(required))
+    g_p = tuple(producer_grad(p) for p in produced)
+    return fwd, redistribute_s(t, g_c, g_p, mesh, batch, ctx)
+
+
 def edge_cost_s(t: TensorInfo, produced: Placements, required: Placements, consumer: Strategy,
                 mesh: MeshSpec, batch: int, ctx: PassContext) -> float:
     """Forward resharding of one edge plus the backward resharding of its gradient."""
-    fwd = redistribute_s(t, produced, required, mesh, batch, ctx)
-    if not (t.requires_grad and t.is_floating):
-        return fwd
-    g_c = tuple(consumer_grad(r or R, consumer, a) for a, r in enumerate(required))
-    g_p = tuple(producer_grad(p) for p in produced)
-    return fwd + redistribute_s(t, g_c, g_p, mesh, batch, ctx)
+    return sum(edge_costs_s(t, produced, required, consumer, mesh, batch, ctx))
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,15 +236,16 @@ def compute_s(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec, ba
     split = math.prod(n for a, n in enumerate(mesh.shape)
                       if any(shard_dim(p or R) is not None for p in strategy[a].inputs))
     fwd_bytes, bwd_bytes = _local_bytes(node, graph, strategy, mesh, batch, ctx)
-    if node.op in ATTENTION_OPS and ctx.attention == "math":
-        # the s x s score/softmax/dropout passes come on top of q, k, v, o and split like the work
-        extra_fwd, extra_bwd = math_attention_bytes(graph, node, ctx)
-        fwd_bytes += extra_fwd.at(batch) / split
-        bwd_bytes += extra_bwd.at(batch) / split
     eff = cluster.attention_efficiency if node.op in ATTENTION_OPS else cluster.gemm_efficiency
     peak = cluster.peak_flops * eff
     hbm = cluster.hbm_bandwidth_bytes_per_s * cluster.memory_efficiency
     fwd = max(flops.fwd * scale / split / peak, fwd_bytes / hbm) + traffic.fwd_kernels * cluster.kernel_overhead_s
     bwd = max(flops.bwd * scale / split / peak, bwd_bytes / hbm) + traffic.bwd_kernels * cluster.kernel_overhead_s
+    if node.op in ATTENTION_OPS and ctx.attention == "math":
+        # Unfused attention: the s x s softmax/dropout passes are kernels of their own, between the two
+        # batched products, so their memory time adds to the products' time instead of hiding under it.
+        extra_fwd, extra_bwd = math_attention_bytes(graph, node, ctx)
+        fwd += extra_fwd.at(batch) / split / hbm
+        bwd += extra_bwd.at(batch) / split / hbm
     return fwd, bwd
 

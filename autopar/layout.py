@@ -1,0 +1,87 @@
+"""A parallel layout (the knobs the inter-op search sets) and ``--fix KEY=VALUE`` parsing."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+from autopar.errors import AutoparError
+from autopar.solvers.pipeline import SCHEDULES, Schedule
+
+Recompute = Literal["none", "selective", "full"]
+RECOMPUTE: tuple[Recompute, ...] = ("none", "selective", "full")
+FIX_KEYS = ("dp", "tp", "pp", "mbs", "schedule", "v", "recompute", "sp", "zero")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Layout:
+    """Mesh factorization, micro-batching, schedule, recomputation, sequence parallelism and ZeRO level."""
+
+    dp: int
+    tp: int
+    pp: int
+    mbs: int
+    """Micro-batch size per data-parallel rank."""
+    num_microbatches: int
+    schedule: Schedule
+    v: int
+    """Virtual stages (model chunks) per device; > 1 only with the interleaved schedule."""
+    recompute: Recompute
+    sp: bool
+    zero: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @property
+    def devices(self) -> int:
+        return self.dp * self.tp * self.pp
+
+
+def parse_fix(text: str | None) -> dict[str, Any]:
+    """``dp=4,tp=8,schedule=1f1b,sp=on`` -> typed values; unknown keys and bad values are errors."""
+    fixed: dict[str, Any] = {}
+    if not text:
+        return fixed
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        if "=" not in item:
+            raise AutoparError(f"bad --fix item {item!r}: expected KEY=VALUE")
+        key, value = (x.strip() for x in item.split("=", 1))
+        fixed[key] = value
+    return normalize_fix(fixed)
+
+
+def normalize_fix(raw: dict[str, Any]) -> dict[str, Any]:
+    """Validate and type a dict of pinned layout keys (from ``--fix`` or a JSONL line)."""
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key not in FIX_KEYS:
+            raise AutoparError(f"unknown layout key {key!r} (keys: {', '.join(FIX_KEYS)})")
+        text = str(value).strip().lower()
+        if key in ("dp", "tp", "pp", "mbs", "v", "zero"):
+            try:
+                n = int(text)
+            except ValueError:
+                raise AutoparError(f"layout key {key} needs an integer, got {value!r}") from None
+            if n < (0 if key == "zero" else 1) or (key == "zero" and n > 3):
+                raise AutoparError(f"layout key {key}={n} is out of range")
+            out[key] = n
+        elif key == "schedule":
+            if text not in SCHEDULES:
+                raise AutoparError(f"schedule must be one of {', '.join(SCHEDULES)}, got {value!r}")
+            out[key] = text
+        elif key == "recompute":
+            if text not in RECOMPUTE:
+                raise AutoparError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {value!r}")
+            out[key] = text
+        elif key == "sp":
+            if text in ("on", "true", "1", "yes"):
+                out[key] = True
+            elif text in ("off", "false", "0", "no"):
+                out[key] = False
+            else:
+                raise AutoparError(f"sp must be on or off, got {value!r}")
+    return out

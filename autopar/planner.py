@@ -1,0 +1,223 @@
+"""The inter-op search: every layout of N devices, estimated on unit costs from the intra-op ILP.
+
+Search space (each key can be pinned with ``fixed``):
+
+- mesh ``pp x dp x tp = N``; ``tp`` inside a node (a pinned ``tp`` may cross nodes) and dividing the
+  attention heads; ``pp`` at most the number of layers;
+- micro-batch size ``mbs`` (divisors of ``global_batch / dp`` up to 16) and so ``m = B / (dp * mbs)``;
+- schedule: GPipe, 1F1B, interleaved 1F1B with ``v`` in {2, 4} (layers divisible by ``pp * v``, ``m``
+  by ``pp``); with one stage there is no pipeline;
+- recomputation none / selective / full, sequence parallelism on/off (with ``tp > 1``), ZeRO 0-3 (with
+  ``dp > 1``).
+
+Unit costs depend only on ``(tp, mbs, sp)``: each is solved once by the intra-op ILP, twice in fact
+(fastest, and fastest among the leanest in memory), and reused by every layout; the rest is arithmetic
+plus the stage DP.  Layouts whose perfectly balanced lower bound cannot beat the K-th best so far skip
+the DP.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from autopar.cluster import Cluster
+from autopar.errors import AutoparError
+from autopar.estimate import Estimate, estimate_layout
+from autopar.ir import OpGraph
+from autopar.layout import RECOMPUTE, Layout
+from autopar.passes.context import PassContext
+from autopar.passes.strategies import Strategy
+from autopar.solvers.ilp import Backend
+from autopar.unit_costs import UnitCost, solve_tp, unit_costs, unit_sequence
+
+MAX_MBS = 16
+VARIANTS = ("fast", "lean")  # ILP without memory limit, and at the least memory (+2 %)
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    estimate: Estimate
+    variant: str  # which intra-op solution the unit costs came from
+
+
+@dataclass(slots=True)
+class SearchResult:
+    candidates: list[Candidate]
+    evaluated: int
+    ilp_solves: int
+    solve_time_s: float
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def best(self) -> Candidate | None:
+        return self.candidates[0] if self.candidates else None
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def attention_heads(graph: OpGraph) -> list[int]:
+    """Head counts (query and key/value) of the attention ops: tp must divide them."""
+    heads = set()
+    for n in graph.ops():
+        if n.op == "aten.scaled_dot_product_attention.default":
+            for i in range(3):
+                t = graph.tensor(n.args[i])
+                if t is not None and len(t.shape) == 4:
+                    heads.add(t.shape[1])
+    return sorted(heads)
+
+
+class UnitCostCache:
+    """Unit costs per (tp, mbs, sp, variant), each from one intra-op solve."""
+
+    def __init__(self, graph: OpGraph, cluster: Cluster, ctx: PassContext, backend: Backend,
+                 time_limit_s: float) -> None:
+        self.graph, self.cluster, self.ctx = graph, cluster, ctx
+        self.backend, self.time_limit_s = backend, time_limit_s
+        self._cache: dict[tuple, tuple[dict[str, UnitCost], dict[str, Strategy]]] = {}
+        self.solves = 0
+
+    def get(self, tp: int, mbs: int, sp: bool, variant: str) -> tuple[dict[str, UnitCost], dict[str, Strategy]]:
+        key = (tp, mbs, sp, variant if tp > 1 else "fast")
+        if key not in self._cache:
+            slack = 0.02 if variant == "lean" else None
+            mesh, strategies, sol = solve_tp(self.graph, self.cluster, self.ctx, tp, mbs, sp, self.backend,
+                                             self.time_limit_s, grad_sync_weight=1 / 16, memory_slack=slack)
+            self.solves += sol is not None
+            self._cache[key] = (unit_costs(self.graph, strategies, mesh, mbs, self.cluster, self.ctx), strategies)
+        return self._cache[key]
+
+
+def check_fixed(graph: OpGraph, cluster: Cluster, global_batch: int, fixed: dict[str, Any]) -> None:
+    """Clear errors for pinned values that cannot work."""
+    n = cluster.gpus
+    for key in ("dp", "tp", "pp"):
+        if key in fixed and n % fixed[key]:
+            raise AutoparError(f"--fix {key}={fixed[key]} does not divide the {n} devices")
+    if "tp" in fixed:
+        bad = [h for h in attention_heads(graph) if h % fixed["tp"]]
+        if bad:
+            raise AutoparError(f"--fix tp={fixed['tp']} does not divide the {bad[0]} attention heads")
+    if "pp" in fixed and fixed["pp"] > max(1, len(graph.layers)):
+        raise AutoparError(f"--fix pp={fixed['pp']} exceeds the {len(graph.layers)} layers")
+    if all(k in fixed for k in ("dp", "tp", "pp")) and fixed["dp"] * fixed["tp"] * fixed["pp"] != n:
+        raise AutoparError(f"--fix dp*tp*pp = {fixed['dp'] * fixed['tp'] * fixed['pp']} but the cluster has {n}"
+                           " devices")
+    if "dp" in fixed and global_batch % fixed["dp"]:
+        raise AutoparError(f"global batch {global_batch} is not divisible by dp={fixed['dp']}")
+    if "dp" in fixed and "mbs" in fixed and global_batch % (fixed["dp"] * fixed["mbs"]):
+        raise AutoparError(f"global batch {global_batch} is not divisible by dp*mbs = {fixed['dp'] * fixed['mbs']}")
+    if fixed.get("v", 1) > 1 and fixed.get("schedule", "interleaved") != "interleaved":
+        raise AutoparError("v > 1 needs schedule=interleaved")
+
+
+def layouts(graph: OpGraph, cluster: Cluster, global_batch: int, fixed: dict[str, Any]) -> Iterator[Layout]:
+    """Every layout of the search space that satisfies ``fixed``."""
+    n, layers = cluster.gpus, max(1, len(graph.layers))
+    heads = attention_heads(graph)
+
+    def allowed(key: str, values: list[Any]) -> list[Any]:
+        return [fixed[key]] if key in fixed else values
+
+    for tp in allowed("tp", [d for d in divisors(n) if d <= cluster.gpus_per_node]):
+        if any(h % tp for h in heads):
+            continue
+        for pp in allowed("pp", [d for d in divisors(n // tp) if d <= layers]):
+            if (n // tp) % pp:
+                continue
+            dp = n // (tp * pp)
+            if ("dp" in fixed and fixed["dp"] != dp) or global_batch % dp:
+                continue
+            for mbs in allowed("mbs", [d for d in divisors(global_batch // dp) if d <= MAX_MBS]):
+                if global_batch % (dp * mbs):
+                    continue
+                m = global_batch // (dp * mbs)
+                for sp in allowed("sp", [False, True] if tp > 1 else [False]):
+                    for schedule, v in _schedules(pp, m, layers, fixed):
+                        for recompute in allowed("recompute", list(RECOMPUTE)):
+                            for zero in allowed("zero", [0, 1, 2, 3] if dp > 1 else [0]):
+                                yield Layout(dp=dp, tp=tp, pp=pp, mbs=mbs, num_microbatches=m, schedule=schedule,
+                                             v=v, recompute=recompute, sp=sp, zero=zero)
+
+
+def _schedules(pp: int, m: int, layers: int, fixed: dict[str, Any]) -> list[tuple[str, int]]:
+    if pp == 1:
+        options = [("1f1b", 1), ("gpipe", 1)]
+    else:
+        options = [("gpipe", 1), ("1f1b", 1)]
+        options += [("interleaved", v) for v in (2, 4) if layers % (pp * v) == 0 and m % pp == 0]
+    if "schedule" in fixed:
+        options = [o for o in options if o[0] == fixed["schedule"]]
+        if fixed["schedule"] == "interleaved" and "v" in fixed and pp > 1:
+            options = [("interleaved", fixed["v"])] if layers % (pp * fixed["v"]) == 0 else []
+    elif "v" in fixed:
+        options = [o for o in options if o[1] == fixed["v"]]
+    if pp == 1:
+        options = options[:1] if "schedule" not in fixed else options  # one stage: the schedules coincide
+    return options
+
+
+def _lower_bound(costs: dict[str, UnitCost], sequence: list[str], layout: Layout) -> float:
+    """Iteration time if every stage were perfectly balanced and nothing else cost anything."""
+    total = sum(costs[k].fwd_s + costs[k].bwd_s + costs[k].tp_fwd_s + costs[k].tp_bwd_s for k in sequence)
+    return layout.num_microbatches * total / layout.pp
+
+
+def search(graph: OpGraph, cluster: Cluster, ctx: PassContext, global_batch: int, fixed: dict[str, Any],
+           memory_budget_bytes: float, backend: Backend = "cbc", time_limit_s: float = 60.0, top_k: int = 1,
+           progress: Callable[[int], None] | None = None) -> SearchResult:
+    """The ``top_k`` fastest layouts that fit (or, if none fits, the closest ones marked ``fits=False``)."""
+    t0 = time.perf_counter()
+    check_fixed(graph, cluster, global_batch, fixed)
+    cache = UnitCostCache(graph, cluster, ctx, backend, time_limit_s)
+    sequence = unit_sequence(graph)
+    fitting: list[Candidate] = []
+    spill: list[Candidate] = []
+    evaluated = 0
+    for layout in layouts(graph, cluster, global_batch, fixed):
+        for variant in VARIANTS if layout.tp > 1 else VARIANTS[:1]:
+            costs, _ = cache.get(layout.tp, layout.mbs, layout.sp, variant)
+            bound = _lower_bound(costs, sequence, layout)
+            if len(fitting) >= top_k and bound >= fitting[top_k - 1].estimate.iteration_time_s:
+                continue
+            est = estimate_layout(graph, costs, layout, global_batch, cluster, ctx, memory_budget_bytes)
+            evaluated += 1
+            if progress is not None:
+                progress(evaluated)
+            if est is None:
+                continue
+            bucket = fitting if est.fits else spill
+            bucket.append(Candidate(est, variant))
+            bucket.sort(key=_rank)
+            del bucket[max(top_k, 1) * 4:]
+    chosen = _distinct(fitting, top_k) if fitting else _distinct(sorted(spill, key=_spill_rank), top_k)
+    return SearchResult(chosen, evaluated, cache.solves, time.perf_counter() - t0)
+
+
+def _rank(c: Candidate) -> tuple:
+    e = c.estimate
+    return (e.iteration_time_s, e.peak_memory_bytes, tuple(sorted(e.layout.to_dict().items())), c.variant)
+
+
+def _spill_rank(c: Candidate) -> tuple:
+    return (c.estimate.peak_memory_bytes, c.estimate.iteration_time_s, tuple(sorted(c.estimate.layout.to_dict().items())))
+
+
+def _distinct(cands: list[Candidate], k: int) -> list[Candidate]:
+    out, seen = [], set()
+    for c in cands:
+        key = c.estimate.layout
+        if key not in seen:
+            seen.add(key)
+            out.append(c)
+        if len(out) == k:
+            break
+    return out
+
+
+__all__ = ["Candidate", "SearchResult", "UnitCostCache", "check_fixed", "divisors", "layouts", "search"]
