@@ -1,4 +1,4 @@
-"""The ``autopar`` command.  Commands: ``plan`` (trace and summarize a model; later: solve a layout)."""
+"""The ``autopar`` command.  Commands: ``plan`` (trace, search, write a plan), ``evaluate`` (estimate given layouts)."""
 
 from __future__ import annotations
 
@@ -8,17 +8,21 @@ import os
 import sys
 import traceback
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 from rich.console import Console
 
 from autopar import __version__
-from autopar.cluster import PRESETS, cluster_from_args
+from autopar.cluster import PRESETS, Cluster, cluster_from_args
 from autopar.errors import AutoparError
-from autopar.frontend import trace_model
+from autopar.frontend import TracedModel, trace_model
+from autopar.layout import FIX_KEYS, normalize_fix, parse_fix
 from autopar.modelfile import parse_config
 from autopar.passes import PassContext
-from autopar.report import render_model_summary
+from autopar.plan_builder import build_plan
+from autopar.planner import search
+from autopar.report import human_bytes, render_model_summary, render_plan
 from autopar.summary import model_summary
 
 EXIT_OK, EXIT_INTERNAL, EXIT_USER = 0, 1, 2
@@ -49,6 +53,17 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--inter-node-gbps", type=float, metavar="X", help="per-GPU network line rate in Gb/s")
 
 
+def _add_search_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--global-batch", type=int, metavar="B",
+                   help="global batch size in samples (default: max(256, number of devices))")
+    p.add_argument("--memory-limit", type=float, metavar="GB",
+                   help="per-device memory limit in GiB (default: HBM minus the cluster's reserve)")
+    p.add_argument("--solver", choices=("cbc", "highs", "cpsat"), default="cbc", help="intra-op ILP backend")
+    p.add_argument("--time-limit", type=float, default=60.0, metavar="S", help="time limit of one ILP solve")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="autopar", description="Automatic parallelization planner for PyTorch training.")
     parser.add_argument("--version", action="version", version=f"autopar {__version__}")
@@ -57,32 +72,135 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="trace a model and plan its parallel layout")
     _add_model_args(plan)
     _add_cluster_args(plan)
-    plan.add_argument("--global-batch", type=int, metavar="B", help="global batch size in samples")
-    plan.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    plan.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    _add_search_args(plan)
+    plan.add_argument("--fix", metavar="KEY=VALUE,...", help=f"pin layout keys: {', '.join(FIX_KEYS)}")
+    plan.add_argument("--top", type=int, default=1, metavar="K", help="report the K best distinct layouts")
+    plan.add_argument("-o", "--output", metavar="DIR", help="write DIR/plan.json")
     plan.set_defaults(run=cmd_plan)
+
+    ev = sub.add_parser("evaluate", help="estimate candidate layouts given as JSON lines")
+    _add_model_args(ev)
+    _add_cluster_args(ev)
+    _add_search_args(ev)
+    ev.add_argument("--layouts", required=True, metavar="FILE.jsonl",
+                    help="one JSON object per line with --fix keys; the rest of each layout is searched")
+    ev.set_defaults(run=cmd_evaluate)
     return parser
 
 
-def cmd_plan(args: argparse.Namespace) -> int:
+def _setup(args: argparse.Namespace) -> tuple[Cluster, PassContext, TracedModel, int, float]:
     cluster = cluster_from_args(args.cluster, args.gpus, args.gpus_per_node, args.inter_node_gbps)
     if args.global_batch is not None and args.global_batch < 1:
         raise AutoparError("--global-batch must be >= 1")
+    if args.time_limit <= 0:
+        raise AutoparError("--time-limit must be positive")
     ctx = PassContext(cluster=cluster, attention=args.attention)
     traced = trace_model(args.model, parse_config(args.config), args.seq_len, ctx)
-    summary = model_summary(traced.graph, args.global_batch)
+    batch = args.global_batch if args.global_batch is not None else max(256, cluster.gpus)
+    if args.memory_limit is not None:
+        if args.memory_limit <= 0:
+            raise AutoparError("--memory-limit must be positive")
+        budget = args.memory_limit * 2**30
+    else:
+        budget = cluster.usable_memory_bytes
+    return cluster, ctx, traced, batch, budget
+
+
+def _progress(console: Console | None):
+    if console is None:
+        return None, None
+    from rich.progress import Progress, SpinnerColumn, TextColumn
+
+    progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), console=console, transient=True)
+    task = progress.add_task("searching layouts", total=None)
+    return progress, lambda n: progress.update(task, description=f"searching layouts: {n} evaluated")
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    fixed = parse_fix(args.fix)
+    if args.top < 1:
+        raise AutoparError("--top must be >= 1")
+    cluster, ctx, traced, batch, budget = _setup(args)
+    stderr = Console(stderr=True)
+    progress, tick = _progress(stderr if stderr.is_terminal else None)
+    if progress is not None:
+        progress.start()
+    try:
+        res = search(traced.graph, cluster, ctx, batch, fixed, budget, args.solver, args.time_limit, args.top, tick)
+    finally:
+        if progress is not None:
+            progress.stop()
+    best = res.best
+    if best is None:
+        raise AutoparError("no layout of the search space divides the cluster and the global batch "
+                           f"({cluster.gpus} devices, global batch {batch}, --fix {args.fix or 'none'})")
+    if not best.estimate.fits:
+        raise AutoparError(
+            f"no layout fits in {human_bytes(budget)} per device: the leanest needs "
+            f"{human_bytes(best.estimate.peak_memory_bytes)} (try more GPUs, --memory-limit, or "
+            "--fix recompute=full,zero=3)")
+    plan = build_plan(graph=traced.graph, model_ref=args.model, config=traced.config, cluster=cluster, ctx=ctx,
+                      global_batch=batch, estimate=best.estimate, strategies=best.strategies)
+    plan_file = None
+    if args.output:
+        plan_file = str(plan.save(Path(args.output) / "plan.json"))
     result: dict[str, Any] = {
         "autopar_version": __version__,
-        "model": summary,
+        "model": model_summary(traced.graph, batch),
         "cluster": {"name": cluster.name, "device": cluster.device, "gpus": cluster.gpus,
                     "gpus_per_node": cluster.gpus_per_node},
+        "layout": best.estimate.layout.to_dict(),
+        "estimate": best.estimate.to_dict(),
+        "solve": {"time_s": res.solve_time_s, "solver": args.solver, "status": "optimal",
+                  "layouts_evaluated": res.evaluated, "ilp_solves": res.ilp_solves},
+        "plan_file": plan_file,
+        "stages": plan.stages,
+        "candidates": [{"layout": c.estimate.layout.to_dict(), "estimate": c.estimate.to_dict()}
+                       for c in res.candidates],
     }
     if args.json:
         print(json.dumps(result, indent=2, sort_keys=True))
     else:
         console = Console()
-        render_model_summary(summary, args.model, console)
-        console.print(f"cluster: {cluster.name}, {cluster.gpus} x {cluster.device}, {cluster.gpus_per_node} per node")
+        render_model_summary(result["model"], args.model, console)
+        render_plan(result, console)
+    return EXIT_OK
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    path = Path(args.layouts)
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise AutoparError(f"cannot read {path}: {exc.strerror}") from exc
+    requests = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            raw = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise AutoparError(f"{path}:{i}: not a JSON object ({exc.msg})") from exc
+        if not isinstance(raw, dict):
+            raise AutoparError(f"{path}:{i}: expected a JSON object of layout keys")
+        requests.append((i, raw))
+    cluster, ctx, traced, batch, budget = _setup(args)
+    for i, raw in requests:
+        out: dict[str, Any] = {"line": i, "input": raw}
+        try:
+            fixed = normalize_fix(raw)
+            res = search(traced.graph, cluster, ctx, batch, fixed, budget, args.solver, args.time_limit, 1)
+            best = res.best
+            if best is None:
+                raise AutoparError("the layout does not divide the cluster and the global batch")
+            if not best.estimate.fits:
+                raise AutoparError(f"the layout does not fit: it needs {human_bytes(best.estimate.peak_memory_bytes)}"
+                                   f" per device, {human_bytes(budget)} available")
+            out["layout"] = best.estimate.layout.to_dict()
+            out["estimate"] = best.estimate.to_dict()
+        except AutoparError as exc:
+            out["error"] = str(exc)
+        print(json.dumps(out, sort_keys=True), flush=True)
     return EXIT_OK
 
 

@@ -71,6 +71,9 @@ class Cluster:
     """NCCL bus bandwidth across nodes as a fraction of the NIC line rate."""
     kernel_overhead_s: float
     """Fixed cost per launched kernel (launch latency and tail), added to every op."""
+    overlap_slowdown: float
+    """Fraction by which compute slows while a collective runs beside it (NCCL kernels occupy SMs and
+    memory bandwidth), so overlapped communication is never entirely free."""
     memory_reserve_bytes: float
     """Device memory not available to the plan (CUDA context, NCCL buffers, allocator fragmentation)."""
 
@@ -90,6 +93,8 @@ class Cluster:
                   "intra_node_collective_efficiency", "inter_node_collective_efficiency"):
             if not 0 < getattr(self, f) <= 1:
                 raise ClusterSpecError(f"cluster {self.name}: {f} must be in (0, 1]")
+        if not 0 <= self.overlap_slowdown < 1:
+            raise ClusterSpecError(f"cluster {self.name}: overlap_slowdown must be in [0, 1)")
 
     @property
     def num_nodes(self) -> int:

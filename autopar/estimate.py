@@ -32,7 +32,7 @@ from autopar.layout import Layout
 from autopar.passes.context import PassContext
 from autopar.passes.flops import total_flops
 from autopar.solvers.pipeline import bubble_s, in_flight_microbatches
-from autopar.solvers.stage_dp import split_stages
+from autopar.solvers.stage_dp import StageSplit, UnitLoad, split_stages, split_uniform_stages
 from autopar.unit_costs import POST, PRE, UnitCost, unit_sequence
 
 ADAM_BYTES_PER_PARAM = 28  # read master, m, v (4 each), grad (2); write master, m, v (4 each), weights (2)
@@ -104,27 +104,41 @@ def _unit_load(u: UnitCost, is_layer: bool, layout: Layout, cluster: Cluster, ct
     if z >= 3 and dp > 1:
         link = axis_link(cluster, dp, layout.tp)
         comm = 2 * all_gather_s(local * pol.weight_bytes, link) + reduce_scatter_s(local * pol.grad_bytes, link)
-        zero3 = max(0.0, comm - compute)
+        zero3 = _exposed(comm, compute, cluster)
         extra += 2 * local * pol.weight_bytes  # the gathered unit and the prefetched next one
     return _UnitLoad(compute + tp + recompute + zero3, compute, tp, recompute, zero3, u.bwd_s, state, act, extra)
 
 
+@dataclass(frozen=True, slots=True)
+class ModelFlops:
+    """FLOPs of one forward+backward pass per sample, computed once per model."""
+
+    model_per_sample: float
+    hardware_per_sample: float
+
+    @classmethod
+    def of(cls, graph: OpGraph) -> ModelFlops:
+        # per-sample nodes scale with the batch; the rest (tiny) is counted once per sample here
+        return cls(total_flops(graph, 1, "model"), total_flops(graph, 1, "hardware"))
+
+
 def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, global_batch: int,
-                    cluster: Cluster, ctx: PassContext, memory_budget_bytes: float) -> Estimate | None:
-    """Estimate ``layout``; ``None`` when no stage split fits ``memory_budget_bytes``."""
+                    cluster: Cluster, ctx: PassContext, memory_budget_bytes: float,
+                    flops: ModelFlops | None = None, allow_spill: bool = True) -> Estimate | None:
+    """Estimate ``layout``.  When no stage split fits ``memory_budget_bytes``: the best split ignoring
+    memory, marked ``fits=False``, if ``allow_spill``, else ``None``."""
     keys = unit_sequence(graph)
-    loads = [_unit_load(costs[k], k not in (PRE, POST), layout, cluster, ctx) for k in keys]
+    by_key = {k: _unit_load(costs[k], k not in (PRE, POST), layout, cluster, ctx) for k in set(keys)}
+    loads = [by_key[k] for k in keys]
     p, m, v = layout.pp, layout.num_microbatches, layout.v
     in_flight = [in_flight_microbatches(layout.schedule, i, p, m, v) for i in range(p)]
     tie_bytes = _tied_state_bytes(costs, layout, ctx) if p == 1 else 0.0
-    split = split_stages([x.time_s for x in loads], [x.state_bytes for x in loads],
-                         [x.activation_bytes for x in loads], in_flight, memory_budget_bytes + tie_bytes,
-                         [x.extra_bytes for x in loads])
+    split = _split(keys, by_key, loads, in_flight, memory_budget_bytes + tie_bytes)
     fits = split is not None
+    if split is None and not allow_spill:
+        return None
     if split is None:  # report the best split ignoring memory, marked as not fitting
-        split = split_stages([x.time_s for x in loads], [x.state_bytes for x in loads],
-                             [x.activation_bytes for x in loads], in_flight, float("inf"),
-                             [x.extra_bytes for x in loads])
+        split = _split(keys, by_key, loads, in_flight, float("inf"))
         if split is None:
             return None
     across = layout.dp * layout.tp >= cluster.gpus_per_node
@@ -147,7 +161,7 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
             last_bucket = (all_reduce_s if layout.zero == 0 else reduce_scatter_s)(
                 min(local * pol.grad_bytes, ctx.grad_bucket_bytes), dp_link)
             window = sum(x.bwd_s for x in units)
-            exposed = max(sync - window, last_bucket)
+            exposed = max(_exposed(sync, window, cluster), last_bucket)
             if layout.zero >= 1:
                 exposed += all_gather_s(local * pol.weight_bytes, dp_link)
         dp_exposed = max(dp_exposed, exposed)
@@ -172,8 +186,9 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
         "dp_comm_exposed_s": m * bn["zero3"] + dp_exposed,
     }
     iteration = sum(breakdown.values())
-    model_flops = total_flops(graph, global_batch, "model")
-    hw_flops = total_flops(graph, global_batch, "hardware") + _recompute_flops(costs, keys, layout, global_batch)
+    flops = flops or ModelFlops.of(graph)
+    model_flops = flops.model_per_sample * global_batch
+    hw_flops = flops.hardware_per_sample * global_batch + _recompute_flops(costs, keys, layout, global_batch)
     n = layout.devices
     peak = max(s.memory_bytes for s in stages)
     return Estimate(
@@ -182,6 +197,27 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
         tflops_per_gpu=model_flops / iteration / n / 1e12, mfu=model_flops / iteration / n / cluster.peak_flops,
         hfu=hw_flops / iteration / n / cluster.peak_flops, peak_memory_bytes=peak,
         fits=fits and peak <= memory_budget_bytes, breakdown=breakdown, stages=tuple(stages))
+
+
+def _exposed(comm_s: float, compute_s: float, cluster: Cluster) -> float:
+    """Time a collective adds when overlapped with ``compute_s`` of work: what does not fit beside the
+    compute, plus the compute's slowdown while both run."""
+    return max(0.0, comm_s - compute_s) + cluster.overlap_slowdown * min(comm_s, compute_s)
+
+
+def _split(keys: list[str], by_key: dict[str, _UnitLoad], loads: list[_UnitLoad], in_flight: list[float],
+           budget: float) -> StageSplit | None:
+    """The stage DP; the closed form when every layer is alike (the common case)."""
+    layer_keys = set(keys[1:-1])
+    if len(layer_keys) == 1:
+        pre, layer, post = (_as_solver_load(by_key[k]) for k in (keys[0], keys[1], keys[-1]))
+        return split_uniform_stages(pre, layer, post, len(keys) - 2, in_flight, budget)
+    return split_stages([x.time_s for x in loads], [x.state_bytes for x in loads],
+                        [x.activation_bytes for x in loads], in_flight, budget, [x.extra_bytes for x in loads])
+
+
+def _as_solver_load(x: _UnitLoad) -> UnitLoad:
+    return UnitLoad(x.time_s, x.state_bytes, x.activation_bytes, x.extra_bytes)
 
 
 def _tied_state_bytes(costs: dict[str, UnitCost], layout: Layout, ctx: PassContext) -> float:

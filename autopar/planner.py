@@ -10,14 +10,15 @@ Search space (each key can be pinned with ``fixed``):
 - recomputation none / selective / full, sequence parallelism on/off (with ``tp > 1``), ZeRO 0-3 (with
   ``dp > 1``).
 
-Unit costs depend only on ``(tp, mbs, sp)``: each is solved once by the intra-op ILP, twice in fact
-(fastest, and fastest among the leanest in memory), and reused by every layout; the rest is arithmetic
-plus the stage DP.  Layouts whose perfectly balanced lower bound cannot beat the K-th best so far skip
-the DP.
+Unit costs depend only on ``(tp, mbs, sp)``.  The intra-op ILP chooses strategies per ``(tp, sp)`` at a
+few reference micro-batch sizes, twice (fastest, and fastest among the leanest in memory); every layout
+reuses them, re-costed at its own micro-batch size; the rest is arithmetic plus the stage DP.  Layouts
+whose perfectly balanced lower bound cannot beat the K-th best so far skip the DP.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -25,15 +26,19 @@ from typing import Any
 
 from autopar.cluster import Cluster
 from autopar.errors import AutoparError
-from autopar.estimate import Estimate, estimate_layout
+from autopar.estimate import Estimate, ModelFlops, estimate_layout
 from autopar.ir import OpGraph
 from autopar.layout import RECOMPUTE, Layout
 from autopar.passes.context import PassContext
+from autopar.passes.sharding_costs import MeshSpec
 from autopar.passes.strategies import Strategy
 from autopar.solvers.ilp import Backend
 from autopar.unit_costs import UnitCost, solve_tp, unit_costs, unit_sequence
 
 MAX_MBS = 16
+#: The ILP picks strategies at these micro-batch sizes; other sizes reuse the nearest (in log scale) and
+#: only re-cost it.  The choice between sharding weights and activations moves with the batch slowly.
+REFERENCE_MBS = (1, 4, 16)
 VARIANTS = ("fast", "lean")  # ILP without memory limit, and at the least memory (+2 %)
 
 
@@ -41,6 +46,7 @@ VARIANTS = ("fast", "lean")  # ILP without memory limit, and at the least memory
 class Candidate:
     estimate: Estimate
     variant: str  # which intra-op solution the unit costs came from
+    strategies: dict[str, Strategy] = field(compare=False, repr=False, default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -80,15 +86,25 @@ class UnitCostCache:
         self.graph, self.cluster, self.ctx = graph, cluster, ctx
         self.backend, self.time_limit_s = backend, time_limit_s
         self._cache: dict[tuple, tuple[dict[str, UnitCost], dict[str, Strategy]]] = {}
+        self._solved: dict[tuple, tuple[MeshSpec, dict[str, Strategy]]] = {}
         self.solves = 0
+
+    def strategies(self, tp: int, mbs: int, sp: bool, variant: str) -> tuple[MeshSpec, dict[str, Strategy]]:
+        """The ILP's strategies, solved at the reference micro-batch nearest ``mbs``."""
+        ref = min(REFERENCE_MBS, key=lambda r: (abs(math.log2(r) - math.log2(mbs)), r))
+        key = (tp, ref, sp, variant if tp > 1 else "fast")
+        if key not in self._solved:
+            slack = 0.02 if variant == "lean" else None
+            mesh, strategies, sol = solve_tp(self.graph, self.cluster, self.ctx, tp, ref, sp, self.backend,
+                                             self.time_limit_s, grad_sync_weight=1 / 16, memory_slack=slack)
+            self.solves += sol is not None
+            self._solved[key] = (mesh, strategies)
+        return self._solved[key]
 
     def get(self, tp: int, mbs: int, sp: bool, variant: str) -> tuple[dict[str, UnitCost], dict[str, Strategy]]:
         key = (tp, mbs, sp, variant if tp > 1 else "fast")
         if key not in self._cache:
-            slack = 0.02 if variant == "lean" else None
-            mesh, strategies, sol = solve_tp(self.graph, self.cluster, self.ctx, tp, mbs, sp, self.backend,
-                                             self.time_limit_s, grad_sync_weight=1 / 16, memory_slack=slack)
-            self.solves += sol is not None
+            mesh, strategies = self.strategies(tp, mbs, sp, variant)
             self._cache[key] = (unit_costs(self.graph, strategies, mesh, mbs, self.cluster, self.ctx), strategies)
         return self._cache[key]
 
@@ -96,13 +112,13 @@ class UnitCostCache:
 def check_fixed(graph: OpGraph, cluster: Cluster, global_batch: int, fixed: dict[str, Any]) -> None:
     """Clear errors for pinned values that cannot work."""
     n = cluster.gpus
-    for key in ("dp", "tp", "pp"):
-        if key in fixed and n % fixed[key]:
-            raise AutoparError(f"--fix {key}={fixed[key]} does not divide the {n} devices")
     if "tp" in fixed:
         bad = [h for h in attention_heads(graph) if h % fixed["tp"]]
         if bad:
             raise AutoparError(f"--fix tp={fixed['tp']} does not divide the {bad[0]} attention heads")
+    for key in ("dp", "tp", "pp"):
+        if key in fixed and n % fixed[key]:
+            raise AutoparError(f"--fix {key}={fixed[key]} does not divide the {n} devices")
     if "pp" in fixed and fixed["pp"] > max(1, len(graph.layers)):
         raise AutoparError(f"--fix pp={fixed['pp']} exceeds the {len(graph.layers)} layers")
     if all(k in fixed for k in ("dp", "tp", "pp")) and fixed["dp"] * fixed["tp"] * fixed["pp"] != n:
@@ -176,36 +192,44 @@ def search(graph: OpGraph, cluster: Cluster, ctx: PassContext, global_batch: int
     check_fixed(graph, cluster, global_batch, fixed)
     cache = UnitCostCache(graph, cluster, ctx, backend, time_limit_s)
     sequence = unit_sequence(graph)
+    flops = ModelFlops.of(graph)
     fitting: list[Candidate] = []
     spill: list[Candidate] = []
     evaluated = 0
     for layout in layouts(graph, cluster, global_batch, fixed):
         for variant in VARIANTS if layout.tp > 1 else VARIANTS[:1]:
-            costs, _ = cache.get(layout.tp, layout.mbs, layout.sp, variant)
+            costs, strategies = cache.get(layout.tp, layout.mbs, layout.sp, variant)
             bound = _lower_bound(costs, sequence, layout)
             if len(fitting) >= top_k and bound >= fitting[top_k - 1].estimate.iteration_time_s:
                 continue
-            est = estimate_layout(graph, costs, layout, global_batch, cluster, ctx, memory_budget_bytes)
+            est = estimate_layout(graph, costs, layout, global_batch, cluster, ctx, memory_budget_bytes, flops,
+                                  allow_spill=not fitting)
             evaluated += 1
             if progress is not None:
                 progress(evaluated)
             if est is None:
                 continue
             bucket = fitting if est.fits else spill
-            bucket.append(Candidate(est, variant))
+            bucket.append(Candidate(est, variant, strategies))
             bucket.sort(key=_rank)
             del bucket[max(top_k, 1) * 4:]
     chosen = _distinct(fitting, top_k) if fitting else _distinct(sorted(spill, key=_spill_rank), top_k)
     return SearchResult(chosen, evaluated, cache.solves, time.perf_counter() - t0)
 
 
+def _layout_key(layout: Layout) -> tuple:
+    return (layout.dp, layout.tp, layout.pp, layout.mbs, layout.num_microbatches, layout.schedule, layout.v,
+            layout.recompute, layout.sp, layout.zero)
+
+
 def _rank(c: Candidate) -> tuple:
     e = c.estimate
-    return (e.iteration_time_s, e.peak_memory_bytes, tuple(sorted(e.layout.to_dict().items())), c.variant)
+    return (e.iteration_time_s, e.peak_memory_bytes, _layout_key(e.layout), c.variant)
 
 
 def _spill_rank(c: Candidate) -> tuple:
-    return (c.estimate.peak_memory_bytes, c.estimate.iteration_time_s, tuple(sorted(c.estimate.layout.to_dict().items())))
+    e = c.estimate
+    return (e.peak_memory_bytes, e.iteration_time_s, _layout_key(e.layout))
 
 
 def _distinct(cands: list[Candidate], k: int) -> list[Candidate]:

@@ -29,6 +29,14 @@ def human_flops(n: float) -> str:
     return f"{n:.0f} FLOP"
 
 
+def human_time(s: float) -> str:
+    if s >= 1:
+        return f"{s:.3f} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.2f} ms"
+    return f"{s * 1e6:.1f} us"
+
+
 def render_model_summary(summary: dict[str, Any], title: str, console: Console) -> None:
     table = Table(title=f"Model: {title}", show_header=False, title_justify="left")
     table.add_column("what", style="bold")
@@ -53,3 +61,51 @@ def render_model_summary(summary: dict[str, Any], title: str, console: Console) 
     table.add_row("traced", f"{summary['ops']} ops in {summary['trace_time_s']:.2f} s "
                             f"(backward {summary['backward']})")
     console.print(table)
+
+
+def layout_text(layout: dict[str, Any]) -> str:
+    sched = layout["schedule"] + (f" v={layout['v']}" if layout["v"] > 1 else "")
+    return (f"dp={layout['dp']} tp={layout['tp']} pp={layout['pp']} mbs={layout['mbs']} "
+            f"m={layout['num_microbatches']} {sched} recompute={layout['recompute']} "
+            f"sp={'on' if layout['sp'] else 'off'} zero={layout['zero']}")
+
+
+def render_plan(result: dict[str, Any], console: Console) -> None:
+    est, lay = result["estimate"], result["layout"]
+    table = Table(title="Plan", show_header=False, title_justify="left")
+    table.add_column("what", style="bold")
+    table.add_column("value")
+    table.add_row("layout", layout_text(lay))
+    table.add_row("mesh", f"pp={lay['pp']} x dp={lay['dp']} x tp={lay['tp']} = {lay['pp'] * lay['dp'] * lay['tp']}"
+                          " devices")
+    table.add_row("iteration", f"{human_time(est['iteration_time_s'])}  ({est['tokens_per_s']:,.0f} tokens/s)")
+    table.add_row("throughput", f"{est['tflops_per_gpu']:.1f} TFLOP/s per GPU, MFU {est['mfu']:.1%}, "
+                                f"HFU {est['hfu']:.1%}")
+    table.add_row("peak memory", f"{human_bytes(est['peak_memory_bytes'])} per device"
+                                 f" ({'fits' if est['fits'] else 'DOES NOT FIT'})")
+    for key, value in est["breakdown"].items():
+        table.add_row(f"  {key.removesuffix('_s').replace('_', ' ')}", human_time(value))
+    solve = result["solve"]
+    table.add_row("solve", f"{solve['time_s']:.2f} s ({solve['solver']}, {solve['status']}, "
+                           f"{solve['layouts_evaluated']} layouts, {solve['ilp_solves']} ILP solves)")
+    if result.get("plan_file"):
+        table.add_row("plan file", result["plan_file"])
+    console.print(table)
+    stages = Table(title="Stages", title_justify="left")
+    for col in ("stage", "layers", "ranks", "time / micro-batch", "memory"):
+        stages.add_column(col)
+    for s in result.get("stages", []):
+        extra = (" +emb" if s["has_embedding"] else "") + (" +head" if s["has_head"] else "")
+        stages.add_row(str(s["index"]), f"{s['layers'][0]}-{s['layers'][1] - 1}{extra}",
+                       f"{s['ranks'][0]}-{s['ranks'][1] - 1}", human_time(s["estimated_time_per_microbatch_s"]),
+                       human_bytes(s["estimated_memory_bytes"]))
+    console.print(stages)
+    if len(result.get("candidates", [])) > 1:
+        top = Table(title="Best layouts", title_justify="left")
+        for col in ("#", "layout", "iteration", "MFU", "memory"):
+            top.add_column(col)
+        for i, c in enumerate(result["candidates"]):
+            e = c["estimate"]
+            top.add_row(str(i + 1), layout_text(c["layout"]), human_time(e["iteration_time_s"]), f"{e['mfu']:.1%}",
+                        human_bytes(e["peak_memory_bytes"]))
+        console.print(top)

@@ -250,6 +250,11 @@ def _registry_strategies(graph: OpGraph, node: Node, batch: int) -> list[AxisStr
     if node.op in _RESHAPES and refs:
         node = Node(node.name, node.kind, "aten.reshape.default", args=(refs[0], list(node.out.shape_at(batch))),
                     outputs=node.outputs)
+    elif node.op == "aten.chunk.default" and refs:  # chunk(x, n, dim) == split(x, ceil(size / n), dim)
+        dim = node.args[2] if len(node.args) > 2 else 0
+        size = graph.tensor(refs[0]).shape_at(batch)[dim]
+        node = Node(node.name, node.kind, "aten.split.Tensor", args=(refs[0], -(-size // node.args[1]), dim),
+                    outputs=node.outputs)
     try:
         op = _resolve_op(node.op)
     except AttributeError:

@@ -45,11 +45,11 @@ def split_stages(time_s: list[float], state_bytes: list[float], activation_bytes
     s = np.concatenate([[0.0], np.cumsum(state_bytes)])
     a = np.concatenate([[0.0], np.cumsum(activation_bytes)])
     extra = np.asarray(extra_bytes if extra_bytes is not None else [0.0] * n, dtype=float)
-    # peak extra of units i..j-1: a running max table (n is small: layers of one model)
-    peak = np.zeros((n + 1, n + 1))
-    for i in range(n):
-        peak[i, i + 1:] = np.maximum.accumulate(extra[i:])
+    # peak[i, j] = max(extra[i:j]): a running max along each row of the upper triangle
     i_idx, j_idx = np.meshgrid(np.arange(n + 1), np.arange(n + 1), indexing="ij")
+    table = np.where(j_idx[:n, :n] >= i_idx[:n, :n], extra[None, :], -np.inf)
+    peak = np.zeros((n + 1, n + 1))
+    peak[:n, 1:] = np.maximum(np.maximum.accumulate(table, axis=1), 0.0)
     valid = j_idx > i_idx
     cost = np.where(valid, t[j_idx] - t[i_idx], np.inf)
     inf = np.inf
@@ -74,3 +74,89 @@ def split_stages(time_s: list[float], state_bytes: list[float], activation_bytes
     mems = tuple(float(s[bounds[k + 1]] - s[bounds[k]] + in_flight[k] * (a[bounds[k + 1]] - a[bounds[k]])
                        + peak[bounds[k], bounds[k + 1]]) for k in range(p))
     return StageSplit(tuple(bounds), times, mems)
+
+
+@dataclass(frozen=True, slots=True)
+class UnitLoad:
+    """What one unit costs a stage: time per micro-batch, state, activations per micro-batch, extra peak."""
+
+    time_s: float
+    state_bytes: float
+    activation_bytes: float
+    extra_bytes: float = 0.0
+
+
+def split_uniform_stages(pre: UnitLoad, layer: UnitLoad, post: UnitLoad, num_layers: int, in_flight: list[float],
+                         budget_bytes: float) -> StageSplit | None:
+    """``split_stages`` for the common chain ``pre, layer x L, post`` with identical layers, in O(p log L).
+
+    Stage ``k`` holding ``n_k >= 1`` layers costs ``n_k * t + [k = 0] t_pre + [k = p-1] t_post``; for a
+    target ``T`` each stage takes at most ``cap_k(T)`` layers (by time and by memory), and ``T`` is feasible
+    when ``sum_k cap_k(T) >= L``.  The least feasible ``T`` is found by bisection over the ``O(L)`` values
+    it can take; the layers are then dealt out within the caps.
+    """
+    p, n_layers = len(in_flight), num_layers
+    if p > n_layers or n_layers < 1:
+        return None
+
+    def fixed(k: int) -> tuple[float, float, float, float]:
+        t = s = a = e = 0.0
+        for unit, present in ((pre, k == 0), (post, k == p - 1)):
+            if present:
+                t, s, a, e = t + unit.time_s, s + unit.state_bytes, a + unit.activation_bytes, max(e, unit.extra_bytes)
+        return t, s, a, e
+
+    fixed_parts = [fixed(k) for k in range(p)]
+
+    def mem_cap(k: int) -> int:
+        _, s, a, e = fixed_parts[k]
+        per = layer.state_bytes + in_flight[k] * layer.activation_bytes
+        room = budget_bytes - s - in_flight[k] * a - max(e, layer.extra_bytes)
+        if per <= 0 or room == float("inf"):
+            return n_layers if room >= 0 else 0
+        return max(0, min(n_layers, int(room // per)))
+
+    mem_caps = np.array([mem_cap(k) for k in range(p)])
+    fixed_t = np.array([f[0] for f in fixed_parts])
+
+    def caps(t_max: float) -> np.ndarray:
+        slack = t_max - fixed_t
+        if layer.time_s <= 0:
+            n_time = np.where(slack >= 0, n_layers, 0)
+        else:
+            n_time = np.where(slack >= 0, np.floor(np.maximum(slack, 0.0) / layer.time_s + 1e-9), 0)
+        return np.minimum(n_time, mem_caps).astype(int)
+
+    def feasible(t_max: float) -> bool:
+        c = caps(t_max)
+        return int(c.min()) >= 1 and int(c.sum()) >= n_layers
+
+    candidates = np.unique(np.add.outer(np.unique(fixed_t), layer.time_s * np.arange(1, n_layers + 1)))
+    if not feasible(float(candidates[-1])):
+        return None
+    lo, hi = 0, len(candidates) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if feasible(float(candidates[mid])):
+            hi = mid
+        else:
+            lo = mid + 1
+    c = [int(x) for x in caps(float(candidates[lo]))]
+    counts = [1] * p  # every stage gets one layer, then fill the stages in order up to their caps
+    left = n_layers - p
+    for k in range(p):
+        take = min(left, c[k] - 1)
+        counts[k] += take
+        left -= take
+    bounds = [0]
+    for k in range(p):
+        bounds.append(bounds[-1] + counts[k] + (1 if k == 0 else 0))
+    bounds[-1] += 1  # post
+    times, mems = [], []
+    for k in range(p):
+        t, s, a, e = fixed_parts[k]
+        n = counts[k]
+        times.append(t + n * layer.time_s)
+        mems.append(s + n * layer.state_bytes + in_flight[k] * (a + n * layer.activation_bytes)
+                    + max(e, layer.extra_bytes if n else 0.0))
+    return StageSplit(tuple(bounds), tuple(times), tuple(mems))

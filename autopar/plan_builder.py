@@ -1,0 +1,98 @@
+"""Turn a chosen layout (an ``Estimate`` and its intra-op strategies) into a ``Plan``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from autopar.cluster import Cluster
+from autopar.estimate import Estimate
+from autopar.ir import OpGraph
+from autopar.passes.context import PassContext
+from autopar.passes.strategies import R, Strategy, tensor_refs
+from autopar.plan import Plan, model_fingerprint
+from autopar.unit_costs import POST, PRE, unit_sequence
+
+MESH_AXES = ("pp", "dp", "tp")
+
+
+def _param_tp_placements(graph: OpGraph, strategies: dict[str, Strategy]) -> dict[str, str]:
+    """FQN -> placement on the tp axis, as the first op reading the parameter requires it."""
+    out: dict[str, str] = {}
+    for n in graph.ops():
+        strat = strategies.get(n.name)
+        if strat is None:
+            continue
+        for k, r in enumerate(tensor_refs(n)):
+            src = graph[r.name]
+            if src.kind == "param" and src.target not in out:
+                p = strat[0].inputs[k] or R
+                out[src.target] = R if p == "P" else p  # a partial bias is added on one rank: stored replicated
+    return out
+
+
+def _param_stages(graph: OpGraph, est: Estimate) -> dict[str, int]:
+    """FQN -> the stage that owns it (tied parameters: the first stage that uses them)."""
+    keys = unit_sequence(graph)
+    stage_of_unit = {}
+    for s in est.stages:
+        for u in range(*s.units):
+            stage_of_unit[u] = s.index
+    first_layer_unit = 1
+    out: dict[str, int] = {}
+    seen_layer = False
+    for n in graph.ops():
+        if n.layer is not None:
+            seen_layer = True
+            unit = first_layer_unit + [layer.index for layer in graph.layers].index(n.layer)
+        else:
+            unit = len(keys) - 1 if seen_layer else 0
+        for r in tensor_refs(n):
+            src = graph[r.name]
+            if src.kind == "param":
+                out.setdefault(src.target, stage_of_unit[unit])
+    return out
+
+
+def build_plan(*, graph: OpGraph, model_ref: str, config: dict[str, Any], cluster: Cluster, ctx: PassContext,
+               global_batch: int, estimate: Estimate, strategies: dict[str, Strategy]) -> Plan:
+    lay = estimate.layout
+    tp_place = _param_tp_placements(graph, strategies)
+    stages_of = _param_stages(graph, estimate)
+    parameters = {}
+    for fqn, p in sorted(graph.params.items()):
+        placements = {"dp": "S(0)" if lay.zero >= 3 and lay.dp > 1 else R, "tp": tp_place.get(fqn, R)}
+        parameters[fqn] = {"shape": list(p.shape), "dtype": p.dtype, "stage": stages_of.get(fqn, 0),
+                           "placements": placements, "aliases": list(p.aliases)}
+    keys = unit_sequence(graph)
+    per_stage = lay.dp * lay.tp
+    stages = []
+    for s in estimate.stages:
+        stages.append({
+            "index": s.index, "layers": list(s.layers),
+            "has_embedding": s.units[0] == 0, "has_head": s.units[1] == len(keys),
+            "ranks": [s.index * per_stage, (s.index + 1) * per_stage],
+            "micro_batch": lay.mbs, "recompute": lay.recompute,
+            "estimated_time_per_microbatch_s": s.time_s, "estimated_memory_bytes": s.memory_bytes,
+        })
+    first_of_type = {}
+    for layer in graph.layers:
+        first_of_type.setdefault(layer.structural_hash, layer.index)
+    rep_layers = set(first_of_type.values())
+    ops = {}
+    for n in graph.ops():
+        if (n.layer is None or n.layer in rep_layers) and n.name in strategies:
+            strat = strategies[n.name]
+            ops[n.name] = {"tp": {"outputs": list(strat[0].outputs), "inputs": list(strat[0].inputs)},
+                           "module": n.module, "op": n.op}
+    model = {"ref": model_ref, "config": config, "fingerprint": model_fingerprint(graph, config),
+             "layer_container": graph.layer_container, "num_layers": len(graph.layers),
+             "layer_types": {h: idx for h, idx in first_of_type.items()}, "units": [k for k in keys
+                                                                                    if k not in (PRE, POST)]}
+    return Plan(
+        model=model, cluster=cluster.to_dict(), global_batch=global_batch, seq_len=graph.seq_len,
+        mesh={"axes": list(MESH_AXES), "shape": [lay.pp, lay.dp, lay.tp]}, layout=lay.to_dict(),
+        stages=stages, schedule={"name": lay.schedule, "virtual_stages": lay.v,
+                                 "num_microbatches": lay.num_microbatches},
+        zero=lay.zero, parameters=parameters, estimate=estimate.to_dict(), op_strategies=ops,
+        attention=ctx.attention,
+    )

@@ -1,0 +1,53 @@
+"""Benchmark: end-to-end planning time (trace + passes + full search), printed and written as JSON.
+
+Targets: GPT-3 175B on 1024 a100-80gb, global batch 1536, seq 2048: <= 30 s; GPT-3 39B on 64: <= 10 s.
+
+    python benchmarks/planning_time.py
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from autopar.passes import PassContext
+
+from autopar.cluster import load_cluster
+from autopar.frontend import trace_model
+from autopar.planner import search
+
+CASES = [
+    # name, config, gpus, global batch, target seconds
+    ("gpt3-175b", {"layers": 96, "hidden": 12288, "heads": 96, "vocab": 51200, "seq_len": 2048}, 1024, 1536, 30),
+    ("gpt3-39b", {"layers": 48, "hidden": 8192, "heads": 64, "vocab": 51200, "seq_len": 2048}, 64, 1536, 10),
+]
+
+
+def main() -> None:
+    rows = []
+    for name, cfg, gpus, batch, target in CASES:
+        cluster = load_cluster("a100-80gb").with_overrides(gpus=gpus)
+        ctx = PassContext(cluster=cluster)
+        t0 = time.perf_counter()
+        traced = trace_model("gpt", cfg, ctx=ctx)
+        t1 = time.perf_counter()
+        res = search(traced.graph, cluster, ctx, batch, {}, cluster.usable_memory_bytes)
+        t2 = time.perf_counter()
+        est = res.best.estimate
+        row = {"case": name, "gpus": gpus, "global_batch": batch, "trace_s": round(t1 - t0, 2),
+               "search_s": round(t2 - t1, 2), "total_s": round(t2 - t0, 2), "target_s": target,
+               "layouts_evaluated": res.evaluated, "ilp_solves": res.ilp_solves, "layout": est.layout.to_dict(),
+               "iteration_time_s": est.iteration_time_s, "mfu": est.mfu}
+        rows.append(row)
+        print(f"{name}: {row['total_s']:.1f} s (trace {row['trace_s']:.1f}, search {row['search_s']:.1f}; target "
+              f"{target} s) {res.evaluated} layouts, {res.ilp_solves} ILP solves -> {est.layout.to_dict()} "
+              f"{est.iteration_time_s:.2f} s/iter, MFU {est.mfu:.1%}")
+    out = Path(__file__).parent / "results" / "planning_time.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(rows, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""Pipeline schedule arithmetic and the stage DP."""
+
+from __future__ import annotations
+
+import pytest
+from autopar.solvers.pipeline import bubble_s, in_flight_microbatches, pipeline_time_s
+from autopar.solvers.stage_dp import UnitLoad, split_stages, split_uniform_stages
+
+
+@pytest.mark.parametrize("p,m", [(4, 8), (4, 2), (8, 16)])
+def test_in_flight_follows_the_schedule(p, m):
+    for i in range(p):
+        assert in_flight_microbatches("gpipe", i, p, m) == m
+        assert in_flight_microbatches("1f1b", i, p, m) == min(p - i, m)
+    assert in_flight_microbatches("1f1b", 0, 1, m) == 1  # no pipeline: plain gradient accumulation
+
+
+def test_interleaving_divides_the_bubble():
+    times = [1.0, 1.0, 1.0, 1.0]
+    assert bubble_s(times, 1) == pytest.approx(3.0)
+    for v in (2, 4):
+        assert bubble_s(times, v) == pytest.approx(3.0 / v)
+    assert pipeline_time_s(times, 8, 1) == pytest.approx(8 + 3)
+    # interleaved warm-up keeps more chunks in flight on early stages
+    assert in_flight_microbatches("interleaved", 0, 4, 8, 2) > in_flight_microbatches("1f1b", 0, 4, 8)
+
+
+def test_stage_dp_balances_uneven_units():
+    # embedding 3, four layers of 2, head 5: best 2 stages -> [emb, l, l] (7) | [l, l, head] (9)
+    times = [3.0, 2.0, 2.0, 2.0, 2.0, 5.0]
+    split = split_stages(times, [0.0] * 6, [0.0] * 6, [1.0, 1.0], float("inf"))
+    assert split.boundaries == (0, 3, 6) and max(split.stage_times_s) == 9.0
+
+
+def test_stage_dp_respects_memory():
+    times = [1.0] * 4
+    act = [10.0] * 4
+    # stage 0 holds 2 micro-batches in flight, stage 1 one: memory pushes layers to stage 1
+    split = split_stages(times, [0.0] * 4, act, [2.0, 1.0], 30.0)
+    assert split.boundaries == (0, 1, 4)
+    assert split_stages(times, [0.0] * 4, act, [2.0, 1.0], 15.0) is None
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4])
+def test_uniform_split_matches_the_general_dp(p):
+    pre, layer, post = UnitLoad(3.0, 1.0, 2.0), UnitLoad(2.0, 4.0, 3.0, 1.0), UnitLoad(5.0, 1.0, 6.0)
+    n = 8
+    in_flight = [float(p - i) for i in range(p)]
+    for budget in (float("inf"), 80.0, 60.0):
+        fast = split_uniform_stages(pre, layer, post, n, in_flight, budget)
+        units = [pre, *[layer] * n, post]
+        general = split_stages([u.time_s for u in units], [u.state_bytes for u in units],
+                               [u.activation_bytes for u in units], in_flight, budget, [u.extra_bytes for u in units])
+        assert (fast is None) == (general is None)
+        if fast is not None:
+            assert max(fast.stage_times_s) == pytest.approx(max(general.stage_times_s))
+            assert all(m <= budget for m in fast.stage_memory_bytes)
