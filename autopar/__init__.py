@@ -3,7 +3,8 @@
 Public API::
 
     graph = autopar.trace(model, example_inputs)        # OpGraph (fake tensors, no real memory)
-    cluster = autopar.Cluster / autopar.load_cluster("a100-80gb")
+    cluster = autopar.load_cluster("a100-80gb")        # a Cluster
+    plan = autopar.Plan.load("out/plan.json")            # a saved plan
 """
 
 from __future__ import annotations

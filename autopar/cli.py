@@ -151,7 +151,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                     "gpus_per_node": cluster.gpus_per_node},
         "layout": best.estimate.layout.to_dict(),
         "estimate": best.estimate.to_dict(),
-        "solve": {"time_s": res.solve_time_s, "solver": args.solver, "status": "optimal",
+        "solve": {"time_s": res.solve_time_s, "solver": args.solver, "status": res.ilp_status,
                   "layouts_evaluated": res.evaluated, "ilp_solves": res.ilp_solves},
         "plan_file": plan_file,
         "stages": plan.stages,

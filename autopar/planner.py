@@ -55,7 +55,9 @@ class SearchResult:
     evaluated: int
     ilp_solves: int
     solve_time_s: float
-    errors: list[str] = field(default_factory=list)
+    ilp_status: str = "optimal"
+    """The weakest status of the intra-op solves: ``optimal``, or ``feasible`` when a time limit stopped
+    one before it proved optimality (no ILP: ``optimal``, the replicated layout is the only one)."""
 
     @property
     def best(self) -> Candidate | None:
@@ -88,6 +90,7 @@ class UnitCostCache:
         self._cache: dict[tuple, tuple[dict[str, UnitCost], dict[str, Strategy]]] = {}
         self._solved: dict[tuple, tuple[MeshSpec, dict[str, Strategy]]] = {}
         self.solves = 0
+        self.statuses: set[str] = set()
 
     def strategies(self, tp: int, mbs: int, sp: bool, variant: str) -> tuple[MeshSpec, dict[str, Strategy]]:
         """The ILP's strategies, solved at the reference micro-batch nearest ``mbs``."""
@@ -97,7 +100,9 @@ class UnitCostCache:
             slack = 0.02 if variant == "lean" else None
             mesh, strategies, sol = solve_tp(self.graph, self.cluster, self.ctx, tp, ref, sp, self.backend,
                                              self.time_limit_s, grad_sync_weight=1 / 16, memory_slack=slack)
-            self.solves += sol is not None
+            if sol is not None:
+                self.solves += 1
+                self.statuses.add(sol.result.status)
             self._solved[key] = (mesh, strategies)
         return self._solved[key]
 
@@ -214,7 +219,8 @@ def search(graph: OpGraph, cluster: Cluster, ctx: PassContext, global_batch: int
             bucket.sort(key=_rank)
             del bucket[max(top_k, 1) * 4:]
     chosen = _distinct(fitting, top_k) if fitting else _distinct(sorted(spill, key=_spill_rank), top_k)
-    return SearchResult(chosen, evaluated, cache.solves, time.perf_counter() - t0)
+    status = "feasible" if cache.statuses - {"optimal"} else "optimal"
+    return SearchResult(chosen, evaluated, cache.solves, time.perf_counter() - t0, status)
 
 
 def _layout_key(layout: Layout) -> tuple:

@@ -81,13 +81,13 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, block: type[nn.Module] = Block) -> None:
         super().__init__()
         self.cfg = cfg
         self.tok = nn.Embedding(cfg.vocab, cfg.hidden)
         self.pos = nn.Embedding(cfg.seq_len, cfg.hidden)
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.layers)})
+        self.blocks = nn.ModuleDict({str(i): block(cfg) for i in range(cfg.layers)})
         self.ln_f = nn.LayerNorm(cfg.hidden)
         self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
         if cfg.tie_embeddings:

@@ -82,17 +82,7 @@ class Block(gpt.Block):
 
 class MoETransformer(gpt.GPT):
     def __init__(self, cfg: MoEConfig) -> None:
-        nn.Module.__init__(self)
-        self.cfg = cfg
-        self.tok = nn.Embedding(cfg.vocab, cfg.hidden)
-        self.pos = nn.Embedding(cfg.seq_len, cfg.hidden)
-        self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.layers)})
-        self.ln_f = nn.LayerNorm(cfg.hidden)
-        self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
-        if cfg.tie_embeddings:
-            self.head.weight = self.tok.weight
-        self.init_weights()
+        super().__init__(cfg, block=Block)
 
 
 def build_model(**config) -> MoETransformer:

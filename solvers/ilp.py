@@ -20,7 +20,11 @@ thread and a fixed seed, so the same request gives the same answer.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 import time
+from collections.abc import Iterator
 from typing import Literal
 
 from autopar.solvers.evaluate import min_memory_bytes, objective_s
@@ -96,9 +100,11 @@ def _solve_pulp(request: SolverRequest, backend: Backend) -> SolverResult:
     limit = max(1, int(request.time_limit_s))
     if backend == "highs":
         solver = pulp.HiGHS(msg=False, timeLimit=limit, threads=1, random_seed=0)
+        with _quiet_stdout():  # highspy prints a banner from C++ even with msg=False
+            prob.solve(solver)
     else:
         solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=limit, threads=1, options=["randomSeed 0", "randomCbcSeed 0"])
-    prob.solve(solver)
+        prob.solve(solver)
     elapsed = time.perf_counter() - t0
     sol = prob.sol_status
     if sol not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
@@ -111,6 +117,20 @@ def _solve_pulp(request: SolverRequest, backend: Backend) -> SolverResult:
     return SolverResult(status="optimal" if optimal else "feasible", solver=backend, choice=choice, objective_s=obj,
                         bound_s=obj if optimal else None, solve_time_s=elapsed, num_variables=n_vars,
                         num_constraints=n_cons)
+
+
+@contextlib.contextmanager
+def _quiet_stdout() -> Iterator[None]:
+    """Silence file descriptor 1 (native libraries write to it directly, past ``sys.stdout``)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 1)
+            yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def _solve_cpsat(request: SolverRequest) -> SolverResult:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 Status = Literal["optimal", "feasible", "infeasible", "timeout"]
@@ -67,7 +67,6 @@ class SolverResult:
     num_variables: int = 0
     num_constraints: int = 0
     min_memory_bytes: float | None = None  # set when infeasible: the least memory any choice needs
-    notes: tuple[str, ...] = field(default=())
 
     @property
     def gap(self) -> float | None:
