@@ -1,4 +1,5 @@
-"""The ``autopar`` command.  Commands: ``plan`` (trace, search, write a plan), ``evaluate`` (estimate given layouts)."""
+"""The ``autopar`` command: ``plan`` (trace, search, write a plan), ``evaluate`` (estimate given layouts),
+``verify`` (run a plan locally and compare with one process)."""
 
 from __future__ import annotations
 
@@ -85,6 +86,14 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--layouts", required=True, metavar="FILE.jsonl",
                     help="one JSON object per line with --fix keys; the rest of each layout is searched")
     ev.set_defaults(run=cmd_evaluate)
+
+    ver = sub.add_parser("verify", help="run a plan locally (CPU, gloo) and compare with one process")
+    ver.add_argument("plan", metavar="PLAN.json")
+    ver.add_argument("--steps", type=int, default=3, help="training steps to compare (default 3)")
+    ver.add_argument("--tolerance", type=float, default=1e-4, help="max relative difference (default 1e-4)")
+    ver.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    ver.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    ver.set_defaults(run=cmd_verify)
     return parser
 
 
@@ -202,6 +211,28 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
             out["error"] = str(exc)
         print(json.dumps(out, sort_keys=True), flush=True)
     return EXIT_OK
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from autopar.runtime.verify import verify
+
+    if args.steps < 1:
+        raise AutoparError("--steps must be >= 1")
+    res = verify(args.plan, steps=args.steps, tolerance=args.tolerance)
+    out = {"ok": res.ok, "losses": res.losses, "reference_losses": res.reference_losses,
+           "loss_rel_diff": res.loss_rel_diff, "grad_rel_diff": res.grad_rel_diff,
+           "param_rel_diff": res.param_rel_diff, "tolerance": res.tolerance,
+           "sharded_parameters": res.sharded_parameters}
+    if args.json:
+        print(json.dumps(out, indent=2, sort_keys=True))
+    else:
+        got = ", ".join(f"{x:.6f}" for x in res.losses)
+        want = ", ".join(f"{x:.6f}" for x in res.reference_losses)
+        Console().print(f"losses {got} (reference {want})\n"
+                        f"max relative difference: loss {res.loss_rel_diff:.2e}, grads {res.grad_rel_diff:.2e}, "
+                        f"params {res.param_rel_diff:.2e} (tolerance {res.tolerance:.0e}): "
+                        f"{'OK' if res.ok else 'FAILED'}")
+    return EXIT_OK if res.ok else EXIT_INTERNAL
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from autopar.cluster import Cluster
 from autopar.estimate import Estimate
 from autopar.ir import OpGraph
+from autopar.modelfile import ZOO
 from autopar.passes.context import PassContext
 from autopar.passes.strategies import R, Strategy, tensor_refs
 from autopar.plan import Plan, model_fingerprint
@@ -84,7 +86,8 @@ def build_plan(*, graph: OpGraph, model_ref: str, config: dict[str, Any], cluste
             strat = strategies[n.name]
             ops[n.name] = {"tp": {"outputs": list(strat[0].outputs), "inputs": list(strat[0].inputs)},
                            "module": n.module, "op": n.op}
-    model = {"ref": model_ref, "config": config, "fingerprint": model_fingerprint(graph, config),
+    path = None if model_ref in ZOO else str(Path(model_ref).resolve())
+    model = {"ref": model_ref, "path": path, "config": config, "fingerprint": model_fingerprint(graph, config),
              "layer_container": graph.layer_container, "num_layers": len(graph.layers),
              "layer_types": {h: idx for h, idx in first_of_type.items()}, "units": [k for k in keys
                                                                                     if k not in (PRE, POST)]}

@@ -1,0 +1,84 @@
+"""``autopar verify``: run a plan locally (CPU, gloo, torch's launcher) and compare with one process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from autopar.errors import AutoparError
+from autopar.plan import Plan
+from autopar.runtime.apply import check_supported
+from autopar.runtime.session import reference_run
+
+MAX_LOCAL_RANKS = 8
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyResult:
+    losses: list[float]
+    reference_losses: list[float]
+    loss_rel_diff: float
+    grad_rel_diff: float
+    param_rel_diff: float
+    tolerance: float
+    sharded_parameters: bool
+    """Whether the distributed run held its parameters as DTensors (FSDP / tensor parallel)."""
+
+    @property
+    def ok(self) -> bool:
+        return max(self.loss_rel_diff, self.grad_rel_diff, self.param_rel_diff) <= self.tolerance
+
+
+#: Tensors that are zero in exact arithmetic (the gradient of a key bias: softmax ignores a constant
+#: shift, about 1e-11 here) are compared against this fraction of the largest magnitude in their group
+#: (gradients, or parameters) instead of their own: a tensor 1000x smaller than the largest is judged
+#: by the absolute error that a 1e-4 relative tolerance allows on 0.1 % of the scale.
+ZERO_FLOOR = 1e-3
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor, floor: float = 1e-12) -> float:
+    """Largest absolute difference over the reference's largest magnitude (or ``floor``)."""
+    if not b.numel():
+        return 0.0
+    scale = max(float(b.abs().max()), floor)
+    return float((a.float() - b.float()).abs().max()) / scale
+
+
+def _max_rel(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    missing = sorted(set(want) - set(got))
+    if missing:
+        raise AutoparError(f"the distributed run lost parameter {missing[0]}")
+    biggest = max((float(t.abs().max()) for t in want.values() if t.numel()), default=0.0)
+    return max((_rel(got[k], want[k], ZERO_FLOOR * biggest) for k in want), default=0.0)
+
+
+def verify(plan_path: str | Path, steps: int = 3, seed: int = 0, lr: float = 0.1, tolerance: float = 1e-4,
+           timeout_s: float = 600) -> VerifyResult:
+    plan = Plan.load(plan_path)
+    check_supported(plan)
+    n = plan.num_devices
+    if n > MAX_LOCAL_RANKS:
+        raise AutoparError(f"verify runs plans of at most {MAX_LOCAL_RANKS} ranks locally; this one has {n}")
+    with tempfile.TemporaryDirectory(prefix="autopar-verify-") as tmp:
+        out = Path(tmp) / "rank0.pt"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
+               "-m", "autopar.runtime.worker", str(plan_path), str(out), "--steps", str(steps),
+               "--seed", str(seed), "--lr", str(lr)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "AUTOPAR_DEVICE": "cpu"}
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s)
+        if proc.returncode != 0 or not out.exists():
+            errors = [line for line in proc.stderr.splitlines() if line.startswith("autopar: error")]
+            detail = errors[0] if errors else (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            raise AutoparError(f"the distributed run failed: {detail}")
+        got = torch.load(out, weights_only=True)
+    want = reference_run(plan, steps, seed, lr)
+    losses = torch.tensor(got["losses"])
+    ref = torch.tensor(want["losses"])
+    return VerifyResult(got["losses"], want["losses"], _rel(losses, ref), _max_rel(got["grads"], want["grads"]),
+                        _max_rel(got["params"], want["params"]), tolerance, bool(got["sharded"]))

@@ -1,0 +1,51 @@
+"""One rank of ``autopar verify``: ``python -m torch.distributed.run ... -m autopar.runtime.worker PLAN OUT``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+import torch.distributed as dist
+
+from autopar.errors import AutoparError
+from autopar.plan import Plan
+from autopar.runtime.apply import apply
+from autopar.runtime.session import batch_for_step, build_model
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("plan")
+    ap.add_argument("out")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lr", type=float, default=0.1)
+    args = ap.parse_args()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    try:
+        plan = Plan.load(args.plan)
+        session = build_model(plan, args.seed)
+        trainer = apply(plan, session.model, session.loss_fn, args.lr)
+        losses = [trainer.step(batch_for_step(plan, session, step, args.seed)) for step in range(args.steps)]
+        grads = {n: _full(p.grad).detach() for n, p in trainer.model.named_parameters() if p.grad is not None}
+        params = {n: _full(p).detach() for n, p in trainer.model.named_parameters()}
+        sharded = any(hasattr(p, "full_tensor") for p in trainer.model.parameters())
+        if rank == 0:
+            torch.save({"losses": losses, "grads": grads, "params": params, "sharded": sharded}, args.out)
+        dist.barrier()
+        return 0
+    except AutoparError as exc:
+        print(f"autopar: error (rank {rank}): {exc}", file=sys.stderr)
+        return 2
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
