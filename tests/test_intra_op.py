@@ -72,6 +72,8 @@ def test_wide_mlp_on_8_gpus_is_megatron():
     cfg = IntraOpConfig(batch=8)
     sol = _solve(g, mesh, cfg)
     assert sol.result.status == "optimal"
+    cpsat = _solve(g, mesh, IntraOpConfig(batch=8, backend="cpsat")).result
+    assert cpsat.objective_s == pytest.approx(sol.result.objective_s, rel=1e-6)
     assert sol.param_placements["fc1.weight"] == ("S(0)",)  # column-parallel (weight is [out, in])
     assert sol.placements_by_axis()["fc2.bias"] == {"tp": "R"}  # added on one rank: stored replicated
     assert sol.op_strategies()["linear"]["tp"] == {"outputs": ["S(1)"], "inputs": ["R", "S(0)", "S(0)"]}
@@ -85,6 +87,8 @@ def test_narrow_mlp_with_large_batch_is_data_parallel():
     g = _mlp_graph(64)
     mesh = MeshSpec.on_cluster(A100, ("tp",), (8,))
     sol = _solve(g, mesh, IntraOpConfig(batch=4096))
+    cpsat = _solve(g, mesh, IntraOpConfig(batch=4096, backend="cpsat")).result
+    assert cpsat.objective_s == pytest.approx(sol.result.objective_s, rel=1e-6)
     assert all(p == ("R",) for p in sol.param_placements.values())
     for n in g.ops():
         if n.op == "aten.linear.default":
@@ -104,12 +108,12 @@ def gpt3_block():
     return trace_model("gpt", cfg, ctx=CTX).graph
 
 
-def _block_solution(graph, sp: bool):
+def _block_solution(graph, sp: bool, backend: str = "cbc"):
     cluster = A100.with_overrides(gpus=32)
     mesh = MeshSpec.on_cluster(cluster, ("dp", "tp"), (4, 8))
     # one pipeline stage of 24 identical layers: ZeRO-1, 64 micro-batches, 4 in flight
     cfg = IntraOpConfig(batch=4, zero=1, grad_sync_weight=1 / 64, activation_multiplier=4,
-                        memory_budget_bytes=cluster.usable_memory_bytes, sequence_parallel=sp)
+                        memory_budget_bytes=cluster.usable_memory_bytes, sequence_parallel=sp, backend=backend)
     nodes = [n.name for n in graph.ops() if n.layer is not None]
     return solve_intra_op(graph, nodes, mesh, cfg, cluster, CTX)
 
@@ -133,6 +137,13 @@ def test_gpt_block_on_dp4_tp8(gpt3_block, sp):
             assert strat[0].outputs[0] == "S(0)"  # batch on dp
             if node.op == "aten.layer_norm.default":
                 assert strat[1].outputs[0] == ("S(1)" if sp else "R")  # sequence parallel when available
+
+
+@pytest.mark.parametrize("sp", [True, False])
+def test_backends_agree_on_the_gpt_block(gpt3_block, sp):
+    cbc, cpsat = (_block_solution(gpt3_block, sp, b).result for b in ("cbc", "cpsat"))
+    assert cbc.status == cpsat.status == "optimal"
+    assert cbc.objective_s == pytest.approx(cpsat.objective_s, rel=1e-6)
 
 
 def test_sequence_parallelism_pays(gpt3_block):
