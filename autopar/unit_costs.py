@@ -62,12 +62,16 @@ def unit_sequence(graph: OpGraph) -> list[str]:
 
 
 def _unit_nodes(graph: OpGraph) -> dict[str, list[str]]:
-    """Op nodes of one instance of every unit (the first layer of each type)."""
-    first_layer: dict[str, int] = {}
+    """Op nodes of one instance of every unit.
+
+    A layer type is read off its second occurrence when there is one: its input then comes from a layer
+    like itself, as for all but the first layer of the stack.
+    """
+    instances: dict[str, list[int]] = {}
     for layer in graph.layers:
-        first_layer.setdefault(layer.structural_hash, layer.index)
-    wanted = {idx: h for h, idx in first_layer.items()}
-    units: dict[str, list[str]] = {PRE: [], POST: [], **{h: [] for h in first_layer}}
+        instances.setdefault(layer.structural_hash, []).append(layer.index)
+    wanted = {idx[1] if len(idx) > 1 else idx[0]: h for h, idx in instances.items()}
+    units: dict[str, list[str]] = {PRE: [], POST: [], **{h: [] for h in instances}}
     seen_layer = False
     for n in graph.ops():
         if n.layer is not None:
