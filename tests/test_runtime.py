@@ -68,12 +68,37 @@ def test_verify_batch_on_the_tp_axis(tmp_path, capsys):
     assert all(p["placements"]["tp"] == "R" for p in plan["parameters"].values())
 
 
-def test_verify_refuses_plans_it_cannot_run_yet(tmp_path, capsys):
-    plan = _plan(tmp_path, "pp=2")
+DEEP = ["--config", "layers=4,hidden=256,heads=8,vocab=256,seq_len=16", "--cluster", "cpu"]
+EIGHT = ["--config", "layers=8,hidden=128,heads=4,vocab=256,seq_len=16", "--cluster", "cpu"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("config", "fix"), [
+    (DEEP, "pp=2,tp=2,sp=off,schedule=1f1b"),
+    (DEEP, "pp=2,dp=2,schedule=1f1b,recompute=selective,zero=0"),
+    (EIGHT, "pp=4,schedule=gpipe"),
+    (EIGHT, "pp=4,schedule=interleaved,v=2"),
+], ids=["pp2xtp2-1f1b", "pp2xdp2-selective", "pp4-gpipe", "pp4-interleaved-v2"])
+def test_verify_pipeline_plans(tmp_path, capsys, config, fix):
+    plan = _verify(tmp_path, capsys, "gpt", config, fix)
+    assert plan["layout"]["pp"] in (2, 4) and len(plan["stages"]) == plan["layout"]["pp"]
+
+
+@pytest.mark.slow
+def test_verify_full_recompute_with_fsdp_and_tp(tmp_path, capsys):
+    _verify(tmp_path, capsys, "gpt", WIDE, "dp=2,tp=2,sp=off,zero=3,recompute=full")
+
+
+def test_verify_refuses_what_it_cannot_run_yet(tmp_path, capsys):
+    cfg = ["--config", "layers=2,hidden=128,heads=4,vocab=256,seq_len=16,experts=4", "--cluster", "cpu"]
+    assert main(["plan", "moe", *cfg, "--global-batch", "8", "--fix", "dp=2,tp=2,sp=off", "-o", str(tmp_path)]) == 0
+    plan = json.loads((tmp_path / "plan.json").read_text())
     capsys.readouterr()
-    code = main(["verify", plan])
+    code = main(["verify", str(tmp_path / "plan.json")])
     err = capsys.readouterr().err
-    assert code == 2 and "the pipeline runtime is not implemented yet" in err
+    # the ILP shards the stacked experts on tp (expert parallelism), which needs an all-to-all runtime
+    assert plan["parameters"]["blocks.0.mlp.w_in"]["placements"]["tp"] == "S(0)"
+    assert code == 2 and "no parallelize_module style expresses" in err
 
 
 def test_verify_rejects_large_plans(tmp_path, capsys):

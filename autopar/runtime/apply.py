@@ -24,6 +24,7 @@ from torch import nn
 
 from autopar.errors import AutoparError
 from autopar.plan import Plan
+from autopar.runtime.pipeline import PipelineRunner, clean_fqn
 from autopar.runtime.tensor_parallel import tp_styles
 
 
@@ -42,6 +43,13 @@ class DistributedTrainer:
     dp_group: dist.ProcessGroup | None = None
     """Group over which gradients are averaged when the model is not FSDP-sharded (ZeRO 0)."""
     fsdp: bool = False
+    pipeline: PipelineRunner | None = None
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """This rank's parameters under their model FQNs."""
+        if self.pipeline is not None:
+            return self.pipeline.named_parameters()
+        return [(clean_fqn(n), p) for n, p in self.model.named_parameters()]
 
     @property
     def local_batch(self) -> int:
@@ -61,13 +69,16 @@ class DistributedTrainer:
         m, mbs = self.num_microbatches, self.micro_batch
         self.optimizer.zero_grad(set_to_none=True)
         total = torch.zeros(())
-        for i in range(m):
-            micro = [x[i * mbs:(i + 1) * mbs] for x in local]
-            loss = self.loss_fn(self.model(*micro), *micro) / m
-            loss.backward()
-            total += loss.detach()
+        if self.pipeline is not None:
+            total = self.pipeline.step(local)
+        else:
+            for i in range(m):
+                micro = [x[i * mbs:(i + 1) * mbs] for x in local]
+                loss = self.loss_fn(self.model(*micro), *micro) / m
+                loss.backward()
+                total += loss.detach()
         if not self.fsdp and self.dp_size > 1:
-            for p in self.model.parameters():
+            for _, p in self.named_parameters():
                 if p.grad is not None:
                     g = p.grad._local_tensor if hasattr(p.grad, "_local_tensor") else p.grad
                     dist.all_reduce(g, op=dist.ReduceOp.SUM, group=self.dp_group)
@@ -79,21 +90,12 @@ class DistributedTrainer:
         return float(total)
 
 
-def check_supported(plan: Plan) -> None:
-    """Refuse plans whose runtime does not exist yet, before anything is launched."""
-    lay = plan.layout
-    if lay["pp"] > 1:
-        raise AutoparError(f"this autopar runs plans without pipeline stages only (the plan has pp={lay['pp']}); "
-                           "the pipeline runtime is not implemented yet")
-
-
 def _check_launch(plan: Plan) -> int:
     if not dist.is_initialized():
         raise AutoparError("autopar.apply needs torch.distributed to be initialized (run under torchrun)")
     world = dist.get_world_size()
     if world != plan.num_devices:
         raise AutoparError(f"world size {world} differs from the plan's {plan.num_devices} devices")
-    check_supported(plan)
     return world
 
 
@@ -110,36 +112,78 @@ def _retie(model: nn.Module, plan: Plan) -> None:
         for alias in p.get("aliases", []):
             owner, _, name = alias.rpartition(".")
             src_owner, _, src_name = fqn.rpartition(".")
-            setattr(model.get_submodule(owner), name, getattr(model.get_submodule(src_owner), src_name))
+            try:
+                dst, src = model.get_submodule(owner), model.get_submodule(src_owner)
+            except AttributeError:  # a pipeline stage holds only one of the two: it keeps its own copy
+                continue
+            if dst is not None and src is not None:
+                setattr(dst, name, getattr(src, src_name))
+
+
+def _checkpoint(module: nn.Module, plan: Plan) -> None:
+    """Activation checkpointing per the plan: every block (``full``) or its attention (``selective``)."""
+    mode = plan.layout["recompute"]
+    if mode == "none" or not plan.model.get("layer_container"):
+        return
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    blocks = module.get_submodule(plan.model["layer_container"])
+    for key, block in list(blocks.named_children()):
+        if mode == "full":
+            blocks.register_module(key, checkpoint_wrapper(block))
+            continue
+        for name, child in list(block.named_children()):
+            if "attention" in type(child).__name__.lower() or name in ("attn", "self_attn", "attention"):
+                block.register_module(name, checkpoint_wrapper(child))
+
+
+def _shard(module: nn.Module, plan: Plan, mesh: object, styles: dict | None) -> bool:
+    """TP, activation checkpointing, then FSDP on one module (the model, or one pipeline stage).
+
+    Returns whether FSDP was applied.
+    """
+    if styles:
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        parallelize_module(module, mesh["tp"], styles)
+        _retie(module, plan)
+    _checkpoint(module, plan)
+    dp = mesh["dp"].size()
+    if plan.zero >= 1 and dp > 1:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in _blocks(module, plan.model.get("layer_container")):
+            fully_shard(block, mesh=mesh["dp"], reshard_after_forward=plan.zero >= 3)
+        fully_shard(module, mesh=mesh["dp"], reshard_after_forward=plan.zero >= 3)
+        return True
+    return False
 
 
 def apply(plan: Plan, model: nn.Module, loss_fn: Callable[..., torch.Tensor], lr: float = 0.1) -> DistributedTrainer:
-    """Apply ``plan`` to ``model`` (same FQNs as when planned) on this rank; returns a trainer."""
+    """Apply ``plan`` to ``model`` (same FQNs as when planned) on this rank; returns a trainer.
+
+    Order as torchtitan applies it: pipeline split, then TP, activation checkpointing, FSDP on each stage.
+    """
     from torch.distributed.device_mesh import init_device_mesh
 
     _check_launch(plan)
-    rank = dist.get_rank()
-    dp, tp = plan.layout["dp"], plan.layout["tp"]
+    pp, dp, tp = plan.layout["pp"], plan.layout["dp"], plan.layout["tp"]
     device = "cuda" if torch.cuda.is_available() and os.environ.get("AUTOPAR_DEVICE") != "cpu" else "cpu"
     styles = tp_styles(plan, model) if tp > 1 else None
     micro_batch = plan.layout["mbs"]
     if tp > 1 and styles is None:  # the plan shards only the batch on tp: run it as data parallelism
         dp, tp, micro_batch = dp * tp, 1, micro_batch // tp
-    mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp"))
-    if styles:
-        from torch.distributed.tensor.parallel import parallelize_module
-
-        parallelize_module(model, mesh["tp"], styles)
-        _retie(model, plan)
-    fsdp = plan.zero >= 1 and dp > 1
-    if fsdp:
-        from torch.distributed.fsdp import fully_shard
-
-        for block in _blocks(model, plan.model.get("layer_container")):
-            fully_shard(block, mesh=mesh["dp"], reshard_after_forward=plan.zero >= 3)
-        fully_shard(model, mesh=mesh["dp"], reshard_after_forward=plan.zero >= 3)
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    dp_rank = mesh.get_local_rank("dp")
-    del rank
-    return DistributedTrainer(plan, model, optimizer, loss_fn, dp_rank, dp, micro_batch, mesh["dp"].get_group(),
-                              fsdp)
+    mesh = init_device_mesh(device, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+    runner = None
+    if pp > 1:
+        runner = PipelineRunner(plan, model, loss_fn, mesh, micro_batch)
+        fsdp = False
+        for module in runner.modules:
+            fsdp = _shard(module, plan, mesh, tp_styles(plan, module) if styles else None) or fsdp
+        params = runner.parameters()
+    else:
+        fsdp = _shard(model, plan, mesh, styles)
+        params = list(model.parameters())
+    optimizer = torch.optim.SGD(params, lr=lr)
+    return DistributedTrainer(plan, model, optimizer, loss_fn, mesh.get_local_rank("dp"), dp, micro_batch,
+                              mesh["dp"].get_group(), fsdp, runner)

@@ -71,7 +71,8 @@ def tp_styles(plan: Plan, model: nn.Module) -> dict[str, Any] | None:
                 styles[name] = ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
         if name in styles:
             handled.update(f"{name}.{p}" if name else p for p, _ in mod.named_parameters(recurse=False))
-    unhandled = sorted(f for f, v in placement.items() if v != "R" and f not in handled)
+    present = {n for n, _ in model.named_parameters(remove_duplicate=False)}  # a pipeline stage holds a part
+    unhandled = sorted(f for f, v in placement.items() if v != "R" and f not in handled and f in present)
     if unhandled:
         raise AutoparError(f"the plan shards {unhandled[0]} as {placement[unhandled[0]]} on tp, which no "
                            "parallelize_module style expresses; per-op DTensor redistribution is not implemented yet")

@@ -13,7 +13,6 @@ import torch
 
 from autopar.errors import AutoparError
 from autopar.plan import Plan
-from autopar.runtime.apply import check_supported
 from autopar.runtime.session import reference_run
 
 MAX_LOCAL_RANKS = 8
@@ -61,7 +60,6 @@ def _max_rel(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> flo
 def verify(plan_path: str | Path, steps: int = 3, seed: int = 0, lr: float = 0.1, tolerance: float = 1e-4,
            timeout_s: float = 600) -> VerifyResult:
     plan = Plan.load(plan_path)
-    check_supported(plan)
     n = plan.num_devices
     if n > MAX_LOCAL_RANKS:
         raise AutoparError(f"verify runs plans of at most {MAX_LOCAL_RANKS} ranks locally; this one has {n}")

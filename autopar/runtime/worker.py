@@ -33,11 +33,21 @@ def main() -> int:
         session = build_model(plan, args.seed)
         trainer = apply(plan, session.model, session.loss_fn, args.lr)
         losses = [trainer.step(batch_for_step(plan, session, step, args.seed)) for step in range(args.steps)]
-        grads = {n: _full(p.grad).detach() for n, p in trainer.model.named_parameters() if p.grad is not None}
-        params = {n: _full(p).detach() for n, p in trainer.model.named_parameters()}
-        sharded = any(hasattr(p, "full_tensor") for p in trainer.model.parameters())
+        named = trainer.named_parameters()
+        grads = {n: _full(p.grad).detach() for n, p in named if p.grad is not None}
+        params = {n: _full(p).detach() for n, p in named}
+        sharded = any(hasattr(p, "full_tensor") for _, p in named)
+        # pipeline stages hold different parameters: collect every rank's on rank 0
+        gathered: list[dict] = [None] * dist.get_world_size()  # type: ignore[list-item]
+        dist.all_gather_object(gathered, {"grads": grads, "params": params, "sharded": sharded})
         if rank == 0:
-            torch.save({"losses": losses, "grads": grads, "params": params, "sharded": sharded}, args.out)
+            for part in gathered[1:]:
+                for key in ("grads", "params"):
+                    for n, t in part[key].items():
+                        grads_or_params = grads if key == "grads" else params
+                        grads_or_params.setdefault(n, t)
+            torch.save({"losses": losses, "grads": grads, "params": params,
+                        "sharded": any(part["sharded"] for part in gathered)}, args.out)
         dist.barrier()
         return 0
     except AutoparError as exc:

@@ -1,0 +1,169 @@
+"""Pipeline stages from a plan: prune the model to this rank's layers and drive a torch pipelining schedule.
+
+Stages are built the way torchtitan builds them: every rank holds the whole model (same seed), then
+drops what its stages do not own.  The block stack's entries become ``None`` outside the stage's layer
+range; the modules before the stack (embeddings) stay on the first stage only, the ones after it (final
+norm, head) on the last only.  The model's ``forward`` must tolerate the missing pieces, as the zoo
+models do.  With ``v`` virtual stages the layers are cut into ``pp * v`` chunks dealt out round-robin
+(chunk ``j`` on pipeline rank ``j % pp``), as Megatron-LM interleaves them.
+
+Tied parameters shared by the first and last stage (embedding and head) get one copy per stage; their
+gradients are summed over a dedicated group of the two ranks before the optimizer step.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autopar.errors import AutoparError
+from autopar.plan import Plan
+
+
+def clean_fqn(name: str) -> str:
+    """The model FQN of a parameter seen through wrappers (activation checkpointing inserts a level)."""
+    return name.replace("_checkpoint_wrapped_module.", "")
+
+
+def layer_chunks(num_layers: int, pp: int, v: int) -> list[tuple[int, int]]:
+    """Layer ranges of the ``pp * v`` chunks (as even as possible, earlier chunks one longer)."""
+    n = pp * v
+    base, extra = divmod(num_layers, n)
+    out, start = [], 0
+    for j in range(n):
+        size = base + (1 if j < extra else 0)
+        out.append((start, start + size))
+        start += size
+    return out
+
+
+def stage_layer_ranges(plan: Plan) -> list[tuple[int, int]]:
+    """Layer range of every chunk, in pipeline order (the plan's stages when ``v == 1``)."""
+    lay = plan.layout
+    if lay["v"] == 1:
+        return [tuple(s["layers"]) for s in plan.stages]
+    return layer_chunks(plan.model["num_layers"], lay["pp"], lay["v"])
+
+
+def _top_level_split(model: nn.Module, container: str) -> tuple[list[str], list[str]]:
+    """Names of the root's children before and after the block stack."""
+    names = [n for n, _ in model.named_children()]
+    top = container.split(".")[0]
+    i = names.index(top)
+    return names[:i], names[i + 1:]
+
+
+def prune_to_stage(model: nn.Module, plan: Plan, chunk: int) -> nn.Module:
+    """A copy of ``model`` holding only chunk ``chunk``'s layers (plus embeddings / head at the ends)."""
+    ranges = stage_layer_ranges(plan)
+    lo, hi = ranges[chunk]
+    first, last = chunk == 0, chunk == len(ranges) - 1
+    container = plan.model["layer_container"]
+    stage = copy.deepcopy(model)
+    blocks = stage.get_submodule(container)
+    if not isinstance(blocks, nn.ModuleDict):
+        raise AutoparError(f"pipeline stages need the block stack {container!r} to be a ModuleDict keyed by "
+                           "layer index (so FQNs survive the split); it is a " + type(blocks).__name__)
+    for key in list(blocks.keys()):
+        if not lo <= int(key) < hi:
+            del blocks[key]
+    before, after = _top_level_split(stage, container)
+    for name in before if not first else []:
+        setattr(stage, name, None)
+    for name in after if not last else []:
+        setattr(stage, name, None)
+    return stage
+
+
+def tied_pairs(plan: Plan) -> list[tuple[str, str]]:
+    """(canonical FQN, alias) of every tied parameter."""
+    return [(fqn, alias) for fqn, p in plan.parameters.items() for alias in p.get("aliases", [])]
+
+
+class PipelineRunner:
+    """This rank's stages and schedule; ``step`` runs one iteration's micro-batches."""
+
+    def __init__(self, plan: Plan, model: nn.Module, loss_fn: Callable[..., torch.Tensor], mesh: object,
+                 micro_batch: int) -> None:
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+        lay = plan.layout
+        self.plan = plan
+        self.pp_rank = mesh.get_local_rank("pp")
+        self.pp = lay["pp"]
+        v = lay["v"]
+        chunks = [self.pp_rank + k * self.pp for k in range(v)]
+        self.modules = [prune_to_stage(model, plan, c) for c in chunks]
+        group = mesh["pp"].get_group()
+        device = torch.device("cpu")
+        self.stages = [PipelineStage(m, c, self.pp * v, device, group=group) for m, c in zip(self.modules, chunks)]
+        self.has_first = 0 in chunks
+        self.has_last = self.pp * v - 1 in chunks
+        n = lay["num_microbatches"]
+
+        def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            return loss_fn(output, target)
+
+        if lay["schedule"] == "interleaved":
+            self.schedule = ScheduleInterleaved1F1B(self.stages, n_microbatches=n, loss_fn=loss)
+        elif lay["schedule"] == "gpipe":
+            self.schedule = ScheduleGPipe(self.stages[0], n_microbatches=n, loss_fn=loss)
+        else:
+            self.schedule = Schedule1F1B(self.stages[0], n_microbatches=n, loss_fn=loss)
+        self.mesh = mesh
+        self.micro_batch = micro_batch
+        self._tie_group = self._make_tie_group()
+
+    def _make_tie_group(self) -> dist.ProcessGroup | None:
+        """One group per (dp, tp) coordinate of the first and last pipeline ranks; every rank creates all."""
+        if not any(p.get("aliases") for p in self.plan.parameters.values()) or self.pp == 1:
+            return None
+        mine = None
+        ranks = self.mesh.mesh  # [pp, dp, tp] tensor of global ranks
+        for first, last in zip(ranks[0].flatten().tolist(), ranks[-1].flatten().tolist()):
+            g = dist.new_group([first, last])
+            if dist.get_rank() in (first, last):
+                mine = g
+        return mine
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for m in self.modules for p in m.parameters()]
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return [(clean_fqn(n), p) for m in self.modules for n, p in m.named_parameters()]
+
+    def step(self, local_inputs: list[torch.Tensor]) -> torch.Tensor:
+        """Run the schedule on this dp rank's batch; returns the mean loss (on every pipeline rank)."""
+        ids = local_inputs[0]
+        losses: list[torch.Tensor] = []
+        if self.has_first and self.has_last:
+            self.schedule.step(ids, target=ids, losses=losses)
+        elif self.has_first:
+            self.schedule.step(ids)
+        elif self.has_last:
+            self.schedule.step(target=ids, losses=losses)
+        else:
+            self.schedule.step()
+        loss = torch.stack(losses).mean().detach() if losses else torch.zeros(())
+        pp_group = self.mesh["pp"].get_group()  # the last stage knows the loss: share it along the pipeline
+        dist.broadcast(loss, src=dist.get_global_rank(pp_group, self.pp - 1), group=pp_group)
+        self._sum_tied_grads()
+        return loss
+
+    def _sum_tied_grads(self) -> None:
+        if self._tie_group is None:
+            return
+        names = dict(self.named_parameters())
+        for fqn, alias in tied_pairs(self.plan):
+            p = names.get(fqn, names.get(alias))
+            if p is None or p.grad is None:
+                continue
+            g = p.grad.redistribute(p.grad.device_mesh, p.placements) if hasattr(p.grad, "redistribute") else p.grad
+            local = g._local_tensor if hasattr(g, "_local_tensor") else g
+            dist.all_reduce(local, group=self._tie_group)
+            if g is not p.grad:
+                p.grad = g
