@@ -107,3 +107,52 @@ def test_verify_rejects_large_plans(tmp_path, capsys):
     capsys.readouterr()
     code = main(["verify", str(tmp_path / "plan.json")])
     assert code == 2 and "at most 8 ranks" in capsys.readouterr().err
+
+
+MODEL_FILE = '''
+from autopar.models import gpt
+
+
+def build_model(**config):
+    return gpt.build_model(**{{"layers": 2, "hidden": {hidden}, "heads": 4, "vocab": 128, "seq_len": 32, **config}})
+'''
+
+
+def test_verify_rejects_a_changed_model(tmp_path, capsys):
+    model = tmp_path / "model.py"
+    model.write_text(MODEL_FILE.format(hidden=64))
+    assert main(["plan", str(model), "--cluster", "cpu", "--global-batch", "8", "--fix", "dp=4",
+                 "-o", str(tmp_path)]) == 0
+    model.write_text(MODEL_FILE.format(hidden=128))  # the user changed the model after planning
+    capsys.readouterr()
+    code = main(["verify", str(tmp_path / "plan.json")])
+    err = capsys.readouterr().err
+    assert code == 2 and "the model does not match the plan" in err
+
+
+def test_apply_checks_world_size_and_parameters(tmp_path, capsys):
+    import torch.distributed as dist
+    from autopar.models import gpt
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from autopar.errors import AutoparError
+    from autopar.plan import Plan
+    from autopar.runtime import apply
+
+    plan_file = _plan(tmp_path, "dp=4")
+    capsys.readouterr()
+    plan = Plan.load(plan_file)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        model = gpt.build_model(layers=2, hidden=64, heads=4, vocab=128, seq_len=32)
+        with pytest.raises(AutoparError, match="world size 2 differs from the plan's 4 devices"):
+            apply(plan, model, lambda out, x: out.mean())
+    finally:
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        other = gpt.build_model(layers=3, hidden=64, heads=4, vocab=128, seq_len=32)
+        with pytest.raises(AutoparError, match="the model does not match the plan"):
+            apply(plan, other, lambda out, x: out.mean())
+    finally:
+        dist.destroy_process_group()

@@ -90,13 +90,18 @@ class DistributedTrainer:
         return float(total)
 
 
-def _check_launch(plan: Plan) -> int:
+def _check_launch(plan: Plan, model: nn.Module) -> None:
+    """World size and parameter table must be the plan's (checked on every rank before anything runs)."""
     if not dist.is_initialized():
         raise AutoparError("autopar.apply needs torch.distributed to be initialized (run under torchrun)")
     world = dist.get_world_size()
     if world != plan.num_devices:
         raise AutoparError(f"world size {world} differs from the plan's {plan.num_devices} devices")
-    return world
+    have = {n: list(p.shape) for n, p in model.named_parameters()}
+    want = {n: p["shape"] for n, p in plan.parameters.items()}
+    if have != want:
+        diff = sorted(set(have) ^ set(want)) or sorted(n for n in have if have[n] != want.get(n))
+        raise AutoparError(f"the model does not match the plan (parameter {diff[0]} differs)")
 
 
 def _blocks(model: nn.Module, container: str | None) -> list[nn.Module]:
@@ -166,7 +171,7 @@ def apply(plan: Plan, model: nn.Module, loss_fn: Callable[..., torch.Tensor], lr
     """
     from torch.distributed.device_mesh import init_device_mesh
 
-    _check_launch(plan)
+    _check_launch(plan, model)
     pp, dp, tp = plan.layout["pp"], plan.layout["dp"], plan.layout["tp"]
     device = "cuda" if torch.cuda.is_available() and os.environ.get("AUTOPAR_DEVICE") != "cpu" else "cpu"
     styles = tp_styles(plan, model) if tp > 1 else None

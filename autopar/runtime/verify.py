@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from autopar.errors import AutoparError
+from autopar.frontend import trace_model
 from autopar.plan import Plan
 from autopar.runtime.session import reference_run
 
@@ -60,6 +61,8 @@ def _max_rel(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> flo
 def verify(plan_path: str | Path, steps: int = 3, seed: int = 0, lr: float = 0.1, tolerance: float = 1e-4,
            timeout_s: float = 600) -> VerifyResult:
     plan = Plan.load(plan_path)
+    traced = trace_model(plan.model.get("path") or plan.model["ref"], dict(plan.model["config"]), plan.seq_len)
+    plan.check_model(traced.graph, traced.config)
     n = plan.num_devices
     if n > MAX_LOCAL_RANKS:
         raise AutoparError(f"verify runs plans of at most {MAX_LOCAL_RANKS} ranks locally; this one has {n}")
