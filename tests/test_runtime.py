@@ -156,3 +156,19 @@ def test_apply_checks_world_size_and_parameters(tmp_path, capsys):
             apply(plan, other, lambda out, x: out.mean())
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_checkpoint_moves_between_plans(tmp_path, capsys):
+    from autopar.plan import Plan
+    from autopar.runtime.session import reference_run
+    from autopar.runtime.verify import run_plan
+
+    for name, fix in (("a", "dp=2,tp=2,sp=off,zero=3"), ("b", "pp=2,dp=2,schedule=1f1b,zero=0")):
+        assert main(["plan", "gpt", *DEEP, "--global-batch", "8", "--fix", fix, "-o", str(tmp_path / name)]) == 0
+    capsys.readouterr()
+    first = run_plan(tmp_path / "a" / "plan.json", 2, checkpoint=tmp_path / "ckpt")
+    second = run_plan(tmp_path / "b" / "plan.json", 2, start_step=2, resume=tmp_path / "ckpt")
+    ref = reference_run(Plan.load(tmp_path / "a" / "plan.json"), 4, 0, 0.1)
+    losses = first["losses"] + second["losses"]
+    assert losses == pytest.approx(ref["losses"], rel=1e-4)

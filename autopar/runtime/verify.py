@@ -58,11 +58,11 @@ def _max_rel(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> flo
     return max((_rel(got[k], want[k], ZERO_FLOOR * biggest) for k in want), default=0.0)
 
 
-def verify(plan_path: str | Path, steps: int = 3, seed: int = 0, lr: float = 0.1, tolerance: float = 1e-4,
-           timeout_s: float = 600) -> VerifyResult:
+def run_plan(plan_path: str | Path, steps: int, *, seed: int = 0, lr: float = 0.1, start_step: int = 0,
+             resume: str | Path | None = None, checkpoint: str | Path | None = None,
+             timeout_s: float = 600) -> dict:
+    """Launch the plan on local CPU ranks with torch's launcher; rank 0's losses, grads and params."""
     plan = Plan.load(plan_path)
-    traced = trace_model(plan.model.get("path") or plan.model["ref"], dict(plan.model["config"]), plan.seq_len)
-    plan.check_model(traced.graph, traced.config)
     n = plan.num_devices
     if n > MAX_LOCAL_RANKS:
         raise AutoparError(f"verify runs plans of at most {MAX_LOCAL_RANKS} ranks locally; this one has {n}")
@@ -70,14 +70,24 @@ def verify(plan_path: str | Path, steps: int = 3, seed: int = 0, lr: float = 0.1
         out = Path(tmp) / "rank0.pt"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
                "-m", "autopar.runtime.worker", str(plan_path), str(out), "--steps", str(steps),
-               "--seed", str(seed), "--lr", str(lr)]
+               "--seed", str(seed), "--lr", str(lr), "--start-step", str(start_step)]
+        cmd += ["--resume", str(resume)] if resume else []
+        cmd += ["--checkpoint", str(checkpoint)] if checkpoint else []
         env = {**os.environ, "OMP_NUM_THREADS": "1", "AUTOPAR_DEVICE": "cpu"}
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s)
         if proc.returncode != 0 or not out.exists():
             errors = [line for line in proc.stderr.splitlines() if line.startswith("autopar: error")]
             detail = errors[0] if errors else (proc.stderr.strip().splitlines() or ["no output"])[-1]
             raise AutoparError(f"the distributed run failed: {detail}")
-        got = torch.load(out, weights_only=True)
+        return torch.load(out, weights_only=True)
+
+
+def verify(plan_path: str | Path, steps: int = 3, seed: int = 0, lr: float = 0.1, tolerance: float = 1e-4,
+           timeout_s: float = 600) -> VerifyResult:
+    plan = Plan.load(plan_path)
+    traced = trace_model(plan.model.get("path") or plan.model["ref"], dict(plan.model["config"]), plan.seq_len)
+    plan.check_model(traced.graph, traced.config)
+    got = run_plan(plan_path, steps, seed=seed, lr=lr, timeout_s=timeout_s)
     want = reference_run(plan, steps, seed, lr)
     losses = torch.tensor(got["losses"])
     ref = torch.tensor(want["losses"])

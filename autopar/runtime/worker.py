@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from autopar.errors import AutoparError
 from autopar.plan import Plan
+from autopar.runtime import checkpoint
 from autopar.runtime.apply import apply
 from autopar.runtime.session import batch_for_step, build_model
 
@@ -25,6 +26,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lr", type=float, default=0.1)
+    ap.add_argument("--start-step", type=int, default=0, help="index of the first step (its data)")
+    ap.add_argument("--resume", help="load the model state from this DCP checkpoint first")
+    ap.add_argument("--checkpoint", help="save the model state to this DCP checkpoint at the end")
     args = ap.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -32,7 +36,12 @@ def main() -> int:
         plan = Plan.load(args.plan)
         session = build_model(plan, args.seed)
         trainer = apply(plan, session.model, session.loss_fn, args.lr)
-        losses = [trainer.step(batch_for_step(plan, session, step, args.seed)) for step in range(args.steps)]
+        if args.resume:
+            checkpoint.load(trainer, args.resume)
+        steps = range(args.start_step, args.start_step + args.steps)
+        losses = [trainer.step(batch_for_step(plan, session, step, args.seed)) for step in steps]
+        if args.checkpoint:
+            checkpoint.save(trainer, args.checkpoint)
         named = trainer.named_parameters()
         grads = {n: _full(p.grad).detach() for n, p in named if p.grad is not None}
         params = {n: _full(p).detach() for n, p in named}
