@@ -1,5 +1,5 @@
 """The ``autopar`` command: ``plan`` (trace, search, write a plan), ``evaluate`` (estimate given layouts),
-``verify`` (run a plan locally and compare with one process)."""
+``codegen`` (plan -> training script), ``verify`` (run a plan locally and compare with one process)."""
 
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_search_args(plan)
     plan.add_argument("--fix", metavar="KEY=VALUE,...", help=f"pin layout keys: {', '.join(FIX_KEYS)}")
     plan.add_argument("--top", type=int, default=1, metavar="K", help="report the K best distinct layouts")
-    plan.add_argument("-o", "--output", metavar="DIR", help="write DIR/plan.json")
+    plan.add_argument("-o", "--output", metavar="DIR", help="write DIR/plan.json and DIR/train.py")
     plan.set_defaults(run=cmd_plan)
 
     ev = sub.add_parser("evaluate", help="estimate candidate layouts given as JSON lines")
@@ -86,6 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--layouts", required=True, metavar="FILE.jsonl",
                     help="one JSON object per line with --fix keys; the rest of each layout is searched")
     ev.set_defaults(run=cmd_evaluate)
+
+    gen = sub.add_parser("codegen", help="write a standalone torchrun training script for a plan")
+    gen.add_argument("plan", metavar="PLAN.json")
+    gen.add_argument("-o", "--output", metavar="FILE", default="train.py", help="script to write (train.py)")
+    gen.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    gen.set_defaults(run=cmd_codegen)
 
     ver = sub.add_parser("verify", help="run a plan locally (CPU, gloo) and compare with one process")
     ver.add_argument("plan", metavar="PLAN.json")
@@ -152,7 +158,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
                       global_batch=batch, estimate=best.estimate, strategies=best.strategies)
     plan_file = None
     if args.output:
+        from autopar.codegen.train_script import write_train_script
+
         plan_file = str(plan.save(Path(args.output) / "plan.json"))
+        write_train_script(plan, Path(args.output) / "train.py")
     result: dict[str, Any] = {
         "autopar_version": __version__,
         "model": model_summary(traced.graph, batch),
@@ -210,6 +219,15 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         except AutoparError as exc:
             out["error"] = str(exc)
         print(json.dumps(out, sort_keys=True), flush=True)
+    return EXIT_OK
+
+
+def cmd_codegen(args: argparse.Namespace) -> int:
+    from autopar.codegen.train_script import write_train_script
+    from autopar.plan import Plan
+
+    path = write_train_script(Plan.load(args.plan), args.output)
+    print(f"wrote {path} (run: torchrun --nproc-per-node {Plan.load(args.plan).num_devices} {path})")
     return EXIT_OK
 
 

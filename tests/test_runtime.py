@@ -172,3 +172,37 @@ def test_checkpoint_moves_between_plans(tmp_path, capsys):
     ref = reference_run(Plan.load(tmp_path / "a" / "plan.json"), 4, 0, 0.1)
     losses = first["losses"] + second["losses"]
     assert losses == pytest.approx(ref["losses"], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_generated_script_runs_a_pp2_tp2_plan(tmp_path, capsys):
+    import os
+    import subprocess
+    import sys
+
+    from autopar.plan import Plan
+    from autopar.runtime.session import reference_run
+
+    assert main(["plan", "gpt", *DEEP, "--global-batch", "8", "--fix", "pp=2,tp=2,sp=off,schedule=1f1b",
+                 "-o", str(tmp_path)]) == 0
+    capsys.readouterr()
+    script = tmp_path / "train.py"
+    text = script.read_text()
+    assert "import autopar" not in text and "from autopar" not in text  # standalone
+    assert "MESH_SHAPE = (2, 1, 2)" in text and "ColwiseParallel()" in text and "Schedule1F1B" in text
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+                           str(script), "--steps", "3"], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    losses = [float(line.split()[-1]) for line in proc.stdout.splitlines() if line.startswith("step ")]
+    ref = reference_run(Plan.load(tmp_path / "plan.json"), 3, 0, 0.1)["losses"]
+    assert losses == pytest.approx(ref, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_verify_a_plan_from_the_unconstrained_search(tmp_path, capsys):
+    assert main(["plan", "gpt", *DEEP, "--global-batch", "8", "-o", str(tmp_path)]) == 0
+    capsys.readouterr()
+    code = main(["verify", str(tmp_path / "plan.json"), "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["ok"], out

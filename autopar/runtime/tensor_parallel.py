@@ -37,18 +37,33 @@ def _fed_by_column_parallel(name: str, linears: list[tuple[str, nn.Module]], pla
     return prev.rpartition(".")[0] == name.rpartition(".")[0] and placement.get(f"{prev}.weight") == "S(0)"
 
 
+StyleSpec = tuple[str, dict[str, str]]  # ("ColwiseParallel", {"output_layouts": "Replicate"})
+
+
 def tp_styles(plan: Plan, model: nn.Module) -> dict[str, Any] | None:
     """``parallelize_module`` plan for ``model``; ``None`` when every parameter is replicated on tp."""
+    specs = tp_style_specs(plan, model)
+    return None if specs is None else {name: make_style(spec) for name, spec in specs.items()}
+
+
+def make_style(spec: StyleSpec) -> Any:
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+    kind, kwargs = spec
+    cls = {"ColwiseParallel": ColwiseParallel, "RowwiseParallel": RowwiseParallel}[kind]
+    return cls(**{k: Replicate() for k in kwargs})
+
+
+def tp_style_specs(plan: Plan, model: nn.Module) -> dict[str, StyleSpec] | None:
+    """The styles as plain data (also what generated scripts print); ``None`` when all is replicated."""
     placement = {fqn: p["placements"].get("tp", "R") for fqn, p in plan.parameters.items()}
     for fqn, p in plan.parameters.items():
         for alias in p.get("aliases", []):
             placement[alias] = placement[fqn]
     if all(v == "R" for v in placement.values()):
         return None
-    styles: dict[str, Any] = {}
+    styles: dict[str, StyleSpec] = {}
     handled: set[str] = set()
     linears = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.Linear)]
     last_linear = linears[-1][0] if linears else None
@@ -60,15 +75,15 @@ def tp_styles(plan: Plan, model: nn.Module) -> dict[str, Any] | None:
         if isinstance(mod, nn.Linear):
             if w == "S(0)":
                 gather = name == last_linear  # the head: the loss needs whole logits
-                styles[name] = ColwiseParallel(output_layouts=Replicate()) if gather else ColwiseParallel()
+                styles[name] = ("ColwiseParallel", {"output_layouts": "Replicate"} if gather else {})
             elif w == "S(1)":
                 local = _fed_by_column_parallel(name, linears, placement)
-                styles[name] = RowwiseParallel() if local else RowwiseParallel(input_layouts=Replicate())
+                styles[name] = ("RowwiseParallel", {} if local else {"input_layouts": "Replicate"})
         elif isinstance(mod, nn.Embedding):
             if w == "S(0)":
-                styles[name] = RowwiseParallel(input_layouts=Replicate())
+                styles[name] = ("RowwiseParallel", {"input_layouts": "Replicate"})
             elif w == "S(1)":
-                styles[name] = ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+                styles[name] = ("ColwiseParallel", {"input_layouts": "Replicate", "output_layouts": "Replicate"})
         if name in styles:
             handled.update(f"{name}.{p}" if name else p for p, _ in mod.named_parameters(recurse=False))
     present = {n for n, _ in model.named_parameters(remove_duplicate=False)}  # a pipeline stage holds a part
