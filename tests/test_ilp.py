@@ -37,8 +37,8 @@ def test_ilp_matches_brute_force_and_backends_agree(request):
         assert cbc.status == cpsat.status == "infeasible"
         return
     for r in (cbc, cpsat):
-        # the optimum is what matters; once, under load in CI, CBC reported a proven optimum as merely
-        # "feasible" (its status line said it stopped on its clock), so the status may be either
+        # the optimum is what matters: once in CI a tiny solve came back "feasible" with the right answer and
+        # "optimal" on the rerun (hypothesis flagged it flaky), so either status passes if the optimum is right
         assert r.status in ("optimal", "feasible")
         assert violations(request, r.choice) == []
         assert objective_s(request, r.choice) == pytest.approx(brute.objective_s, abs=1e-6)
