@@ -229,8 +229,9 @@ def cmd_codegen(args: argparse.Namespace) -> int:
     from autopar.codegen.train_script import write_train_script
     from autopar.plan import Plan
 
-    path = write_train_script(Plan.load(args.plan), args.output)
-    print(f"wrote {path} (run: torchrun --nproc-per-node {Plan.load(args.plan).num_devices} {path})")
+    plan = Plan.load(args.plan)
+    path = write_train_script(plan, args.output)
+    print(f"wrote {path} (run: torchrun --nproc-per-node {plan.num_devices} {path})")
     return EXIT_OK
 
 

@@ -89,7 +89,6 @@ class IntraOpProblem:
     groups: list[_Group]
     group_of: dict[str, int]
     rep_of: dict[str, str]
-    constants: set[str]
     build_time_s: float
 
 
@@ -217,7 +216,7 @@ def build_intra_op(graph: OpGraph, node_names: Iterable[str], mesh: MeshSpec, cf
         memory_budget_bytes=cfg.memory_budget_bytes,
         time_limit_s=cfg.time_limit_s,
     )
-    return IntraOpProblem(request, groups, group_of, rep_of, constants, time.perf_counter() - t0)
+    return IntraOpProblem(request, groups, group_of, rep_of, time.perf_counter() - t0)
 
 
 def _follow(node: Node, source: str, leader: str, group: _Group,

@@ -8,25 +8,23 @@ from rich.console import Console
 from rich.table import Table
 
 
-def human_count(n: float) -> str:
-    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+def _scaled(n: float, units: tuple[tuple[str, float], ...], fallback: str) -> str:
+    for unit, scale in units:
         if abs(n) >= scale:
             return f"{n / scale:.2f}{unit}"
-    return f"{n:.0f}"
+    return fallback.format(n)
+
+
+def human_count(n: float) -> str:
+    return _scaled(n, (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)), "{:.0f}")
 
 
 def human_bytes(n: float) -> str:
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n:.0f} B"
+    return _scaled(n, ((" TiB", 2**40), (" GiB", 2**30), (" MiB", 2**20), (" KiB", 2**10)), "{:.0f} B")
 
 
 def human_flops(n: float) -> str:
-    for unit, scale in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n:.0f} FLOP"
+    return _scaled(n, ((" PFLOP", 1e15), (" TFLOP", 1e12), (" GFLOP", 1e9), (" MFLOP", 1e6)), "{:.0f} FLOP")
 
 
 def human_time(s: float) -> str:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from autopar.cluster import Cluster
 from autopar.intra_op import IntraOpConfig, IntraOpSolution, solve_intra_op
-from autopar.ir import OpGraph, Ref
+from autopar.ir import OpGraph
 from autopar.passes.context import PassContext
 from autopar.passes.sharding_costs import (
     ATTENTION_OPS,
@@ -167,4 +167,4 @@ def _unit_cost(graph: OpGraph, names: list[str], strategies: dict[str, Strategy]
                     input_bytes, attn_s, attn_bytes, fwd_flops, attn_flops)
 
 
-__all__ = ["POST", "PRE", "Ref", "UnitCost", "solve_tp", "unit_costs", "unit_sequence"]
+__all__ = ["POST", "PRE", "UnitCost", "solve_tp", "unit_costs", "unit_sequence"]

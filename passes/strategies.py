@@ -32,7 +32,6 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-import math
 import string
 from dataclasses import dataclass
 from typing import Any
@@ -372,8 +371,3 @@ def mesh_strategies(graph: OpGraph, node: Node, batch: int, mesh_shape: tuple[in
             result.append(combo)
     return result
 
-
-def local_numel(t: TensorInfo, placements: tuple[str | None, ...], mesh_shape: tuple[int, ...], batch: int) -> float:
-    """Elements of ``t`` held by one device under ``placements``."""
-    k = math.prod(n for p, n in zip(placements, mesh_shape) if p and shard_dim(p) is not None)
-    return t.numel_at(batch) / k

@@ -51,10 +51,10 @@ def main() -> int:
         dist.all_gather_object(gathered, {"grads": grads, "params": params, "sharded": sharded})
         if rank == 0:
             for part in gathered[1:]:
-                for key in ("grads", "params"):
-                    for n, t in part[key].items():
-                        grads_or_params = grads if key == "grads" else params
-                        grads_or_params.setdefault(n, t)
+                for n, t in part["grads"].items():
+                    grads.setdefault(n, t)
+                for n, t in part["params"].items():
+                    params.setdefault(n, t)
             torch.save({"losses": losses, "grads": grads, "params": params,
                         "sharded": any(part["sharded"] for part in gathered)}, args.out)
         dist.barrier()
