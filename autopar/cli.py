@@ -244,7 +244,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     out = {"ok": res.ok, "losses": res.losses, "reference_losses": res.reference_losses,
            "loss_rel_diff": res.loss_rel_diff, "grad_rel_diff": res.grad_rel_diff,
            "param_rel_diff": res.param_rel_diff, "tolerance": res.tolerance,
-           "sharded_parameters": res.sharded_parameters}
+           "sharded_parameters": res.sharded_parameters, "placements": res.placements}
     if args.json:
         print(json.dumps(out, indent=2, sort_keys=True))
     else:

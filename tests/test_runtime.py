@@ -30,41 +30,51 @@ def test_verify_data_parallel_plans(tmp_path, capsys, fix, sharded):
     assert len(out["losses"]) == 3
 
 
+def _tp_as_planned(plan: dict, out: dict) -> bool:
+    """Whether the run held every parameter the plan shards on tp with the plan's placement."""
+    sharded = {k: v["placements"]["tp"] for k, v in plan["parameters"].items() if v["placements"]["tp"] != "R"}
+    return bool(sharded) and all(out["placements"].get(k, {}).get("tp") == v for k, v in sharded.items())
+
+
 WIDE = ["--config", "layers=2,hidden=512,heads=8,vocab=256,seq_len=16", "--cluster", "cpu"]
 
 
-def _verify(tmp_path, capsys, model: str, config: list[str], fix: str, batch: int = 8) -> dict:
+def _verify(tmp_path, capsys, model: str, config: list[str], fix: str, batch: int = 8) -> tuple[dict, dict]:
+    """Plan with ``--fix``, verify it; returns the plan and what verify reported."""
     assert main(["plan", model, *config, "--global-batch", str(batch), "--fix", fix, "-o", str(tmp_path)]) == 0
     capsys.readouterr()
     code = main(["verify", str(tmp_path / "plan.json"), "--json"])
     out = json.loads(capsys.readouterr().out)
     assert code == 0 and out["ok"], out
-    return json.loads((tmp_path / "plan.json").read_text())
+    return json.loads((tmp_path / "plan.json").read_text()), out
 
 
 @pytest.mark.slow
 def test_verify_megatron_tp4(tmp_path, capsys):
-    plan = _verify(tmp_path, capsys, "gpt", WIDE, "tp=4,sp=off", batch=4)
+    plan, out = _verify(tmp_path, capsys, "gpt", WIDE, "tp=4,sp=off", batch=4)
     place = {k: v["placements"]["tp"] for k, v in plan["parameters"].items()}
     assert place["blocks.0.mlp.fc.weight"] == "S(0)" and place["blocks.0.mlp.proj.weight"] == "S(1)"
+    assert out["placements"]["blocks.0.mlp.proj.weight"] == {"tp": "S(1)"} and _tp_as_planned(plan, out)
 
 
 @pytest.mark.slow
 def test_verify_dp2_tp2_fsdp(tmp_path, capsys):
-    plan = _verify(tmp_path, capsys, "gpt", WIDE, "dp=2,tp=2,sp=off,zero=3")
+    plan, out = _verify(tmp_path, capsys, "gpt", WIDE, "dp=2,tp=2,sp=off,zero=3")
     assert plan["parameters"]["blocks.0.attn.q.weight"]["placements"] == {"dp": "S(0)", "tp": "S(0)"}
+    assert out["placements"]["blocks.0.attn.o.weight"] == {"dp": "S(0)", "tp": "S(1)"} and _tp_as_planned(plan, out)
 
 
 @pytest.mark.slow
 def test_verify_huggingface_llama_dp2_tp2(tmp_path, capsys, examples):
     cfg = ["--config", "layers=2,hidden=256,heads=8,ffn=512,vocab=256,seq_len=16", "--cluster", "cpu"]
-    _verify(tmp_path, capsys, str(examples / "hf_llama.py"), cfg, "dp=2,tp=2,sp=off")
+    plan, out = _verify(tmp_path, capsys, str(examples / "hf_llama.py"), cfg, "dp=2,tp=2,sp=off")
+    assert out["placements"]["model.layers.1.mlp.down_proj.weight"]["tp"] == "S(1)" and _tp_as_planned(plan, out)
 
 
 @pytest.mark.slow
 def test_verify_batch_on_the_tp_axis(tmp_path, capsys):
     # a model this small makes the ILP shard the batch on tp; the runtime runs that axis as data parallel
-    plan = _verify(tmp_path, capsys, "gpt", SMALL[1:5], "tp=4,sp=off")
+    plan, _ = _verify(tmp_path, capsys, "gpt", SMALL[1:5], "tp=4,sp=off")
     assert all(p["placements"]["tp"] == "R" for p in plan["parameters"].values())
 
 
@@ -80,7 +90,7 @@ EIGHT = ["--config", "layers=8,hidden=128,heads=4,vocab=256,seq_len=16", "--clus
     (EIGHT, "pp=4,schedule=interleaved,v=2"),
 ], ids=["pp2xtp2-1f1b", "pp2xdp2-selective", "pp4-gpipe", "pp4-interleaved-v2"])
 def test_verify_pipeline_plans(tmp_path, capsys, config, fix):
-    plan = _verify(tmp_path, capsys, "gpt", config, fix)
+    plan, _ = _verify(tmp_path, capsys, "gpt", config, fix)
     assert plan["layout"]["pp"] in (2, 4) and len(plan["stages"]) == plan["layout"]["pp"]
 
 
@@ -89,16 +99,43 @@ def test_verify_full_recompute_with_fsdp_and_tp(tmp_path, capsys):
     _verify(tmp_path, capsys, "gpt", WIDE, "dp=2,tp=2,sp=off,zero=3,recompute=full")
 
 
-def test_verify_refuses_what_it_cannot_run_yet(tmp_path, capsys):
-    cfg = ["--config", "layers=2,hidden=128,heads=4,vocab=256,seq_len=16,experts=4", "--cluster", "cpu"]
-    assert main(["plan", "moe", *cfg, "--global-batch", "8", "--fix", "dp=2,tp=2,sp=off", "-o", str(tmp_path)]) == 0
+@pytest.mark.slow
+def test_verify_huggingface_llama_pp2_tp2(tmp_path, capsys, examples):
+    # HF keeps its layers in a ModuleList and its forward needs the embedding: the stages get their own
+    cfg = ["--config", "layers=2,hidden=512,heads=8,ffn=1024,vocab=256,seq_len=16", "--cluster", "cpu"]
+    plan, out = _verify(tmp_path, capsys, str(examples / "hf_llama.py"), cfg, "pp=2,tp=2,sp=off,schedule=1f1b")
+    assert [s["layers"] for s in plan["stages"]] == [[0, 1], [1, 2]]
+    assert plan["parameters"]["model.layers.1.mlp.down_proj.weight"]["placements"]["tp"] == "S(1)"
+    assert out["placements"]["model.layers.1.mlp.down_proj.weight"] == {"tp": "S(1)"}
+    assert out["placements"]["lm_head.weight"] == {"tp": "S(0)"} and _tp_as_planned(plan, out)
+
+
+MOE = ["--config", "layers=2,hidden=128,heads=4,vocab=256,seq_len=16,experts=4", "--cluster", "cpu"]
+
+
+@pytest.mark.slow
+def test_verify_moe_dp2_tp2_with_experts_sharded_on_tp(tmp_path, capsys):
+    assert main(["plan", "moe", *MOE, "--global-batch", "8", "--fix", "dp=2,tp=2,sp=off", "-o", str(tmp_path)]) == 0
     plan = json.loads((tmp_path / "plan.json").read_text())
+    # the ILP shards the stacked experts on tp (expert parallelism): no parallelize_module style says that
+    assert plan["parameters"]["blocks.0.mlp.w_in"]["placements"]["tp"] == "S(0)"
+    assert "PlacedParameters(w_in=Shard(0), w_out=Shard(0))" in (tmp_path / "train.py").read_text()
     capsys.readouterr()
+    code = main(["verify", str(tmp_path / "plan.json"), "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["ok"], out
+    assert out["placements"]["blocks.1.mlp.w_out"]["tp"] == "S(0)"  # the run held experts sharded
+    assert out["placements"]["blocks.1.mlp.router.weight"]["tp"] == "R" and _tp_as_planned(plan, out)
+
+
+def test_unsupported_pipeline_split_is_refused_before_launch(tmp_path, capsys, examples):
+    cfg = ["--config", "layers=2,hidden=64,heads=4,vocab=128,seq_len=16", "--cluster", "cpu", "--global-batch", "4"]
+    assert main(["plan", str(examples / "hf_gpt2.py"), *cfg, "--fix", "pp=2", "-o", str(tmp_path)]) == 0
+    assert "train.py not written: pipeline stages of HuggingFace GPT2LMHeadModel" in capsys.readouterr().err
+    assert not (tmp_path / "train.py").exists()
     code = main(["verify", str(tmp_path / "plan.json")])
     err = capsys.readouterr().err
-    # the ILP shards the stacked experts on tp (expert parallelism), which needs an all-to-all runtime
-    assert plan["parameters"]["blocks.0.mlp.w_in"]["placements"]["tp"] == "S(0)"
-    assert code == 2 and "no parallelize_module style expresses" in err
+    assert code == 2 and err.count("\n") == 1 and "GPT2LMHeadModel are not supported" in err
 
 
 def test_verify_rejects_large_plans(tmp_path, capsys):

@@ -37,18 +37,45 @@ def global_batch(module, model, step, seed):
 def build_stage(model, chunk):
     """This chunk's copy of the model: its layers, the embeddings on the first, the head on the last."""
     lo, hi = STAGE_LAYERS[chunk]
+    first, last = chunk == 0, chunk == len(STAGE_LAYERS) - 1
     stage = copy.deepcopy(model)
+    owner, _, attr = LAYER_CONTAINER.rpartition(".")
     blocks = stage.get_submodule(LAYER_CONTAINER)
+    if isinstance(blocks, nn.ModuleList):  # keyed by the original index, so parameter names stay the same
+        blocks = nn.ModuleDict({str(i): b for i, b in enumerate(blocks)})
+        setattr(stage.get_submodule(owner) if owner else stage, attr, blocks)
     for key in list(blocks.keys()):
         if not lo <= int(key) < hi:
             del blocks[key]
-    names = [n for n, _ in stage.named_children()]
-    split = names.index(LAYER_CONTAINER.split(".")[0])
-    for name in names[:split] if chunk != 0 else []:
-        setattr(stage, name, None)
-    for name in names[split + 1:] if chunk != len(STAGE_LAYERS) - 1 else []:
-        setattr(stage, name, None)
+    parent = stage  # along the path to the blocks: parameterized modules before them, and after them
+    for name in LAYER_CONTAINER.split("."):
+        names = [n for n, _ in parent.named_children()]
+        i = names.index(name)
+        for other in (names[:i] if not first else []) + (names[i + 1:] if not last else []):
+            if next(getattr(parent, other).parameters(), None) is not None:
+                setattr(parent, other, None)
+        parent = getattr(parent, name)
+    if HUGGINGFACE_DECODER:
+        stage.forward = hf_stage_forward(stage, first, last)
     return stage
+
+
+def hf_stage_forward(stage, first, last):
+    """What LlamaModel.forward does, on the pieces this stage holds: hidden states in and out."""
+    base = stage.model
+    create_causal_mask = sys.modules[type(base).__module__].create_causal_mask
+
+    def forward(x):
+        h = base.embed_tokens(x) if first else x
+        positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        mask = create_causal_mask(config=base.config, inputs_embeds=h, attention_mask=None, cache=None,
+                                  position_ids=positions)
+        rotary = base.rotary_emb(h, position_ids=positions)
+        for layer in base.layers.values():
+            h = layer(h, attention_mask=mask, position_ids=positions, position_embeddings=rotary)
+        return stage.lm_head(base.norm(h)) if last else h
+
+    return forward
 
 
 def apply_tp(module, mesh):

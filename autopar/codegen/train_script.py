@@ -9,17 +9,16 @@ the loss of each step, and saves (``--checkpoint``) or resumes (``--resume``) a 
 
 from __future__ import annotations
 
+import inspect
 import pprint
 from pathlib import Path
-
-import torch
-from torch import nn
 
 from autopar import __version__, modelfile
 from autopar.codegen.script_body import BODY
 from autopar.plan import Plan
-from autopar.runtime.pipeline import stage_layer_ranges
-from autopar.runtime.tensor_parallel import tp_style_specs
+from autopar.runtime.stages import is_huggingface, stage_layer_ranges
+from autopar.runtime.support import check_runnable, model_on_meta
+from autopar.runtime.tensor_parallel import PlacedParameters
 
 IMPORTS = """import argparse
 import copy
@@ -37,27 +36,35 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 """
 
+# Only for plans that shard parameters no parallelize_module style expresses (stacked experts, say).
+PLACED_IMPORTS = """from typing import Any
 
-def _model_on_meta(plan: Plan) -> nn.Module:
-    module = modelfile.load_module(plan.model.get("path") or plan.model["ref"])
-    with torch.device("meta"):
-        return modelfile.build(module, dict(plan.model["config"]), plan.model["ref"])
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, distribute_module, distribute_tensor
+from torch.distributed.tensor.experimental import implicit_replication
+from torch.distributed.tensor.parallel import ParallelStyle
+from torch.utils._pytree import tree_map"""
 
 
 def _style_source(spec: tuple[str, dict[str, str]]) -> str:
     kind, kwargs = spec
-    return f"{kind}({', '.join(f'{k}={v}()' for k, v in kwargs.items())})"
+    return f"{kind}({', '.join(f'{k}={v}' for k, v in kwargs.items())})"
+
+
+def _placed_parameters_source() -> str:
+    """The ``PlacedParameters`` style, copied from the runtime so the script stays standalone."""
+    return PLACED_IMPORTS + "\n\n" + inspect.getsource(PlacedParameters) + "\n\n"
 
 
 def generate_train_script(plan: Plan, script_name: str = "train.py") -> str:
     """The source of a torchrun training script that applies ``plan``."""
-    model = _model_on_meta(plan)
+    model = model_on_meta(plan)
     lay = plan.layout
-    specs = tp_style_specs(plan, model) if lay["tp"] > 1 else None
+    specs = check_runnable(plan, model)
     pp, dp, tp, mbs = lay["pp"], lay["dp"], lay["tp"], lay["mbs"]
     note = ""
     if lay["tp"] > 1 and specs is None:
@@ -87,12 +94,14 @@ def generate_train_script(plan: Plan, script_name: str = "train.py") -> str:
         f"SCHEDULE = {lay['schedule']!r}  # gpipe | 1f1b | interleaved\n"
         f"STAGE_LAYERS = {[tuple(r) for r in stage_layer_ranges(plan)]!r}  # layers of each pipeline chunk\n"
         f"LAYER_CONTAINER = {plan.model['layer_container']!r}\n"
+        f"HUGGINGFACE_DECODER = {is_huggingface(model)}  # pipeline stages get a Llama-style stage forward\n"
         f"RECOMPUTE = {lay['recompute']!r}  # none | selective | full\n"
         f"ZERO = {plan.zero}  # 0: all-reduce gradients; 1-3: FSDP2 fully_shard (3: reshard after forward)\n"
         f"TIED = {tied!r}  # (parameter, alias) pairs\n"
         f"TP_PLAN = {{\n{tp_lines}}}\n"
     )
-    return header + IMPORTS + "\n" + literals + BODY
+    placed = any(kind == "PlacedParameters" for kind, _ in (specs or {}).values())
+    return header + IMPORTS + "\n" + (_placed_parameters_source() if placed else "") + literals + BODY
 
 
 def write_train_script(plan: Plan, path: str | Path) -> Path:

@@ -1,15 +1,16 @@
 """``autopar.apply(plan, model)``: lay the plan onto the model in a torchrun process and train with it.
 
-Order as torchtitan applies it: TP, then FSDP.  Supported today:
+Order as torchtitan applies it: pipeline split, then on every stage TP, activation checkpointing, FSDP.
 
+- pipeline parallelism on ``pp``: this rank's stages (``autopar.runtime.stages``) under the plan's
+  schedule (``autopar.runtime.pipeline``);
 - tensor parallelism on ``tp`` through ``parallelize_module`` styles derived from the plan's parameter
   placements (``autopar.runtime.tensor_parallel``); a plan that keeps every parameter replicated on
   ``tp`` uses that axis for the batch, and runs it as data parallelism;
+- activation checkpointing per the plan's recompute mode;
 - data parallelism on ``dp`` with the plan's ZeRO level (0: gradients all-reduced after the last
   micro-batch; 1-3: FSDP2 ``fully_shard`` per block and on the root, resharded after forward at 3);
 - gradient accumulation over the plan's micro-batches.
-
-Plans with ``pp > 1`` are refused with a clear error until the pipeline runtime lands.
 """
 
 from __future__ import annotations

@@ -1,11 +1,4 @@
-"""Pipeline stages from a plan: prune the model to this rank's layers and drive a torch pipelining schedule.
-
-Stages are built the way torchtitan builds them: every rank holds the whole model (same seed), then
-drops what its stages do not own.  The block stack's entries become ``None`` outside the stage's layer
-range; the modules before the stack (embeddings) stay on the first stage only, the ones after it (final
-norm, head) on the last only.  The model's ``forward`` must tolerate the missing pieces, as the zoo
-models do.  With ``v`` virtual stages the layers are cut into ``pp * v`` chunks dealt out round-robin
-(chunk ``j`` on pipeline rank ``j % pp``), as Megatron-LM interleaves them.
+"""Drive a torch pipelining schedule over this rank's stages (built by ``autopar.runtime.stages``).
 
 Tied parameters shared by the first and last stage (embedding and head) get one copy per stage; their
 gradients are summed over a dedicated group of the two ranks before the optimizer step.
@@ -13,70 +6,19 @@ gradients are summed over a dedicated group of the two ranks before the optimize
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from autopar.errors import AutoparError
 from autopar.plan import Plan
+from autopar.runtime.stages import prune_to_stage
 
 
 def clean_fqn(name: str) -> str:
     """The model FQN of a parameter seen through wrappers (activation checkpointing inserts a level)."""
     return name.replace("_checkpoint_wrapped_module.", "")
-
-
-def layer_chunks(num_layers: int, pp: int, v: int) -> list[tuple[int, int]]:
-    """Layer ranges of the ``pp * v`` chunks (as even as possible, earlier chunks one longer)."""
-    n = pp * v
-    base, extra = divmod(num_layers, n)
-    out, start = [], 0
-    for j in range(n):
-        size = base + (1 if j < extra else 0)
-        out.append((start, start + size))
-        start += size
-    return out
-
-
-def stage_layer_ranges(plan: Plan) -> list[tuple[int, int]]:
-    """Layer range of every chunk, in pipeline order (the plan's stages when ``v == 1``)."""
-    lay = plan.layout
-    if lay["v"] == 1:
-        return [tuple(s["layers"]) for s in plan.stages]
-    return layer_chunks(plan.model["num_layers"], lay["pp"], lay["v"])
-
-
-def _top_level_split(model: nn.Module, container: str) -> tuple[list[str], list[str]]:
-    """Names of the root's children before and after the block stack."""
-    names = [n for n, _ in model.named_children()]
-    top = container.split(".")[0]
-    i = names.index(top)
-    return names[:i], names[i + 1:]
-
-
-def prune_to_stage(model: nn.Module, plan: Plan, chunk: int) -> nn.Module:
-    """A copy of ``model`` holding only chunk ``chunk``'s layers (plus embeddings / head at the ends)."""
-    ranges = stage_layer_ranges(plan)
-    lo, hi = ranges[chunk]
-    first, last = chunk == 0, chunk == len(ranges) - 1
-    container = plan.model["layer_container"]
-    stage = copy.deepcopy(model)
-    blocks = stage.get_submodule(container)
-    if not isinstance(blocks, nn.ModuleDict):
-        raise AutoparError(f"pipeline stages need the block stack {container!r} to be a ModuleDict keyed by "
-                           "layer index (so FQNs survive the split); it is a " + type(blocks).__name__)
-    for key in list(blocks.keys()):
-        if not lo <= int(key) < hi:
-            del blocks[key]
-    before, after = _top_level_split(stage, container)
-    for name in before if not first else []:
-        setattr(stage, name, None)
-    for name in after if not last else []:
-        setattr(stage, name, None)
-    return stage
 
 
 def tied_pairs(plan: Plan) -> list[tuple[str, str]]:

@@ -15,6 +15,7 @@ from autopar.errors import AutoparError
 from autopar.frontend import trace_model
 from autopar.plan import Plan
 from autopar.runtime.session import reference_run
+from autopar.runtime.support import check_runnable, model_on_meta
 
 MAX_LOCAL_RANKS = 8
 
@@ -27,8 +28,13 @@ class VerifyResult:
     grad_rel_diff: float
     param_rel_diff: float
     tolerance: float
-    sharded_parameters: bool
-    """Whether the distributed run held its parameters as DTensors (FSDP / tensor parallel)."""
+    placements: dict[str, dict[str, str]]
+    """How the distributed run held each DTensor parameter: placement per mesh axis (``S(k)``, ``R``)."""
+
+    @property
+    def sharded_parameters(self) -> bool:
+        """Whether the distributed run held its parameters as DTensors (FSDP / tensor parallel)."""
+        return bool(self.placements)
 
     @property
     def ok(self) -> bool:
@@ -87,9 +93,10 @@ def verify(plan_path: str | Path, steps: int = 3, seed: int = 0, lr: float = 0.1
     plan = Plan.load(plan_path)
     traced = trace_model(plan.model.get("path") or plan.model["ref"], dict(plan.model["config"]), plan.seq_len)
     plan.check_model(traced.graph, traced.config)
+    check_runnable(plan, model_on_meta(plan))
     got = run_plan(plan_path, steps, seed=seed, lr=lr, timeout_s=timeout_s)
     want = reference_run(plan, steps, seed, lr)
     losses = torch.tensor(got["losses"])
     ref = torch.tensor(want["losses"])
     return VerifyResult(got["losses"], want["losses"], _rel(losses, ref), _max_rel(got["grads"], want["grads"]),
-                        _max_rel(got["params"], want["params"]), tolerance, bool(got["sharded"]))
+                        _max_rel(got["params"], want["params"]), tolerance, got["placements"])

@@ -19,6 +19,13 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+def _placements(p: torch.Tensor) -> dict[str, str]:
+    """A DTensor parameter's placement on each named mesh axis, in the plan's words (``{"tp": "S(0)"}``)."""
+    def text(pl: object) -> str:
+        return f"S({pl.dim})" if pl.is_shard() else "R" if pl.is_replicate() else "P"
+    return {axis: text(pl) for axis, pl in zip(p.device_mesh.mesh_dim_names, p.placements)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("plan")
@@ -45,18 +52,16 @@ def main() -> int:
         named = trainer.named_parameters()
         grads = {n: _full(p.grad).detach() for n, p in named if p.grad is not None}
         params = {n: _full(p).detach() for n, p in named}
-        sharded = any(hasattr(p, "full_tensor") for _, p in named)
+        placements = {n: _placements(p) for n, p in named if hasattr(p, "placements")}
         # pipeline stages hold different parameters: collect every rank's on rank 0
         gathered: list[dict] = [None] * dist.get_world_size()  # type: ignore[list-item]
-        dist.all_gather_object(gathered, {"grads": grads, "params": params, "sharded": sharded})
+        dist.all_gather_object(gathered, {"grads": grads, "params": params, "placements": placements})
         if rank == 0:
             for part in gathered[1:]:
-                for n, t in part["grads"].items():
-                    grads.setdefault(n, t)
-                for n, t in part["params"].items():
-                    params.setdefault(n, t)
-            torch.save({"losses": losses, "grads": grads, "params": params,
-                        "sharded": any(part["sharded"] for part in gathered)}, args.out)
+                for key, mine in (("grads", grads), ("params", params), ("placements", placements)):
+                    for n, value in part[key].items():
+                        mine.setdefault(n, value)
+            torch.save({"losses": losses, "grads": grads, "params": params, "placements": placements}, args.out)
         dist.barrier()
         return 0
     except AutoparError as exc:

@@ -1,0 +1,128 @@
+"""Pipeline stages from a plan: this rank's copy of the model, pruned to its layers, and how it runs.
+
+Stages are built the way torchtitan builds them: every rank holds the whole model (same seed), then
+drops what its stages do not own.  Blocks outside the stage's layer range leave the block stack (a
+``ModuleList`` becomes a ``ModuleDict`` keyed by the original indices, so parameter FQNs survive the
+split).  Along the path to the stack, modules with parameters registered before it (embeddings) stay on
+the first stage only, those after it (final norm, head) on the last only; parameter-free modules
+(dropout, rotary tables) stay everywhere.  With ``v`` virtual stages the layers are cut into
+``pp * v`` chunks dealt out round-robin (chunk ``j`` on pipeline rank ``j % pp``), as Megatron-LM
+interleaves them.
+
+How a stage runs:
+
+- models of the zoo run their own ``forward``, which takes hidden states when the embedding is missing
+  and skips a missing norm or head;
+- HuggingFace decoders of the Llama family (``model.embed_tokens``, ``model.layers``, ``model.norm``,
+  ``model.rotary_emb``, ``lm_head``) get a stage forward that does what ``LlamaModel.forward`` does
+  (positions, the model's own causal mask, rotary embeddings, the decoder layers) on the pieces the stage
+  holds, and returns hidden states, or logits on the last stage.  Other HuggingFace architectures are
+  refused with a clear error.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import types
+
+import torch
+from torch import nn
+
+from autopar.errors import AutoparError
+from autopar.plan import Plan
+
+
+def layer_chunks(num_layers: int, pp: int, v: int) -> list[tuple[int, int]]:
+    """Layer ranges of the ``pp * v`` chunks (as even as possible, earlier chunks one longer)."""
+    n = pp * v
+    base, extra = divmod(num_layers, n)
+    out, start = [], 0
+    for j in range(n):
+        size = base + (1 if j < extra else 0)
+        out.append((start, start + size))
+        start += size
+    return out
+
+
+def stage_layer_ranges(plan: Plan) -> list[tuple[int, int]]:
+    """Layer range of every chunk, in pipeline order (the plan's stages when ``v == 1``)."""
+    lay = plan.layout
+    if lay["v"] == 1:
+        return [tuple(s["layers"]) for s in plan.stages]
+    return layer_chunks(plan.model["num_layers"], lay["pp"], lay["v"])
+
+
+def is_huggingface(model: nn.Module) -> bool:
+    return any(cls.__module__.startswith("transformers.") for cls in type(model).__mro__)
+
+
+def _block_dict(stage: nn.Module, container: str) -> nn.ModuleDict:
+    """The block stack as a ``ModuleDict`` keyed by layer index (a ``ModuleList`` is converted in place)."""
+    blocks = stage.get_submodule(container)
+    if isinstance(blocks, nn.ModuleList):
+        owner, _, attr = container.rpartition(".")
+        blocks = nn.ModuleDict({str(i): b for i, b in enumerate(blocks)})
+        setattr(stage.get_submodule(owner) if owner else stage, attr, blocks)
+    if not isinstance(blocks, nn.ModuleDict):
+        raise AutoparError(f"pipeline stages need the block stack {container!r} to be a ModuleDict or "
+                           f"ModuleList; it is a {type(blocks).__name__}")
+    return blocks
+
+
+def _drop_ends(stage: nn.Module, container: str, first: bool, last: bool) -> None:
+    """Remove the parameterized modules before the stack (unless first) and after it (unless last)."""
+    parent = stage
+    for name in container.split("."):
+        names = [n for n, _ in parent.named_children()]
+        i = names.index(name)
+        for other in (names[:i] if not first else []) + (names[i + 1:] if not last else []):
+            if next(getattr(parent, other).parameters(), None) is not None:
+                setattr(parent, other, None)
+        parent = getattr(parent, name)
+
+
+def check_splittable(model: nn.Module) -> None:
+    """Raise a clear error when autopar cannot run ``model`` as pipeline stages."""
+    if not is_huggingface(model):
+        return
+    base = getattr(model, "model", None)
+    needed = ("embed_tokens", "layers", "norm", "rotary_emb")
+    if base is None or not hasattr(model, "lm_head") or not all(hasattr(base, n) for n in needed):
+        raise AutoparError(f"pipeline stages of HuggingFace {type(model).__name__} are not supported: autopar "
+                           "splits decoders shaped like Llama (model.embed_tokens/layers/norm/rotary_emb, lm_head)")
+
+
+def _hf_decoder_forward(stage: nn.Module, first: bool, last: bool) -> types.MethodType:
+    base = stage.model
+    create_causal_mask = sys.modules[type(base).__module__].create_causal_mask
+
+    def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        h = base.embed_tokens(x) if first else x
+        positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        mask = create_causal_mask(config=base.config, inputs_embeds=h, attention_mask=None, cache=None,
+                                  position_ids=positions)
+        rotary = base.rotary_emb(h, position_ids=positions)
+        for layer in base.layers.values():
+            h = layer(h, attention_mask=mask, position_ids=positions, position_embeddings=rotary)
+        return self.lm_head(base.norm(h)) if last else h
+
+    return types.MethodType(forward, stage)
+
+
+def prune_to_stage(model: nn.Module, plan: Plan, chunk: int) -> nn.Module:
+    """A copy of ``model`` holding only chunk ``chunk``'s layers (plus embeddings / head at the ends)."""
+    ranges = stage_layer_ranges(plan)
+    lo, hi = ranges[chunk]
+    first, last = chunk == 0, chunk == len(ranges) - 1
+    container = plan.model["layer_container"]
+    check_splittable(model)
+    stage = copy.deepcopy(model)
+    blocks = _block_dict(stage, container)
+    for key in list(blocks.keys()):
+        if not lo <= int(key) < hi:
+            del blocks[key]
+    _drop_ends(stage, container, first, last)
+    if is_huggingface(stage):
+        stage.forward = _hf_decoder_forward(stage, first, last)
+    return stage
