@@ -59,9 +59,11 @@ def test_verify_megatron_tp4(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_verify_dp2_tp2_fsdp(tmp_path, capsys):
-    plan, out = _verify(tmp_path, capsys, "gpt", WIDE, "dp=2,tp=2,sp=off,zero=3")
+    plan, out = _verify(tmp_path, capsys, "gpt", WIDE, "dp=2,tp=2,sp=on,zero=3")
     assert plan["parameters"]["blocks.0.attn.q.weight"]["placements"] == {"dp": "S(0)", "tp": "S(0)"}
     assert out["placements"]["blocks.0.attn.o.weight"] == {"dp": "S(0)", "tp": "S(1)"} and _tp_as_planned(plan, out)
+    # sequence parallel: the norms' parameters are replicated DTensors on tp (their gradients summed there)
+    assert out["placements"]["blocks.1.ln2.weight"] == {"dp": "S(0)", "tp": "R"}
 
 
 @pytest.mark.slow
@@ -84,11 +86,11 @@ EIGHT = ["--config", "layers=8,hidden=128,heads=4,vocab=256,seq_len=16", "--clus
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("config", "fix"), [
-    (DEEP, "pp=2,tp=2,sp=off,schedule=1f1b"),
+    (DEEP, "pp=2,tp=2,sp=on,schedule=1f1b"),
     (DEEP, "pp=2,dp=2,schedule=1f1b,recompute=selective,zero=0"),
     (EIGHT, "pp=4,schedule=gpipe"),
     (EIGHT, "pp=4,schedule=interleaved,v=2"),
-], ids=["pp2xtp2-1f1b", "pp2xdp2-selective", "pp4-gpipe", "pp4-interleaved-v2"])
+], ids=["pp2xtp2-1f1b-sp", "pp2xdp2-selective", "pp4-gpipe", "pp4-interleaved-v2"])
 def test_verify_pipeline_plans(tmp_path, capsys, config, fix):
     plan, _ = _verify(tmp_path, capsys, "gpt", config, fix)
     assert plan["layout"]["pp"] in (2, 4) and len(plan["stages"]) == plan["layout"]["pp"]
@@ -114,12 +116,13 @@ MOE = ["--config", "layers=2,hidden=128,heads=4,vocab=256,seq_len=16,experts=4",
 
 
 @pytest.mark.slow
-def test_verify_moe_dp2_tp2_with_experts_sharded_on_tp(tmp_path, capsys):
-    assert main(["plan", "moe", *MOE, "--global-batch", "8", "--fix", "dp=2,tp=2,sp=off", "-o", str(tmp_path)]) == 0
+@pytest.mark.parametrize("sp", ["off", "on"])
+def test_verify_moe_dp2_tp2_with_experts_sharded_on_tp(tmp_path, capsys, sp):
+    assert main(["plan", "moe", *MOE, "--global-batch", "8", "--fix", f"dp=2,tp=2,sp={sp}", "-o", str(tmp_path)]) == 0
     plan = json.loads((tmp_path / "plan.json").read_text())
     # the ILP shards the stacked experts on tp (expert parallelism): no parallelize_module style says that
     assert plan["parameters"]["blocks.0.mlp.w_in"]["placements"]["tp"] == "S(0)"
-    assert "PlacedParameters(w_in=Shard(0), w_out=Shard(0))" in (tmp_path / "train.py").read_text()
+    assert "PlacedParameters(w_in=Shard(0), w_out=Shard(0)" in (tmp_path / "train.py").read_text()
     capsys.readouterr()
     code = main(["verify", str(tmp_path / "plan.json"), "--json"])
     out = json.loads(capsys.readouterr().out)

@@ -17,8 +17,8 @@ from autopar import __version__, modelfile
 from autopar.codegen.script_body import BODY
 from autopar.plan import Plan
 from autopar.runtime.stages import is_huggingface, stage_layer_ranges
+from autopar.runtime.styles import PlacedParameters, style_source
 from autopar.runtime.support import check_runnable, model_on_meta
-from autopar.runtime.tensor_parallel import PlacedParameters
 
 IMPORTS = """import argparse
 import copy
@@ -37,7 +37,6 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 """
 
 # Only for plans that shard parameters no parallelize_module style expresses (stacked experts, say).
@@ -48,11 +47,6 @@ from torch.distributed.tensor import DTensor, Placement, distribute_module, dist
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.utils._pytree import tree_map"""
-
-
-def _style_source(spec: tuple[str, dict[str, str]]) -> str:
-    kind, kwargs = spec
-    return f"{kind}({', '.join(f'{k}={v}' for k, v in kwargs.items())})"
 
 
 def _placed_parameters_source() -> str:
@@ -72,7 +66,7 @@ def generate_train_script(plan: Plan, script_name: str = "train.py") -> str:
         note = "# The plan shards only the batch on its tp axis, so that axis runs as data parallelism.\n"
     path = plan.model.get("path") or modelfile.resolve(plan.model["ref"]).resolve()
     tied = [(fqn, alias) for fqn, p in plan.parameters.items() for alias in p.get("aliases", [])]
-    tp_lines = "".join(f"    {name!r}: {_style_source(spec)},\n" for name, spec in (specs or {}).items())
+    tp_lines = "".join(f"    {name!r}: {style_source(spec)},\n" for name, spec in (specs or {}).items())
     layout = ", ".join(f"{k}={v}" for k, v in sorted(lay.items()))
     header = (
         "#!/usr/bin/env python3\n"
@@ -100,8 +94,10 @@ def generate_train_script(plan: Plan, script_name: str = "train.py") -> str:
         f"TIED = {tied!r}  # (parameter, alias) pairs\n"
         f"TP_PLAN = {{\n{tp_lines}}}\n"
     )
+    kinds = sorted({kind for kind, _ in (specs or {}).values()} - {"PlacedParameters"})
+    imports = IMPORTS + f"from torch.distributed.tensor.parallel import {', '.join([*kinds, 'parallelize_module'])}\n"
     placed = any(kind == "PlacedParameters" for kind, _ in (specs or {}).values())
-    return header + IMPORTS + "\n" + (_placed_parameters_source() if placed else "") + literals + BODY
+    return header + imports + "\n" + (_placed_parameters_source() if placed else "") + literals + BODY
 
 
 def write_train_script(plan: Plan, path: str | Path) -> Path:

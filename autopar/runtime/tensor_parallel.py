@@ -12,10 +12,13 @@ A plan's parameter placements on ``tp`` map onto module styles when they follow 
 - the output head (a column-parallel Linear nobody consumes) gathers its logits for the loss.
 
 Any other sharded parameter (stacked expert weights sharded on the expert dimension, say) makes its
-module a ``PlacedParameters`` region: its parameters become DTensors with the plan's placements, its
-inputs replicated DTensors, and DTensor's own sharding rules run every op inside, redistributing where
-an op needs it; the output is made whole (replicated) again.  Such a region must not contain a module
-with a style of its own.
+module a ``PlacedParameters`` region (``autopar.runtime.styles``): its parameters become DTensors with
+the plan's placements, its inputs whole DTensors, and DTensor's own sharding rules run every op inside,
+redistributing where an op needs it; the output leaves whole (or sequence-split, with sp) and local.
+Such a region must not contain a module with a style of its own.
+
+With sequence parallelism (``sp``) the residual stream between the tensor-parallel regions of the block
+stack is split on the sequence, as in Megatron-LM (see ``_sequence_parallel``).
 
 When *all* parameters are replicated, the plan uses the ``tp`` axis for the batch (the ILP found that
 cheaper), and the runtime runs that axis as data parallelism.
@@ -23,18 +26,15 @@ cheaper), and the runtime runs that axis as data parallelism.
 
 from __future__ import annotations
 
-from typing import Any
+import inspect
 
-import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.experimental import implicit_replication
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
-from torch.utils._pytree import tree_map
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from autopar.errors import AutoparError
 from autopar.plan import Plan
+from autopar.runtime.stages import is_huggingface
+from autopar.runtime.styles import StyleSpec, make_style, placement_source
 
 
 def _fed_by_column_parallel(name: str, linears: list[tuple[str, nn.Module]], placement: dict[str, str]) -> bool:
@@ -47,75 +47,10 @@ def _fed_by_column_parallel(name: str, linears: list[tuple[str, nn.Module]], pla
     return prev.rpartition(".")[0] == name.rpartition(".")[0] and placement.get(f"{prev}.weight") == "S(0)"
 
 
-StyleSpec = tuple[str, dict[str, str]]  # ("ColwiseParallel", {"output_layouts": "Replicate()"})
-
-
 def tp_styles(plan: Plan, model: nn.Module) -> dict[str, ParallelStyle] | None:
     """``parallelize_module`` plan for ``model``; ``None`` when every parameter is replicated on tp."""
     specs = tp_style_specs(plan, model)
     return None if specs is None else {name: make_style(spec) for name, spec in specs.items()}
-
-
-def placement_source(plan_placement: str) -> str:
-    """A plan placement (``R``, ``S(k)``) as DTensor source code (``Replicate()``, ``Shard(k)``)."""
-    return "Replicate()" if plan_placement == "R" else plan_placement.replace("S(", "Shard(")
-
-
-def make_placement(source: str) -> Placement:
-    if source == "Replicate()":
-        return Replicate()
-    if source.startswith("Shard(") and source.endswith(")") and source[6:-1].isdigit():
-        return Shard(int(source[6:-1]))
-    raise AutoparError(f"placement {source!r} is neither Replicate() nor Shard(k)")
-
-
-def make_style(spec: StyleSpec) -> ParallelStyle:
-    kind, kwargs = spec
-    cls = {"ColwiseParallel": ColwiseParallel, "RowwiseParallel": RowwiseParallel,
-           "PlacedParameters": PlacedParameters}[kind]
-    return cls(**{k: make_placement(v) for k, v in kwargs.items()})
-
-
-class PlacedParameters(ParallelStyle):
-    """Parameters as DTensors with the given placements (keyword per parameter name; others replicated).
-
-    Inputs enter as replicated DTensors, DTensor's sharding rules run the module's ops (plain tensors made
-    inside, such as ``torch.arange``, count as replicated), and outputs leave whole and local.
-    """
-
-    def __init__(self, **placements: Placement) -> None:
-        super().__init__()
-        self.placements = placements
-
-    def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
-        for pname, p in list(module.named_parameters(recurse=False)):
-            where = self.placements.get(f"{name}.{pname}" if name else pname, Replicate())
-            module.register_parameter(pname, nn.Parameter(distribute_tensor(p.data, mesh, [where])))
-
-    @staticmethod
-    def _inputs(module: nn.Module, args: tuple, mesh: DeviceMesh) -> tuple:
-        def to_dtensor(x: Any) -> Any:
-            if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
-                return DTensor.from_local(x, mesh, [Replicate()], run_check=False)
-            return x
-        return tree_map(to_dtensor, args)
-
-    @staticmethod
-    def _outputs(module: nn.Module, outputs: Any, mesh: DeviceMesh) -> Any:
-        def to_local(x: Any) -> Any:
-            return x.redistribute(mesh, [Replicate()]).to_local() if isinstance(x, DTensor) else x
-        return tree_map(to_local, outputs)
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        distribute_module(module, device_mesh, self._partition, self._inputs, self._outputs)
-        inner = module.forward
-
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            with implicit_replication():
-                return inner(*args, **kwargs)
-
-        module.forward = forward
-        return module
 
 
 def tp_style_specs(plan: Plan, model: nn.Module) -> dict[str, StyleSpec] | None:
@@ -158,6 +93,8 @@ def tp_style_specs(plan: Plan, model: nn.Module) -> dict[str, StyleSpec] | None:
             raise AutoparError(f"the plan shards {fqn} as {placement[fqn]} on tp inside a region that also holds "
                                f"the {(clash or [owner])[0]!r} style; mixing them is not supported")
         styles.setdefault(owner, ("PlacedParameters", {}))[1][pname] = placement_source(placement[fqn])
+    if plan.layout.get("sp"):
+        _sequence_parallel(styles, model, plan)
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
     return dict(sorted(styles.items(), key=lambda item: order[item[0]]))
 
@@ -165,3 +102,84 @@ def tp_style_specs(plan: Plan, model: nn.Module) -> dict[str, StyleSpec] | None:
 def _inside(name: str, region: str) -> bool:
     """Whether module ``name`` lies strictly inside module ``region`` (the root holds everything)."""
     return name != region and (region == "" or name.startswith(region + "."))
+
+
+def _covers(region: str, name: str) -> bool:
+    return name == region or _inside(name, region)
+
+
+def _positional_arity(module: nn.Module) -> int:
+    """Positional arguments ``module.forward`` requires (what ``PrepareModuleInput`` must lay out)."""
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    params = inspect.signature(module.forward).parameters.values()
+    return max(1, sum(1 for p in params if p.kind in kinds and p.default is p.empty))
+
+
+def _layouts(first: str, arity: int) -> str:
+    """Source of a layouts tuple: ``first`` for the activation, ``None`` for the other arguments."""
+    return "(" + ", ".join([first] + ["None"] * (arity - 1)) + ("," if arity == 1 else "") + ")"
+
+
+def _sequence_parallel(styles: dict[str, StyleSpec], model: nn.Module, plan: Plan) -> None:
+    """Megatron sequence parallelism inside the block stack, on top of the tensor-parallel styles.
+
+    Between the tensor-parallel regions the residual stream is split on the sequence (dim 1): the first
+    block of the stack slices its input, the last gathers its output.  A Megatron pair's row-parallel
+    Linear reduce-scatters (``output_layouts=Shard(1)``) instead of all-reducing, and the pair's parent
+    module all-gathers its input (``PrepareModuleInput``).  Every other module with parameters in a block
+    (the norms) runs on the sequence shards as ``SequenceParallel``, which keeps its parameters replicated
+    DTensors so that their gradients are summed over tp.
+    """
+    container, tp = plan.model.get("layer_container"), plan.layout["tp"]
+    if is_huggingface(model):
+        raise AutoparError("sequence parallelism (sp=on) is not supported for HuggingFace models yet; "
+                           "plan with --fix sp=off")
+    if not container:
+        raise AutoparError("sequence parallelism (sp=on) needs a block stack; plan with --fix sp=off")
+    if plan.seq_len % tp:
+        raise AutoparError(f"sequence parallelism needs the sequence length ({plan.seq_len}) divisible by tp ({tp})")
+    blocks = [f"{container}.{key}" for key, _ in model.get_submodule(container).named_children()]
+    if not blocks:
+        return
+
+    def in_blocks(name: str) -> bool:
+        return any(_covers(b, name) for b in blocks)
+
+    regions: set[str] = set()
+    for name, (kind, kwargs) in styles.items():
+        if not in_blocks(name):
+            continue
+        if kind == "RowwiseParallel" and "input_layouts" not in kwargs:  # the end of a Megatron pair
+            kwargs["output_layouts"] = "Shard(1)"
+            regions.add(name.rpartition(".")[0])
+        elif kind == "PlacedParameters":
+            kwargs.update(input_layouts="Shard(1)", output_layouts="Shard(1)")
+        elif not (kind == "ColwiseParallel" and not kwargs):  # a pair's start reads its region's input
+            raise AutoparError(f"sequence parallelism cannot lay out {name} ({kind}); plan with --fix sp=off")
+    if regions & set(blocks) or set(styles) & set(blocks):
+        raise AutoparError("sequence parallelism needs the tensor-parallel Linears inside a submodule of each "
+                           "block; plan with --fix sp=off")
+    for region in sorted(regions):
+        arity = _positional_arity(model.get_submodule(region))
+        styles[region] = ("PrepareModuleInput", {"input_layouts": _layouts("Shard(1)", arity),
+                                                 "desired_input_layouts": _layouts("Replicate()", arity),
+                                                 "use_local_output": "True"})
+    covered = set(styles)
+    for name, mod in model.named_modules():
+        if not in_blocks(name) or next(mod.parameters(recurse=False), None) is None:
+            continue
+        if any(_covers(c, name) for c in covered):
+            continue
+        if any(_inside(c, name) for c in covered):
+            raise AutoparError(f"sequence parallelism: {name} holds parameters and contains a tensor-parallel "
+                               "region; plan with --fix sp=off")
+        styles[name] = ("SequenceParallel", {"use_local_output": "True"})
+    first, last = blocks[0], blocks[-1]
+    arity = _positional_arity(model.get_submodule(first))
+    enter = {"input_layouts": _layouts("Replicate()", arity), "desired_input_layouts": _layouts("Shard(1)", arity)}
+    leave = {"output_layouts": "Shard(1)", "desired_output_layouts": "Replicate()"}
+    if first == last:
+        styles[first] = ("PrepareModuleInputOutput", {**enter, "use_local_input": "True", **leave})
+    else:
+        styles[first] = ("PrepareModuleInput", {**enter, "use_local_output": "True"})
+        styles[last] = ("PrepareModuleOutput", leave)

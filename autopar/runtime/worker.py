@@ -21,8 +21,8 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 def _placements(p: torch.Tensor) -> dict[str, str]:
     """A DTensor parameter's placement on each named mesh axis, in the plan's words (``{"tp": "S(0)"}``)."""
-    def text(pl: object) -> str:
-        return f"S({pl.dim})" if pl.is_shard() else "R" if pl.is_replicate() else "P"
+    def text(pl: object) -> str:  # FSDP over a tp-sharded dim holds a _StridedShard: a shard all the same
+        return f"S({pl.dim})" if hasattr(pl, "dim") else "R" if pl.is_replicate() else "P"
     return {axis: text(pl) for axis, pl in zip(p.device_mesh.mesh_dim_names, p.placements)}
 
 

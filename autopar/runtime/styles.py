@@ -1,0 +1,118 @@
+"""Parallel styles as plain data, and the one style torch does not have.
+
+A style is written as a ``StyleSpec``: the class name and its keyword arguments as Python source
+(``("RowwiseParallel", {"output_layouts": "Shard(1)"})``).  Generated scripts print the source as is;
+the runtime builds the style from it with a small evaluator that accepts only placements
+(``Replicate()``, ``Shard(k)``), ``None``, booleans, integers and tuples of those, so nothing from a
+plan file is ever executed.
+"""
+
+from __future__ import annotations
+
+import ast
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.experimental import implicit_replication
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+from torch.utils._pytree import tree_map
+
+from autopar.errors import AutoparError
+
+StyleSpec = tuple[str, dict[str, str]]
+
+
+class PlacedParameters(ParallelStyle):
+    """Parameters as DTensors with the given placements (keyword per parameter name; others replicated).
+
+    Inputs enter as DTensors (local tensors read as ``input_layouts``, then made whole), DTensor's sharding
+    rules run the module's ops (plain tensors made inside, such as ``torch.arange``, count as replicated),
+    and outputs leave as local tensors laid out as ``output_layouts``.
+    """
+
+    def __init__(self, *, input_layouts: Placement | None = None, output_layouts: Placement | None = None,
+                 **placements: Placement) -> None:
+        super().__init__()
+        self.input_layouts = input_layouts or Replicate()
+        self.output_layouts = output_layouts or Replicate()
+        self.placements = placements
+
+    def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        for pname, p in list(module.named_parameters(recurse=False)):
+            where = self.placements.get(f"{name}.{pname}" if name else pname, Replicate())
+            module.register_parameter(pname, nn.Parameter(distribute_tensor(p.data, mesh, [where])))
+
+    def _inputs(self, module: nn.Module, args: tuple, mesh: DeviceMesh) -> tuple:
+        def whole(x: Any) -> Any:
+            if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
+                x = DTensor.from_local(x, mesh, [self.input_layouts], run_check=False)
+            return x.redistribute(mesh, [Replicate()]) if isinstance(x, DTensor) else x
+        return tree_map(whole, args)
+
+    def _outputs(self, module: nn.Module, outputs: Any, mesh: DeviceMesh) -> Any:
+        def to_local(x: Any) -> Any:
+            return x.redistribute(mesh, [self.output_layouts]).to_local() if isinstance(x, DTensor) else x
+        return tree_map(to_local, outputs)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        distribute_module(module, device_mesh, self._partition, self._inputs, self._outputs)
+        inner = module.forward
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            with implicit_replication():
+                return inner(*args, **kwargs)
+
+        module.forward = forward
+        return module
+
+
+STYLE_CLASSES: dict[str, type[ParallelStyle]] = {cls.__name__: cls for cls in (
+    ColwiseParallel, RowwiseParallel, SequenceParallel, PrepareModuleInput, PrepareModuleOutput,
+    PrepareModuleInputOutput, PlacedParameters)}
+PLACEMENTS = {"Replicate": Replicate, "Shard": Shard}
+
+
+def placement_source(plan_placement: str) -> str:
+    """A plan placement (``R``, ``S(k)``) as DTensor source code (``Replicate()``, ``Shard(k)``)."""
+    return "Replicate()" if plan_placement == "R" else plan_placement.replace("S(", "Shard(")
+
+
+def evaluate(source: str) -> Any:
+    """The value of a style argument's source: placements, ``None``, bools, ints and tuples only."""
+    def value(node: ast.expr) -> Any:
+        if isinstance(node, ast.Constant) and (node.value is None or isinstance(node.value, (bool, int))):
+            return node.value
+        if isinstance(node, ast.Tuple):
+            return tuple(value(e) for e in node.elts)
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in PLACEMENTS
+                and not node.keywords):
+            return PLACEMENTS[node.func.id](*(value(a) for a in node.args))
+        raise AutoparError(f"style argument {source!r} is not a placement, tuple, bool, int or None")
+    try:
+        return value(ast.parse(source, mode="eval").body)
+    except SyntaxError as exc:
+        raise AutoparError(f"style argument {source!r} is not valid Python") from exc
+
+
+def make_style(spec: StyleSpec) -> ParallelStyle:
+    kind, kwargs = spec
+    if kind not in STYLE_CLASSES:
+        raise AutoparError(f"unknown parallel style {kind!r}")
+    return STYLE_CLASSES[kind](**{k: evaluate(v) for k, v in kwargs.items()})
+
+
+def style_source(spec: StyleSpec) -> str:
+    """The style as a constructor call (what generated scripts print)."""
+    kind, kwargs = spec
+    return f"{kind}({', '.join(f'{k}={v}' for k, v in kwargs.items())})"
