@@ -86,11 +86,11 @@ EIGHT = ["--config", "layers=8,hidden=128,heads=4,vocab=256,seq_len=16", "--clus
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("config", "fix"), [
-    (DEEP, "pp=2,tp=2,sp=on,schedule=1f1b"),
+    (DEEP, "pp=2,tp=2,sp=off,schedule=1f1b"),
     (DEEP, "pp=2,dp=2,schedule=1f1b,recompute=selective,zero=0"),
     (EIGHT, "pp=4,schedule=gpipe"),
     (EIGHT, "pp=4,schedule=interleaved,v=2"),
-], ids=["pp2xtp2-1f1b-sp", "pp2xdp2-selective", "pp4-gpipe", "pp4-interleaved-v2"])
+], ids=["pp2xtp2-1f1b", "pp2xdp2-selective", "pp4-gpipe", "pp4-interleaved-v2"])
 def test_verify_pipeline_plans(tmp_path, capsys, config, fix):
     plan, _ = _verify(tmp_path, capsys, "gpt", config, fix)
     assert plan["layout"]["pp"] in (2, 4) and len(plan["stages"]) == plan["layout"]["pp"]
@@ -223,13 +223,14 @@ def test_generated_script_runs_a_pp2_tp2_plan(tmp_path, capsys):
     from autopar.plan import Plan
     from autopar.runtime.session import reference_run
 
-    assert main(["plan", "gpt", *DEEP, "--global-batch", "8", "--fix", "pp=2,tp=2,sp=off,schedule=1f1b",
+    assert main(["plan", "gpt", *DEEP, "--global-batch", "8", "--fix", "pp=2,tp=2,sp=on,schedule=1f1b",
                  "-o", str(tmp_path)]) == 0
     capsys.readouterr()
     script = tmp_path / "train.py"
     text = script.read_text()
     assert "import autopar" not in text and "from autopar" not in text  # standalone
     assert "MESH_SHAPE = (2, 1, 2)" in text and "ColwiseParallel()" in text and "Schedule1F1B" in text
+    assert "SequenceParallel(use_local_output=True)" in text
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
                            str(script), "--steps", "3"], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
