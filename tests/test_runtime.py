@@ -131,14 +131,21 @@ def test_verify_moe_dp2_tp2_with_experts_sharded_on_tp(tmp_path, capsys, sp):
     assert out["placements"]["blocks.1.mlp.router.weight"]["tp"] == "R" and _tp_as_planned(plan, out)
 
 
-def test_unsupported_pipeline_split_is_refused_before_launch(tmp_path, capsys, examples):
+@pytest.mark.slow
+def test_verify_huggingface_gpt2_pipeline_with_tied_head(tmp_path, capsys, examples):
+    cfg = ["--config", "layers=2,hidden=64,heads=4,vocab=128,seq_len=16", "--cluster", "cpu"]
+    plan, _ = _verify(tmp_path, capsys, str(examples / "hf_gpt2.py"), cfg, "pp=2,dp=2,schedule=gpipe,zero=0")
+    assert plan["parameters"]["transformer.wte.weight"]["aliases"] == ["lm_head.weight"]  # one copy per end
+
+
+def test_unsupported_pipeline_split_is_refused_before_launch(tmp_path, capsys, fixtures):
     cfg = ["--config", "layers=2,hidden=64,heads=4,vocab=128,seq_len=16", "--cluster", "cpu", "--global-batch", "4"]
-    assert main(["plan", str(examples / "hf_gpt2.py"), *cfg, "--fix", "pp=2", "-o", str(tmp_path)]) == 0
-    assert "train.py not written: pipeline stages of HuggingFace GPT2LMHeadModel" in capsys.readouterr().err
+    assert main(["plan", str(fixtures / "hf_neox.py"), *cfg, "--fix", "pp=2", "-o", str(tmp_path)]) == 0
+    assert "train.py not written: pipeline stages of HuggingFace GPTNeoXForCausalLM" in capsys.readouterr().err
     assert not (tmp_path / "train.py").exists()
     code = main(["verify", str(tmp_path / "plan.json")])
     err = capsys.readouterr().err
-    assert code == 2 and err.count("\n") == 1 and "GPT2LMHeadModel are not supported" in err
+    assert code == 2 and err.count("\n") == 1 and "GPTNeoXForCausalLM are not supported" in err
 
 
 def test_verify_rejects_large_plans(tmp_path, capsys):

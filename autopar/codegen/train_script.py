@@ -16,7 +16,7 @@ from pathlib import Path
 from autopar import __version__, modelfile
 from autopar.codegen.script_body import BODY
 from autopar.plan import Plan
-from autopar.runtime.stages import is_huggingface, stage_layer_ranges
+from autopar.runtime.stages import hf_decoder_kind, stage_layer_ranges
 from autopar.runtime.styles import PlacedParameters, style_source
 from autopar.runtime.support import check_runnable, model_on_meta
 
@@ -88,7 +88,7 @@ def generate_train_script(plan: Plan, script_name: str = "train.py") -> str:
         f"SCHEDULE = {lay['schedule']!r}  # gpipe | 1f1b | interleaved\n"
         f"STAGE_LAYERS = {[tuple(r) for r in stage_layer_ranges(plan)]!r}  # layers of each pipeline chunk\n"
         f"LAYER_CONTAINER = {plan.model['layer_container']!r}\n"
-        f"HUGGINGFACE_DECODER = {is_huggingface(model)}  # pipeline stages get a Llama-style stage forward\n"
+        f"HUGGINGFACE_DECODER = {hf_decoder_kind(model)!r}  # llama | gpt2: pipeline stages get their own forward\n"
         f"RECOMPUTE = {lay['recompute']!r}  # none | selective | full\n"
         f"ZERO = {plan.zero}  # 0: all-reduce gradients; 1-3: FSDP2 fully_shard (3: reshard after forward)\n"
         f"TIED = {tied!r}  # (parameter, alias) pairs\n"

@@ -13,11 +13,11 @@ How a stage runs:
 
 - models of the zoo run their own ``forward``, which takes hidden states when the embedding is missing
   and skips a missing norm or head;
-- HuggingFace decoders of the Llama family (``model.embed_tokens``, ``model.layers``, ``model.norm``,
-  ``model.rotary_emb``, ``lm_head``) get a stage forward that does what ``LlamaModel.forward`` does
-  (positions, the model's own causal mask, rotary embeddings, the decoder layers) on the pieces the stage
-  holds, and returns hidden states, or logits on the last stage.  Other HuggingFace architectures are
-  refused with a clear error.
+- HuggingFace decoders shaped like Llama (``model.embed_tokens/layers/norm/rotary_emb``, ``lm_head``:
+  Llama, Mistral, Qwen2, ...) or GPT-2 (``transformer.wte/wpe/h/ln_f``, ``lm_head``) get a stage forward
+  that does what the decoder's own ``forward`` does (positions, the model's own causal mask, rotary or
+  learned position embeddings, the decoder layers) on the pieces the stage holds, and returns hidden
+  states, or logits on the last stage.  Other HuggingFace architectures are refused with a clear error.
 """
 
 from __future__ import annotations
@@ -82,30 +82,54 @@ def _drop_ends(stage: nn.Module, container: str, first: bool, last: bool) -> Non
         parent = getattr(parent, name)
 
 
+#: HuggingFace decoder shapes autopar can split: the attribute holding the decoder, and what it must have.
+HF_DECODERS = {
+    "llama": ("model", ("embed_tokens", "layers", "norm", "rotary_emb")),  # Llama, Mistral, Qwen2, ...
+    "gpt2": ("transformer", ("wte", "wpe", "drop", "h", "ln_f")),
+}
+
+
+def hf_decoder_kind(model: nn.Module) -> str | None:
+    """``"llama"`` or ``"gpt2"`` for a HuggingFace decoder autopar can split, else ``None``."""
+    if not is_huggingface(model):
+        return None
+    for kind, (base, needed) in HF_DECODERS.items():
+        decoder = getattr(model, base, None)
+        if decoder is not None and hasattr(model, "lm_head") and all(hasattr(decoder, n) for n in needed):
+            return kind
+    return None
+
+
 def check_splittable(model: nn.Module) -> None:
     """Raise a clear error when autopar cannot run ``model`` as pipeline stages."""
-    if not is_huggingface(model):
-        return
-    base = getattr(model, "model", None)
-    needed = ("embed_tokens", "layers", "norm", "rotary_emb")
-    if base is None or not hasattr(model, "lm_head") or not all(hasattr(base, n) for n in needed):
+    if is_huggingface(model) and hf_decoder_kind(model) is None:
         raise AutoparError(f"pipeline stages of HuggingFace {type(model).__name__} are not supported: autopar "
-                           "splits decoders shaped like Llama (model.embed_tokens/layers/norm/rotary_emb, lm_head)")
+                           "splits decoders shaped like Llama (model.embed_tokens/layers/norm/rotary_emb, "
+                           "lm_head) or GPT-2 (transformer.wte/wpe/h/ln_f, lm_head)")
 
 
 def _hf_decoder_forward(stage: nn.Module, first: bool, last: bool) -> types.MethodType:
-    base = stage.model
+    """What the decoder's own ``forward`` does, on the pieces the stage holds (hidden states in and out)."""
+    kind = hf_decoder_kind(stage)
+    base = getattr(stage, HF_DECODERS[kind][0])
     create_causal_mask = sys.modules[type(base).__module__].create_causal_mask
 
     def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        h = base.embed_tokens(x) if first else x
-        positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+        if kind == "llama":
+            h = base.embed_tokens(x) if first else x
+            mask = create_causal_mask(config=base.config, inputs_embeds=h, attention_mask=None, cache=None,
+                                      position_ids=positions)
+            rotary = base.rotary_emb(h, position_ids=positions)
+            for layer in base.layers.values():
+                h = layer(h, attention_mask=mask, position_ids=positions, position_embeddings=rotary)
+            return self.lm_head(base.norm(h)) if last else h
+        h = base.drop(base.wte(x) + base.wpe(positions)) if first else x
         mask = create_causal_mask(config=base.config, inputs_embeds=h, attention_mask=None, cache=None,
                                   position_ids=positions)
-        rotary = base.rotary_emb(h, position_ids=positions)
-        for layer in base.layers.values():
-            h = layer(h, attention_mask=mask, position_ids=positions, position_embeddings=rotary)
-        return self.lm_head(base.norm(h)) if last else h
+        for layer in base.h.values():
+            h = layer(h, None, mask, position_ids=positions)
+        return self.lm_head(base.ln_f(h)) if last else h
 
     return types.MethodType(forward, stage)
 
