@@ -56,33 +56,8 @@ def build_stage(model, chunk):
                 setattr(parent, other, None)
         parent = getattr(parent, name)
     if HUGGINGFACE_DECODER:
-        stage.forward = hf_stage_forward(stage, first, last)
+        stage.forward = hf_stage_forward(stage, HUGGINGFACE_DECODER, first, last)
     return stage
-
-
-def hf_stage_forward(stage, first, last):
-    """What the HuggingFace decoder's forward does, on the pieces this stage holds: hidden states in and out."""
-    base = stage.model if HUGGINGFACE_DECODER == "llama" else stage.transformer
-    create_causal_mask = sys.modules[type(base).__module__].create_causal_mask
-
-    def forward(x):
-        positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
-        if HUGGINGFACE_DECODER == "llama":
-            h = base.embed_tokens(x) if first else x
-            mask = create_causal_mask(config=base.config, inputs_embeds=h, attention_mask=None, cache=None,
-                                      position_ids=positions)
-            rotary = base.rotary_emb(h, position_ids=positions)
-            for layer in base.layers.values():
-                h = layer(h, attention_mask=mask, position_ids=positions, position_embeddings=rotary)
-            return stage.lm_head(base.norm(h)) if last else h
-        h = base.drop(base.wte(x) + base.wpe(positions)) if first else x  # GPT-2
-        mask = create_causal_mask(config=base.config, inputs_embeds=h, attention_mask=None, cache=None,
-                                  position_ids=positions)
-        for layer in base.h.values():
-            h = layer(h, None, mask, position_ids=positions)
-        return stage.lm_head(base.ln_f(h)) if last else h
-
-    return forward
 
 
 def apply_tp(module, mesh):

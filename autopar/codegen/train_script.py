@@ -16,6 +16,7 @@ from pathlib import Path
 from autopar import __version__, modelfile
 from autopar.codegen.script_body import BODY
 from autopar.plan import Plan
+from autopar.runtime import stages
 from autopar.runtime.stages import hf_decoder_kind, stage_layer_ranges
 from autopar.runtime.styles import PlacedParameters, style_source
 from autopar.runtime.support import check_runnable, model_on_meta
@@ -49,6 +50,12 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torch.utils._pytree import tree_map"""
 
 
+def _hf_stage_source() -> str:
+    """The HuggingFace stage forward and its mask helpers, copied from the runtime."""
+    parts = (stages._hf_layer_masks, stages._hf_layer_type, stages.hf_stage_forward)
+    return "from collections.abc import Callable\n\n\n" + "\n\n".join(inspect.getsource(f) for f in parts) + "\n\n"
+
+
 def _placed_parameters_source() -> str:
     """The ``PlacedParameters`` style, copied from the runtime so the script stays standalone."""
     return PLACED_IMPORTS + "\n\n" + inspect.getsource(PlacedParameters) + "\n\n"
@@ -59,6 +66,7 @@ def generate_train_script(plan: Plan, script_name: str = "train.py") -> str:
     model = model_on_meta(plan)
     lay = plan.layout
     specs = check_runnable(plan, model)
+    hf_kind = hf_decoder_kind(model)
     pp, dp, tp, mbs = lay["pp"], lay["dp"], lay["tp"], lay["mbs"]
     note = ""
     if lay["tp"] > 1 and specs is None:
@@ -88,7 +96,7 @@ def generate_train_script(plan: Plan, script_name: str = "train.py") -> str:
         f"SCHEDULE = {lay['schedule']!r}  # gpipe | 1f1b | interleaved\n"
         f"STAGE_LAYERS = {[tuple(r) for r in stage_layer_ranges(plan)]!r}  # layers of each pipeline chunk\n"
         f"LAYER_CONTAINER = {plan.model['layer_container']!r}\n"
-        f"HUGGINGFACE_DECODER = {hf_decoder_kind(model)!r}  # llama | gpt2: pipeline stages get their own forward\n"
+        f"HUGGINGFACE_DECODER = {hf_kind!r}  # llama | gpt2: pipeline stages run hf_stage_forward\n"
         f"RECOMPUTE = {lay['recompute']!r}  # none | selective | full\n"
         f"ZERO = {plan.zero}  # 0: all-reduce gradients; 1-3: FSDP2 fully_shard (3: reshard after forward)\n"
         f"TIED = {tied!r}  # (parameter, alias) pairs\n"
@@ -97,7 +105,8 @@ def generate_train_script(plan: Plan, script_name: str = "train.py") -> str:
     kinds = sorted({kind for kind, _ in (specs or {}).values()} - {"PlacedParameters"})
     imports = IMPORTS + f"from torch.distributed.tensor.parallel import {', '.join([*kinds, 'parallelize_module'])}\n"
     placed = any(kind == "PlacedParameters" for kind, _ in (specs or {}).values())
-    return header + imports + "\n" + (_placed_parameters_source() if placed else "") + literals + BODY
+    helpers = (_placed_parameters_source() if placed else "") + (_hf_stage_source() if hf_kind and pp > 1 else "")
+    return header + imports + "\n" + helpers + literals + BODY
 
 
 def write_train_script(plan: Plan, path: str | Path) -> Path:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import copy
 import sys
-import types
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -108,30 +108,50 @@ def check_splittable(model: nn.Module) -> None:
                            "lm_head) or GPT-2 (transformer.wte/wpe/h/ln_f, lm_head)")
 
 
-def _hf_decoder_forward(stage: nn.Module, first: bool, last: bool) -> types.MethodType:
-    """What the decoder's own ``forward`` does, on the pieces the stage holds (hidden states in and out)."""
-    kind = hf_decoder_kind(stage)
-    base = getattr(stage, HF_DECODERS[kind][0])
-    create_causal_mask = sys.modules[type(base).__module__].create_causal_mask
+def _hf_layer_masks(base: nn.Module, h: torch.Tensor, positions: torch.Tensor) -> dict[str, object]:
+    """The decoder's attention masks by layer type, built by the model's own masking functions."""
+    modeling = sys.modules[type(base).__module__]
+    kwargs = {"config": base.config, "inputs_embeds": h, "attention_mask": None, "cache": None,
+              "position_ids": positions}
+    masks = {"full_attention": modeling.create_causal_mask(**kwargs)}
+    if getattr(base.config, "sliding_window", None) is not None:
+        masks["sliding_attention"] = modeling.create_sliding_window_causal_mask(**kwargs)
+    return masks
 
-    def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+
+def _hf_layer_type(config: object, index: int) -> str:
+    """``full_attention`` or ``sliding_attention``: per layer where the config lists them (Qwen2), else one
+    kind for all (Mistral slides whenever it has a window)."""
+    types = getattr(config, "layer_types", None)
+    if types:
+        return types[index]
+    return "sliding_attention" if getattr(config, "sliding_window", None) is not None else "full_attention"
+
+
+def hf_stage_forward(stage: nn.Module, kind: str, first: bool, last: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+    """What the decoder's own ``forward`` does, on the pieces the stage holds (hidden states in and out).
+
+    Generated scripts carry this function's source, so it uses torch and the two mask helpers only.
+    """
+    base = stage.model if kind == "llama" else stage.transformer
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
         if kind == "llama":
             h = base.embed_tokens(x) if first else x
-            mask = create_causal_mask(config=base.config, inputs_embeds=h, attention_mask=None, cache=None,
-                                      position_ids=positions)
+            masks = _hf_layer_masks(base, h, positions)
             rotary = base.rotary_emb(h, position_ids=positions)
-            for layer in base.layers.values():
+            for index, layer in base.layers.items():
+                mask = masks[_hf_layer_type(base.config, int(index))]
                 h = layer(h, attention_mask=mask, position_ids=positions, position_embeddings=rotary)
-            return self.lm_head(base.norm(h)) if last else h
-        h = base.drop(base.wte(x) + base.wpe(positions)) if first else x
-        mask = create_causal_mask(config=base.config, inputs_embeds=h, attention_mask=None, cache=None,
-                                  position_ids=positions)
+            return stage.lm_head(base.norm(h)) if last else h
+        h = base.drop(base.wte(x) + base.wpe(positions)) if first else x  # GPT-2
+        mask = _hf_layer_masks(base, h, positions)["full_attention"]
         for layer in base.h.values():
             h = layer(h, None, mask, position_ids=positions)
-        return self.lm_head(base.ln_f(h)) if last else h
+        return stage.lm_head(base.ln_f(h)) if last else h
 
-    return types.MethodType(forward, stage)
+    return forward
 
 
 def prune_to_stage(model: nn.Module, plan: Plan, chunk: int) -> nn.Module:
@@ -147,6 +167,7 @@ def prune_to_stage(model: nn.Module, plan: Plan, chunk: int) -> nn.Module:
         if not lo <= int(key) < hi:
             del blocks[key]
     _drop_ends(stage, container, first, last)
-    if is_huggingface(stage):
-        stage.forward = _hf_decoder_forward(stage, first, last)
+    kind = hf_decoder_kind(stage)
+    if kind is not None:
+        stage.forward = hf_stage_forward(stage, kind, first, last)
     return stage
