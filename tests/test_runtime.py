@@ -69,8 +69,9 @@ def test_verify_dp2_tp2_fsdp(tmp_path, capsys):
 @pytest.mark.slow
 def test_verify_huggingface_llama_dp2_tp2(tmp_path, capsys, examples):
     cfg = ["--config", "layers=2,hidden=256,heads=8,ffn=512,vocab=256,seq_len=16", "--cluster", "cpu"]
-    plan, out = _verify(tmp_path, capsys, str(examples / "hf_llama.py"), cfg, "dp=2,tp=2,sp=off")
+    plan, out = _verify(tmp_path, capsys, str(examples / "hf_llama.py"), cfg, "dp=2,tp=2,sp=on")
     assert out["placements"]["model.layers.1.mlp.down_proj.weight"]["tp"] == "S(1)" and _tp_as_planned(plan, out)
+    assert out["placements"]["model.layers.1.input_layernorm.weight"]["tp"] == "R"  # sequence-parallel norm
 
 
 @pytest.mark.slow
@@ -222,7 +223,13 @@ def test_checkpoint_moves_between_plans(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_generated_script_runs_a_pp2_tp2_plan(tmp_path, capsys):
+@pytest.mark.parametrize(("model", "config", "fix", "expect"), [
+    ("gpt", DEEP, "pp=2,tp=2,sp=on,schedule=1f1b", ["MESH_SHAPE = (2, 1, 2)", "ColwiseParallel()", "Schedule1F1B",
+                                                     "SequenceParallel(use_local_output=True)"]),
+    ("hf_llama", ["--config", "layers=2,hidden=256,heads=8,ffn=512,vocab=256,seq_len=16", "--cluster", "cpu"],
+     "dp=2,tp=2,sp=on,zero=3", ["MESH_SHAPE = (1, 2, 2)", "class PrepareActivation(ParallelStyle):", "ZERO = 3"]),
+], ids=["gpt-pp2xtp2-sp", "hf-llama-dp2xtp2-sp-fsdp"])
+def test_generated_script_runs_the_plan(tmp_path, capsys, examples, model, config, fix, expect):
     import os
     import subprocess
     import sys
@@ -230,21 +237,20 @@ def test_generated_script_runs_a_pp2_tp2_plan(tmp_path, capsys):
     from autopar.plan import Plan
     from autopar.runtime.session import reference_run
 
-    assert main(["plan", "gpt", *DEEP, "--global-batch", "8", "--fix", "pp=2,tp=2,sp=on,schedule=1f1b",
-                 "-o", str(tmp_path)]) == 0
+    ref = str(examples / f"{model}.py") if model.startswith("hf_") else model
+    assert main(["plan", ref, *config, "--global-batch", "8", "--fix", fix, "-o", str(tmp_path)]) == 0
     capsys.readouterr()
     script = tmp_path / "train.py"
     text = script.read_text()
     assert "import autopar" not in text and "from autopar" not in text  # standalone
-    assert "MESH_SHAPE = (2, 1, 2)" in text and "ColwiseParallel()" in text and "Schedule1F1B" in text
-    assert "SequenceParallel(use_local_output=True)" in text
+    assert all(e in text for e in expect), [e for e in expect if e not in text]
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
                            str(script), "--steps", "3"], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     losses = [float(line.split()[-1]) for line in proc.stdout.splitlines() if line.startswith("step ")]
-    ref = reference_run(Plan.load(tmp_path / "plan.json"), 3, 0, 0.1)["losses"]
-    assert losses == pytest.approx(ref, rel=1e-5)
+    ref_losses = reference_run(Plan.load(tmp_path / "plan.json"), 3, 0, 0.1)["losses"]
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
 
 
 @pytest.mark.slow

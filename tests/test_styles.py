@@ -6,14 +6,14 @@ import dataclasses
 
 import pytest
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import PrepareModuleInput, RowwiseParallel, SequenceParallel
+from torch.distributed.tensor.parallel import RowwiseParallel, SequenceParallel
 
 from autopar.cli import main
 from autopar.codegen.train_script import generate_train_script
 from autopar.errors import AutoparError
 from autopar.plan import Plan
 from autopar.runtime.stages import prune_to_stage
-from autopar.runtime.styles import PlacedParameters, evaluate, make_style
+from autopar.runtime.styles import PlacedParameters, PrepareActivation, evaluate, make_style
 from autopar.runtime.support import check_runnable, model_on_meta
 from autopar.runtime.tensor_parallel import tp_style_specs
 
@@ -38,29 +38,31 @@ def test_megatron_pairs_become_colwise_and_rowwise(tmp_path):
 
 def test_sequence_parallel_splits_the_stream_between_the_pairs(tmp_path):
     _, specs = _specs(tmp_path, "gpt", WIDE, "tp=4,sp=on")
-    assert specs["blocks.0"] == ("PrepareModuleInput", {"input_layouts": "(Replicate(),)",
-                                                        "desired_input_layouts": "(Shard(1),)",
-                                                        "use_local_output": "True"})
-    assert specs["blocks.2"][0] == "PrepareModuleOutput" and "blocks.1" not in specs
+    assert specs["blocks.0"] == ("PrepareActivation", {"input_layouts": "Replicate()",
+                                                       "desired_input_layouts": "Shard(1)"})
+    assert specs["blocks.2"] == ("PrepareActivation", {"output_layouts": "Shard(1)",
+                                                       "desired_output_layouts": "Replicate()"})
+    assert "blocks.1" not in specs
     assert specs["blocks.1.attn.o"] == ("RowwiseParallel", {"output_layouts": "Shard(1)"})
-    assert specs["blocks.1.mlp"][1]["desired_input_layouts"] == "(Replicate(),)"
+    assert specs["blocks.1.mlp"] == ("PrepareActivation", {"input_layouts": "Shard(1)",
+                                                           "desired_input_layouts": "Replicate()"})
     assert specs["blocks.1.ln1"] == ("SequenceParallel", {"use_local_output": "True"})
     assert "ln_f" not in specs  # outside the stack the activations are whole again
     built = make_style(specs["blocks.1.mlp.proj"])
     assert isinstance(built, RowwiseParallel) and built.output_layouts == (Shard(1),)
     assert isinstance(make_style(specs["blocks.1.ln2"]), SequenceParallel)
     entry = make_style(specs["blocks.0"])
-    assert isinstance(entry, PrepareModuleInput) and entry.desired_input_layouts == (Shard(1),)
+    assert isinstance(entry, PrepareActivation) and entry.desired_input_layouts == Shard(1)
 
 
-def test_llama_blocks_lay_out_only_the_activation(tmp_path):
+def test_a_single_block_stage_enters_and_leaves_the_split_stream(tmp_path):
     cfg = ["--config", "layers=2,hidden=512,heads=8,vocab=256,seq_len=16", "--cluster", "cpu", "--global-batch", "8"]
     plan, _ = _specs(tmp_path, "llama", cfg, "pp=2,tp=2,sp=on")
     specs = tp_style_specs(plan, prune_to_stage(model_on_meta(plan), plan, 0))
-    # the block and its attention take (x, cos, sin): the rope tables stay as they are
-    kind, kwargs = specs["blocks.0"]  # the stage's only block both enters and leaves the split stream
-    assert kind == "PrepareModuleInputOutput" and kwargs["input_layouts"] == "(Replicate(), None, None)"
-    assert specs["blocks.0.attn"][1]["input_layouts"] == "(Shard(1), None, None)"
+    assert specs["blocks.0"] == ("PrepareActivation", {"input_layouts": "Replicate()",
+                                                       "desired_input_layouts": "Shard(1)",
+                                                       "output_layouts": "Shard(1)",
+                                                       "desired_output_layouts": "Replicate()"})
     assert specs["blocks.0.attn_norm"] == ("SequenceParallel", {"use_local_output": "True"})
 
 
@@ -99,13 +101,17 @@ def test_style_arguments_evaluate_to_placements():
     assert evaluate("Replicate()") == Replicate() and evaluate("True") is True
 
 
-def test_sequence_parallel_limits_are_clear(tmp_path, capsys, examples):
-    cfg = ["--config", "layers=2,hidden=256,heads=8,ffn=512,vocab=256,seq_len=16", "--cluster", "cpu",
-           "--global-batch", "8"]
-    assert main(["plan", str(examples / "hf_llama.py"), *cfg, "--fix", "dp=2,tp=2,sp=on", "-o", str(tmp_path)]) == 0
-    err = capsys.readouterr().err
-    assert "train.py not written: sequence parallelism (sp=on) is not supported for HuggingFace" in err
-    plan, _ = _specs(tmp_path / "gpt", "gpt", WIDE, "tp=4,sp=on")
+def test_sequence_parallel_limits_are_clear(tmp_path):
+    plan, _ = _specs(tmp_path, "gpt", WIDE, "tp=4,sp=on")
     odd = dataclasses.replace(plan, seq_len=18)  # a sequence the tp ranks cannot split evenly
     with pytest.raises(AutoparError, match=r"sequence length \(18\) divisible by tp \(4\)"):
         check_runnable(odd, model_on_meta(odd))
+
+
+def test_huggingface_attention_gathers_its_keyword_activation(tmp_path, examples):
+    cfg = ["--config", "layers=2,hidden=256,heads=8,ffn=512,vocab=256,seq_len=16", "--cluster", "cpu",
+           "--global-batch", "8"]
+    _, specs = _specs(tmp_path, str(examples / "hf_llama.py"), cfg, "dp=2,tp=2,sp=on")
+    assert specs["model.layers.0.self_attn"][0] == "PrepareActivation"  # called as self_attn(hidden_states=...)
+    assert specs["model.layers.1.post_attention_layernorm"] == ("SequenceParallel", {"use_local_output": "True"})
+    assert "model.norm" not in specs

@@ -88,7 +88,7 @@ def apply_ac(module):
 def apply_fsdp(module, mesh):
     if ZERO == 0 or mesh["dp"].size() == 1:
         return False
-    for block in module.get_submodule(LAYER_CONTAINER).values():
+    for block in module.get_submodule(LAYER_CONTAINER).children():
         fully_shard(block, mesh=mesh["dp"], reshard_after_forward=ZERO >= 3)
     fully_shard(module, mesh=mesh["dp"], reshard_after_forward=ZERO >= 3)
     return True

@@ -18,7 +18,7 @@ from autopar.codegen.script_body import BODY
 from autopar.plan import Plan
 from autopar.runtime import stages
 from autopar.runtime.stages import hf_decoder_kind, stage_layer_ranges
-from autopar.runtime.styles import PlacedParameters, style_source
+from autopar.runtime.styles import PlacedParameters, PrepareActivation, style_source
 from autopar.runtime.support import check_runnable, model_on_meta
 
 IMPORTS = """import argparse
@@ -40,8 +40,9 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.tensor import Replicate, Shard
 """
 
-# Only for plans that shard parameters no parallelize_module style expresses (stacked experts, say).
-PLACED_IMPORTS = """from typing import Any
+# Only for plans that use the runtime's own styles (stacked experts on tp, sequence parallelism).
+CUSTOM_STYLE_IMPORTS = """import inspect
+from typing import Any
 
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, distribute_module, distribute_tensor
@@ -56,9 +57,12 @@ def _hf_stage_source() -> str:
     return "from collections.abc import Callable\n\n\n" + "\n\n".join(inspect.getsource(f) for f in parts) + "\n\n"
 
 
-def _placed_parameters_source() -> str:
-    """The ``PlacedParameters`` style, copied from the runtime so the script stays standalone."""
-    return PLACED_IMPORTS + "\n\n" + inspect.getsource(PlacedParameters) + "\n\n"
+def _custom_styles_source(kinds: set[str]) -> str:
+    """The runtime's own styles the plan uses, copied so the script stays standalone."""
+    used = [cls for cls in (PlacedParameters, PrepareActivation) if cls.__name__ in kinds]
+    if not used:
+        return ""
+    return CUSTOM_STYLE_IMPORTS + "\n\n" + "\n\n".join(inspect.getsource(cls) for cls in used) + "\n\n"
 
 
 def generate_train_script(plan: Plan, script_name: str = "train.py") -> str:
@@ -102,10 +106,11 @@ def generate_train_script(plan: Plan, script_name: str = "train.py") -> str:
         f"TIED = {tied!r}  # (parameter, alias) pairs\n"
         f"TP_PLAN = {{\n{tp_lines}}}\n"
     )
-    kinds = sorted({kind for kind, _ in (specs or {}).values()} - {"PlacedParameters"})
-    imports = IMPORTS + f"from torch.distributed.tensor.parallel import {', '.join([*kinds, 'parallelize_module'])}\n"
-    placed = any(kind == "PlacedParameters" for kind, _ in (specs or {}).values())
-    helpers = (_placed_parameters_source() if placed else "") + (_hf_stage_source() if hf_kind and pp > 1 else "")
+    kinds = {kind for kind, _ in (specs or {}).values()}
+    torch_kinds = sorted(kinds - {"PlacedParameters", "PrepareActivation"})
+    names = ", ".join([*torch_kinds, "parallelize_module"])
+    imports = IMPORTS + f"from torch.distributed.tensor.parallel import {names}\n"
+    helpers = _custom_styles_source(kinds) + (_hf_stage_source() if hf_kind and pp > 1 else "")
     return header + imports + "\n" + helpers + literals + BODY
 
 

@@ -1,4 +1,4 @@
-"""Parallel styles as plain data, and the one style torch does not have.
+"""Parallel styles as plain data, and the two styles torch does not have.
 
 A style is written as a ``StyleSpec``: the class name and its keyword arguments as Python source
 (``("RowwiseParallel", {"output_layouts": "Shard(1)"})``).  Generated scripts print the source as is;
@@ -10,6 +10,7 @@ plan file is ever executed.
 from __future__ import annotations
 
 import ast
+import inspect
 from typing import Any
 
 import torch
@@ -77,9 +78,53 @@ class PlacedParameters(ParallelStyle):
         return module
 
 
+class PrepareActivation(ParallelStyle):
+    """Re-lay a module's activation: its first argument (passed by position or by name) and/or its output.
+
+    Local tensors are read as ``input_layouts`` (``output_layouts``) and leave, local again, laid out as
+    ``desired_input_layouts`` (``desired_output_layouts``).  Unlike ``PrepareModuleInput`` it needs no
+    layout for the module's other arguments, and it finds the activation whether the caller passes it by
+    position (``block(x, cos, sin)``) or by keyword (HuggingFace's ``self_attn(hidden_states=...)``).
+    """
+
+    def __init__(self, *, input_layouts: Placement | None = None, desired_input_layouts: Placement | None = None,
+                 output_layouts: Placement | None = None, desired_output_layouts: Placement | None = None) -> None:
+        super().__init__()
+        self.input_layouts, self.desired_input_layouts = input_layouts, desired_input_layouts
+        self.output_layouts, self.desired_output_layouts = output_layouts, desired_output_layouts
+
+    @staticmethod
+    def _relayout(x: Any, have: Placement, want: Placement, mesh: DeviceMesh) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, mesh, [have], run_check=False)
+        return x.redistribute(mesh, [want]).to_local()
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        name = next(iter(inspect.signature(module.forward).parameters))  # what the activation is called
+
+        def prepare_input(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            have, want = self.input_layouts, self.desired_input_layouts
+            if args:
+                return (self._relayout(args[0], have, want, device_mesh), *args[1:]), kwargs
+            if name in kwargs:
+                return args, {**kwargs, name: self._relayout(kwargs[name], have, want, device_mesh)}
+            return args, kwargs
+
+        def prepare_output(mod: nn.Module, args: tuple, output: Any) -> Any:
+            return self._relayout(output, self.output_layouts, self.desired_output_layouts, device_mesh)
+
+        if self.input_layouts is not None:
+            module.register_forward_pre_hook(prepare_input, with_kwargs=True)
+        if self.output_layouts is not None:
+            module.register_forward_hook(prepare_output)
+        return module
+
+
 STYLE_CLASSES: dict[str, type[ParallelStyle]] = {cls.__name__: cls for cls in (
     ColwiseParallel, RowwiseParallel, SequenceParallel, PrepareModuleInput, PrepareModuleOutput,
-    PrepareModuleInputOutput, PlacedParameters)}
+    PrepareModuleInputOutput, PlacedParameters, PrepareActivation)}
 PLACEMENTS = {"Replicate": Replicate, "Shard": Shard}
 
 

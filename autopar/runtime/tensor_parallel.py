@@ -26,14 +26,11 @@ cheaper), and the runtime runs that axis as data parallelism.
 
 from __future__ import annotations
 
-import inspect
-
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from autopar.errors import AutoparError
 from autopar.plan import Plan
-from autopar.runtime.stages import is_huggingface
 from autopar.runtime.styles import StyleSpec, make_style, placement_source
 
 
@@ -108,32 +105,17 @@ def _covers(region: str, name: str) -> bool:
     return name == region or _inside(name, region)
 
 
-def _positional_arity(module: nn.Module) -> int:
-    """Positional arguments ``module.forward`` requires (what ``PrepareModuleInput`` must lay out)."""
-    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    params = inspect.signature(module.forward).parameters.values()
-    return max(1, sum(1 for p in params if p.kind in kinds and p.default is p.empty))
-
-
-def _layouts(first: str, arity: int) -> str:
-    """Source of a layouts tuple: ``first`` for the activation, ``None`` for the other arguments."""
-    return "(" + ", ".join([first] + ["None"] * (arity - 1)) + ("," if arity == 1 else "") + ")"
-
-
 def _sequence_parallel(styles: dict[str, StyleSpec], model: nn.Module, plan: Plan) -> None:
     """Megatron sequence parallelism inside the block stack, on top of the tensor-parallel styles.
 
     Between the tensor-parallel regions the residual stream is split on the sequence (dim 1): the first
     block of the stack slices its input, the last gathers its output.  A Megatron pair's row-parallel
     Linear reduce-scatters (``output_layouts=Shard(1)``) instead of all-reducing, and the pair's parent
-    module all-gathers its input (``PrepareModuleInput``).  Every other module with parameters in a block
+    module all-gathers its input (``PrepareActivation``).  Every other module with parameters in a block
     (the norms) runs on the sequence shards as ``SequenceParallel``, which keeps its parameters replicated
     DTensors so that their gradients are summed over tp.
     """
     container, tp = plan.model.get("layer_container"), plan.layout["tp"]
-    if is_huggingface(model):
-        raise AutoparError("sequence parallelism (sp=on) is not supported for HuggingFace models yet; "
-                           "plan with --fix sp=off")
     if not container:
         raise AutoparError("sequence parallelism (sp=on) needs a block stack; plan with --fix sp=off")
     if plan.seq_len % tp:
@@ -160,10 +142,7 @@ def _sequence_parallel(styles: dict[str, StyleSpec], model: nn.Module, plan: Pla
         raise AutoparError("sequence parallelism needs the tensor-parallel Linears inside a submodule of each "
                            "block; plan with --fix sp=off")
     for region in sorted(regions):
-        arity = _positional_arity(model.get_submodule(region))
-        styles[region] = ("PrepareModuleInput", {"input_layouts": _layouts("Shard(1)", arity),
-                                                 "desired_input_layouts": _layouts("Replicate()", arity),
-                                                 "use_local_output": "True"})
+        styles[region] = ("PrepareActivation", {"input_layouts": "Shard(1)", "desired_input_layouts": "Replicate()"})
     covered = set(styles)
     for name, mod in model.named_modules():
         if not in_blocks(name) or next(mod.parameters(recurse=False), None) is None:
@@ -175,11 +154,6 @@ def _sequence_parallel(styles: dict[str, StyleSpec], model: nn.Module, plan: Pla
                                "region; plan with --fix sp=off")
         styles[name] = ("SequenceParallel", {"use_local_output": "True"})
     first, last = blocks[0], blocks[-1]
-    arity = _positional_arity(model.get_submodule(first))
-    enter = {"input_layouts": _layouts("Replicate()", arity), "desired_input_layouts": _layouts("Shard(1)", arity)}
+    styles[first] = ("PrepareActivation", {"input_layouts": "Replicate()", "desired_input_layouts": "Shard(1)"})
     leave = {"output_layouts": "Shard(1)", "desired_output_layouts": "Replicate()"}
-    if first == last:
-        styles[first] = ("PrepareModuleInputOutput", {**enter, "use_local_input": "True", **leave})
-    else:
-        styles[first] = ("PrepareModuleInput", {**enter, "use_local_output": "True"})
-        styles[last] = ("PrepareModuleOutput", leave)
+    styles[last] = ("PrepareActivation", {**styles[last][1], **leave} if last == first else leave)
