@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -115,3 +116,14 @@ def test_huggingface_attention_gathers_its_keyword_activation(tmp_path, examples
     assert specs["model.layers.0.self_attn"][0] == "PrepareActivation"  # called as self_attn(hidden_states=...)
     assert specs["model.layers.1.post_attention_layernorm"] == ("SequenceParallel", {"use_local_output": "True"})
     assert "model.norm" not in specs
+
+
+def test_sequence_parallel_refuses_to_slice_a_replicated_attention(tmp_path):
+    plan, _ = _specs(tmp_path, "gpt", WIDE, "tp=4,sp=on")
+    params = copy.deepcopy(plan.parameters)
+    for name in ("q", "k", "v", "o"):  # attention kept whole on every rank: it must see the whole sequence
+        for kind in ("weight", "bias"):
+            params[f"blocks.1.attn.{name}.{kind}"]["placements"]["tp"] = "R"
+    mixed = dataclasses.replace(plan, parameters=params)
+    with pytest.raises(AutoparError, match=r"would run blocks\.1\.attn\.q \(Linear\) on a slice of the sequence"):
+        check_runnable(mixed, model_on_meta(mixed))

@@ -105,15 +105,21 @@ def _covers(region: str, name: str) -> bool:
     return name == region or _inside(name, region)
 
 
+def _is_norm(module: nn.Module) -> bool:
+    """LayerNorm, RMSNorm and their look-alikes (``LlamaRMSNorm``): they act on each token alone."""
+    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith("Norm")
+
+
 def _sequence_parallel(styles: dict[str, StyleSpec], model: nn.Module, plan: Plan) -> None:
     """Megatron sequence parallelism inside the block stack, on top of the tensor-parallel styles.
 
     Between the tensor-parallel regions the residual stream is split on the sequence (dim 1): the first
     block of the stack slices its input, the last gathers its output.  A Megatron pair's row-parallel
     Linear reduce-scatters (``output_layouts=Shard(1)``) instead of all-reducing, and the pair's parent
-    module all-gathers its input (``PrepareActivation``).  Every other module with parameters in a block
-    (the norms) runs on the sequence shards as ``SequenceParallel``, which keeps its parameters replicated
-    DTensors so that their gradients are summed over tp.
+    module all-gathers its input (``PrepareActivation``).  The norms run on the sequence shards as
+    ``SequenceParallel``, which keeps their parameters replicated DTensors so that their gradients are
+    summed over tp.  Any other module with parameters outside the regions could mix tokens (attention
+    kept replicated, say), so it is refused rather than run on a slice of the sequence.
     """
     container, tp = plan.model.get("layer_container"), plan.layout["tp"]
     if not container:
@@ -152,6 +158,9 @@ def _sequence_parallel(styles: dict[str, StyleSpec], model: nn.Module, plan: Pla
         if any(_inside(c, name) for c in covered):
             raise AutoparError(f"sequence parallelism: {name} holds parameters and contains a tensor-parallel "
                                "region; plan with --fix sp=off")
+        if not _is_norm(mod):  # only token-wise modules may see a slice of the sequence
+            raise AutoparError(f"sequence parallelism would run {name} ({type(mod).__name__}) on a slice of the "
+                               "sequence outside any tensor-parallel region; plan with --fix sp=off")
         styles[name] = ("SequenceParallel", {"use_local_output": "True"})
     first, last = blocks[0], blocks[-1]
     styles[first] = ("PrepareActivation", {"input_layouts": "Replicate()", "desired_input_layouts": "Shard(1)"})
