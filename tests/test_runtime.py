@@ -178,7 +178,8 @@ def test_verify_rejects_a_changed_model(tmp_path, capsys):
     assert code == 2 and "the model does not match the plan" in err
 
 
-def test_apply_checks_world_size_and_parameters(tmp_path, capsys):
+def test_apply_checks_world_size_parameters_and_devices(tmp_path, capsys, monkeypatch):
+    import torch
     import torch.distributed as dist
     from autopar.models import gpt
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -202,6 +203,12 @@ def test_apply_checks_world_size_and_parameters(tmp_path, capsys):
         other = gpt.build_model(layers=3, hidden=64, heads=4, vocab=128, seq_len=32)
         with pytest.raises(AutoparError, match="the model does not match the plan"):
             apply(plan, other, lambda out, x: out.mean())
+        if not torch.cuda.is_available():  # asked for GPUs this machine does not have
+            monkeypatch.setenv("AUTOPAR_DEVICE", "cuda")
+            monkeypatch.setenv("LOCAL_RANK", "1")
+            with pytest.raises(AutoparError, match="cannot be built: local rank 1 needs a GPU and this node has 0"):
+                apply(plan, gpt.build_model(layers=2, hidden=64, heads=4, vocab=128, seq_len=32),
+                      lambda out, x: out.mean())
     finally:
         dist.destroy_process_group()
 

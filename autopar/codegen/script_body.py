@@ -105,13 +105,16 @@ def main():
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     if dist.get_world_size() != math.prod(MESH_SHAPE):
         raise SystemExit(f"this plan needs {math.prod(MESH_SHAPE)} ranks, got {dist.get_world_size()}")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    mesh = init_device_mesh(device, MESH_SHAPE, mesh_dim_names=("pp", "dp", "tp"))
+    device = torch.device("cpu")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    mesh = init_device_mesh(device.type, MESH_SHAPE, mesh_dim_names=("pp", "dp", "tp"))
     pp, dp = MESH_SHAPE[0], MESH_SHAPE[1]
     module = load_model_file(MODEL_FILE)
     loss_fn = getattr(module, "loss_fn", None) or default_loss
     torch.manual_seed(args.seed)
-    model = module.build_model(**CONFIG)
+    model = module.build_model(**CONFIG).to(device)
     model.train()
 
     # 1. pipeline split (the chunks of this pipeline rank), 2. TP, 3. activation checkpointing, 4. FSDP
@@ -128,7 +131,7 @@ def main():
 
     schedule, tie_group = None, None
     if pp > 1:
-        stages = [PipelineStage(part, c, len(STAGE_LAYERS), torch.device(device), group=mesh["pp"].get_group())
+        stages = [PipelineStage(part, c, len(STAGE_LAYERS), device, group=mesh["pp"].get_group())
                   for part, c in zip(parts, chunks)]
         if SCHEDULE == "interleaved":
             schedule = ScheduleInterleaved1F1B(stages, n_microbatches=NUM_MICROBATCHES, loss_fn=loss_fn)
@@ -150,7 +153,8 @@ def main():
 
     dp_rank, local = mesh.get_local_rank("dp"), GLOBAL_BATCH // dp
     for step in range(args.steps):
-        batch = [x[dp_rank * local:(dp_rank + 1) * local] for x in global_batch(module, model, step, args.seed)]
+        batch = [x[dp_rank * local:(dp_rank + 1) * local].to(device)
+                 for x in global_batch(module, model, step, args.seed)]
         optimizer.zero_grad(set_to_none=True)
         if schedule is not None:
             losses = []
@@ -163,7 +167,7 @@ def main():
                 schedule.step(target=batch[0], losses=losses)
             else:
                 schedule.step()
-            loss = torch.stack(losses).mean().detach() if losses else torch.zeros(())
+            loss = torch.stack(losses).mean().detach() if losses else torch.zeros((), device=device)
             pp_group = mesh["pp"].get_group()
             dist.broadcast(loss, src=dist.get_global_rank(pp_group, pp - 1), group=pp_group)
             if tie_group is not None:
@@ -177,7 +181,7 @@ def main():
                         dist.all_reduce(g._local_tensor if hasattr(g, "_local_tensor") else g, group=tie_group)
                         p.grad = g
         else:
-            loss = torch.zeros(())
+            loss = torch.zeros((), device=device)
             for i in range(NUM_MICROBATCHES):
                 micro = [x[i * MICRO_BATCH:(i + 1) * MICRO_BATCH] for x in batch]
                 part_loss = loss_fn(model(*micro), *micro) / NUM_MICROBATCHES

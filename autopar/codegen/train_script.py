@@ -25,6 +25,7 @@ IMPORTS = """import argparse
 import copy
 import importlib.util
 import math
+import os
 import sys
 
 import torch

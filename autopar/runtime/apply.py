@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -45,6 +45,7 @@ class DistributedTrainer:
     """Group over which gradients are averaged when the model is not FSDP-sharded (ZeRO 0)."""
     fsdp: bool = False
     pipeline: PipelineRunner | None = None
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """This rank's parameters under their model FQNs."""
@@ -66,10 +67,10 @@ class DistributedTrainer:
         Returns the global mean loss (the same on every rank).
         """
         lo = self.dp_rank * self.local_batch
-        local = [x[lo:lo + self.local_batch] for x in global_inputs]
+        local = [x[lo:lo + self.local_batch].to(self.device) for x in global_inputs]
         m, mbs = self.num_microbatches, self.micro_batch
         self.optimizer.zero_grad(set_to_none=True)
-        total = torch.zeros(())
+        total = torch.zeros((), device=self.device)
         if self.pipeline is not None:
             total = self.pipeline.step(local)
         else:
@@ -103,6 +104,21 @@ def _check_launch(plan: Plan, model: nn.Module) -> None:
     if have != want:
         diff = sorted(set(have) ^ set(want)) or sorted(n for n in have if have[n] != want.get(n))
         raise AutoparError(f"the model does not match the plan (parameter {diff[0]} differs)")
+
+
+def _device() -> torch.device:
+    """This rank's device: ``AUTOPAR_DEVICE`` (``cpu`` / ``cuda``), else a GPU when torch sees one."""
+    want = os.environ.get("AUTOPAR_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
+    if want == "cpu":
+        return torch.device("cpu")
+    if want != "cuda":
+        raise AutoparError(f"AUTOPAR_DEVICE must be cpu or cuda, not {want!r}")
+    local, gpus = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+    if local >= gpus:
+        raise AutoparError(f"the device mesh cannot be built: local rank {local} needs a GPU and this node "
+                           f"has {gpus}")
+    torch.cuda.set_device(local)
+    return torch.device("cuda", local)
 
 
 def _blocks(model: nn.Module, container: str | None) -> list[nn.Module]:
@@ -174,15 +190,20 @@ def apply(plan: Plan, model: nn.Module, loss_fn: Callable[..., torch.Tensor], lr
 
     _check_launch(plan, model)
     pp, dp, tp = plan.layout["pp"], plan.layout["dp"], plan.layout["tp"]
-    device = "cuda" if torch.cuda.is_available() and os.environ.get("AUTOPAR_DEVICE") != "cpu" else "cpu"
+    device = _device()
+    model.to(device)
     styles = tp_styles(plan, model) if tp > 1 else None
     micro_batch = plan.layout["mbs"]
     if tp > 1 and styles is None:  # the plan shards only the batch on tp: run it as data parallelism
         dp, tp, micro_batch = dp * tp, 1, micro_batch // tp
-    mesh = init_device_mesh(device, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+    try:
+        mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+    except (RuntimeError, ValueError) as exc:
+        raise AutoparError(f"the device mesh (pp, dp, tp) = ({pp}, {dp}, {tp}) cannot be built: "
+                           f"{str(exc).splitlines()[0]}") from exc
     runner = None
     if pp > 1:
-        runner = PipelineRunner(plan, model, loss_fn, mesh, micro_batch)
+        runner = PipelineRunner(plan, model, loss_fn, mesh, micro_batch, device)
         fsdp = False
         for module in runner.modules:
             fsdp = _shard(module, plan, mesh, tp_styles(plan, module) if styles else None) or fsdp
@@ -192,4 +213,4 @@ def apply(plan: Plan, model: nn.Module, loss_fn: Callable[..., torch.Tensor], lr
         params = list(model.parameters())
     optimizer = torch.optim.SGD(params, lr=lr)
     return DistributedTrainer(plan, model, optimizer, loss_fn, mesh.get_local_rank("dp"), dp, micro_batch,
-                              mesh["dp"].get_group(), fsdp, runner)
+                              mesh["dp"].get_group(), fsdp, runner, device)

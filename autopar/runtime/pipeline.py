@@ -30,7 +30,7 @@ class PipelineRunner:
     """This rank's stages and schedule; ``step`` runs one iteration's micro-batches."""
 
     def __init__(self, plan: Plan, model: nn.Module, loss_fn: Callable[..., torch.Tensor], mesh: object,
-                 micro_batch: int) -> None:
+                 micro_batch: int, device: torch.device) -> None:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
         lay = plan.layout
@@ -41,7 +41,7 @@ class PipelineRunner:
         chunks = [self.pp_rank + k * self.pp for k in range(v)]
         self.modules = [prune_to_stage(model, plan, c) for c in chunks]
         group = mesh["pp"].get_group()
-        device = torch.device("cpu")
+        self.device = device
         self.stages = [PipelineStage(m, c, self.pp * v, device, group=group) for m, c in zip(self.modules, chunks)]
         self.has_first = 0 in chunks
         self.has_last = self.pp * v - 1 in chunks
@@ -90,7 +90,7 @@ class PipelineRunner:
             self.schedule.step(target=ids, losses=losses)
         else:
             self.schedule.step()
-        loss = torch.stack(losses).mean().detach() if losses else torch.zeros(())
+        loss = torch.stack(losses).mean().detach() if losses else torch.zeros((), device=self.device)
         pp_group = self.mesh["pp"].get_group()  # the last stage knows the loss: share it along the pipeline
         dist.broadcast(loss, src=dist.get_global_rank(pp_group, self.pp - 1), group=pp_group)
         self._sum_tied_grads()
