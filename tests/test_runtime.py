@@ -98,8 +98,14 @@ def test_verify_pipeline_plans(tmp_path, capsys, config, fix):
 
 
 @pytest.mark.slow
-def test_verify_full_recompute_with_fsdp_and_tp(tmp_path, capsys):
-    _verify(tmp_path, capsys, "gpt", WIDE, "dp=2,tp=2,sp=off,zero=3,recompute=full")
+def test_verify_half_megatron_gqa_attention_with_fsdp_and_full_recompute(tmp_path, capsys):
+    # GQA with fewer KV heads than the ILP cares to split: q sharded on heads, k and v kept whole, so the
+    # attention runs as one DTensor region (PlacedParameters) next to a Megatron feed-forward
+    cfg = ["--config", "layers=4,hidden=512,heads=8,kv_heads=4,vocab=256,seq_len=16", "--cluster", "cpu"]
+    plan, out = _verify(tmp_path, capsys, "llama", cfg, "dp=2,tp=2,sp=off,zero=3,recompute=full")
+    assert plan["parameters"]["blocks.0.attn.k.weight"]["placements"]["tp"] == "R"
+    assert "'blocks.0.attn': PlacedParameters(" in (tmp_path / "train.py").read_text()
+    assert _tp_as_planned(plan, out)
 
 
 @pytest.mark.slow
@@ -123,7 +129,7 @@ def test_verify_moe_dp2_tp2_with_experts_sharded_on_tp(tmp_path, capsys, sp):
     plan = json.loads((tmp_path / "plan.json").read_text())
     # the ILP shards the stacked experts on tp (expert parallelism): no parallelize_module style says that
     assert plan["parameters"]["blocks.0.mlp.w_in"]["placements"]["tp"] == "S(0)"
-    assert "PlacedParameters(w_in=Shard(0), w_out=Shard(0)" in (tmp_path / "train.py").read_text()
+    assert "PlacedParameters(placements={'w_in': Shard(0), 'w_out': Shard(0)}" in (tmp_path / "train.py").read_text()
     capsys.readouterr()
     code = main(["verify", str(tmp_path / "plan.json"), "--json"])
     out = json.loads(capsys.readouterr().out)

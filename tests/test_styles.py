@@ -69,13 +69,13 @@ def test_a_single_block_stage_enters_and_leaves_the_split_stream(tmp_path):
 
 def test_expert_weights_become_a_placed_parameters_region(tmp_path):
     _, specs = _specs(tmp_path, "moe", MOE, "dp=2,tp=2,sp=off")
-    assert specs["blocks.0.mlp"] == ("PlacedParameters", {"w_in": "Shard(0)", "w_out": "Shard(0)"})
+    assert specs["blocks.0.mlp"] == ("PlacedParameters", {"placements": "{'w_in': Shard(0), 'w_out': Shard(0)}"})
     assert "blocks.0.mlp.router" not in specs  # replicated inside the region
     style = make_style(specs["blocks.0.mlp"])
     assert isinstance(style, PlacedParameters) and style.placements == {"w_in": Shard(0), "w_out": Shard(0)}
     _, specs = _specs(tmp_path / "sp", "moe", MOE, "dp=2,tp=2,sp=on")
-    assert specs["blocks.0.mlp"][1] == {"w_in": "Shard(0)", "w_out": "Shard(0)", "input_layouts": "Shard(1)",
-                                        "output_layouts": "Shard(1)"}
+    assert specs["blocks.0.mlp"][1] == {"placements": "{'w_in': Shard(0), 'w_out': Shard(0)}",
+                                        "input_layouts": "Shard(1)", "output_layouts": "Shard(1)"}
 
 
 def test_generated_scripts_compile_and_carry_their_styles(tmp_path):
@@ -91,7 +91,7 @@ def test_generated_scripts_compile_and_carry_their_styles(tmp_path):
 
 
 @pytest.mark.parametrize("source", ["__import__('os').system('true')", "Shard(dim=1)", "open('x')",
-                                    "Replicate", "[Shard(0)]", "Shard(0"])
+                                    "Replicate", "[Shard(0)]", "Shard(0", "{1: Shard(0)}", "{**x}"])
 def test_style_arguments_are_data_not_code(source):
     with pytest.raises(AutoparError):
         evaluate(source)
@@ -99,6 +99,7 @@ def test_style_arguments_are_data_not_code(source):
 
 def test_style_arguments_evaluate_to_placements():
     assert evaluate("(Shard(1), None, None)") == (Shard(1), None, None)
+    assert evaluate("{'q.weight': Shard(0)}") == {"q.weight": Shard(0)}
     assert evaluate("Replicate()") == Replicate() and evaluate("True") is True
 
 
@@ -127,3 +128,15 @@ def test_sequence_parallel_refuses_to_slice_a_replicated_attention(tmp_path):
     mixed = dataclasses.replace(plan, parameters=params)
     with pytest.raises(AutoparError, match=r"would run blocks\.1\.attn\.q \(Linear\) on a slice of the sequence"):
         check_runnable(mixed, model_on_meta(mixed))
+
+
+def test_a_half_megatron_attention_runs_as_one_dtensor_region(tmp_path):
+    # GQA with fewer KV heads than tp: the ILP shards q on heads but keeps k and v whole (batch-split)
+    cfg = ["--config", "layers=4,hidden=512,heads=8,kv_heads=4,vocab=256,seq_len=16", "--cluster", "cpu",
+           "--global-batch", "8"]
+    plan, specs = _specs(tmp_path, "llama", cfg, "tp=2,sp=off")
+    assert plan.parameters["blocks.0.attn.k.weight"]["placements"]["tp"] == "R"
+    placed = "{'o.weight': Shard(1), 'q.weight': Shard(0)}"
+    assert specs["blocks.0.attn"] == ("PlacedParameters", {"placements": placed})
+    assert not any(name.startswith("blocks.0.attn.") for name in specs)
+    assert specs["blocks.0.ffn.down"] == ("RowwiseParallel", {})  # the clean pair next to it keeps its styles

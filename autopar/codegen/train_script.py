@@ -18,7 +18,7 @@ from autopar.codegen.script_body import BODY
 from autopar.plan import Plan
 from autopar.runtime import stages
 from autopar.runtime.stages import hf_decoder_kind, stage_layer_ranges
-from autopar.runtime.styles import PlacedParameters, PrepareActivation, style_source
+from autopar.runtime.styles import PlacedParameters, PrepareActivation, register_cpu_attention_rules, style_source
 from autopar.runtime.support import check_runnable, model_on_meta
 
 IMPORTS = """import argparse
@@ -63,7 +63,10 @@ def _custom_styles_source(kinds: set[str]) -> str:
     used = [cls for cls in (PlacedParameters, PrepareActivation) if cls.__name__ in kinds]
     if not used:
         return ""
-    return CUSTOM_STYLE_IMPORTS + "\n\n" + "\n\n".join(inspect.getsource(cls) for cls in used) + "\n\n"
+    parts = [inspect.getsource(obj) for obj in used]
+    if PlacedParameters in used:  # its DTensor region needs rules torch lacks on CPU
+        parts.insert(0, "_CPU_ATTENTION_RULES: list[bool] = []\n\n\n" + inspect.getsource(register_cpu_attention_rules))
+    return CUSTOM_STYLE_IMPORTS + "\n\n" + "\n\n".join(parts) + "\n\n"
 
 
 def generate_train_script(plan: Plan, script_name: str = "train.py") -> str:

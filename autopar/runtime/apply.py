@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.errors import AutoparError
 from autopar.plan import Plan
@@ -46,6 +47,8 @@ class DistributedTrainer:
     fsdp: bool = False
     pipeline: PipelineRunner | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    mesh: DeviceMesh | None = None
+    """The (pp, dp, tp) device mesh the plan runs on."""
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """This rank's parameters under their model FQNs."""
@@ -213,4 +216,4 @@ def apply(plan: Plan, model: nn.Module, loss_fn: Callable[..., torch.Tensor], lr
         params = list(model.parameters())
     optimizer = torch.optim.SGD(params, lr=lr)
     return DistributedTrainer(plan, model, optimizer, loss_fn, mesh.get_local_rank("dp"), dp, micro_batch,
-                              mesh["dp"].get_group(), fsdp, runner, device)
+                              mesh["dp"].get_group(), fsdp, runner, device, mesh)

@@ -3,8 +3,8 @@
 A style is written as a ``StyleSpec``: the class name and its keyword arguments as Python source
 (``("RowwiseParallel", {"output_layouts": "Shard(1)"})``).  Generated scripts print the source as is;
 the runtime builds the style from it with a small evaluator that accepts only placements
-(``Replicate()``, ``Shard(k)``), ``None``, booleans, integers and tuples of those, so nothing from a
-plan file is ever executed.
+(``Replicate()``, ``Shard(k)``), ``None``, booleans, integers, and tuples and str-keyed dicts of those,
+so nothing from a plan file is ever executed.
 """
 
 from __future__ import annotations
@@ -34,20 +34,48 @@ from autopar.errors import AutoparError
 StyleSpec = tuple[str, dict[str, str]]
 
 
+_CPU_ATTENTION_RULES: list[bool] = []
+
+
+def register_cpu_attention_rules() -> None:
+    """Sharding rules for the CPU flash-attention kernels, which DTensor has only for CUDA's.
+
+    Batch (dim 0) or heads (dim 1) split the same way on every input and output, or nothing is split;
+    the same as DTensor's rules for ``_scaled_dot_product_flash_attention`` on CUDA.
+    """
+    if _CPU_ATTENTION_RULES:
+        return
+    from torch.distributed.tensor.experimental import register_sharding
+
+    aten = torch.ops.aten
+    tail = [None, None, None, None]  # dropout_p, is_causal, attn_mask, scale
+
+    @register_sharding(aten._scaled_dot_product_flash_attention_for_cpu.default)
+    def forward_rule(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> list:
+        return [([p, p], [p, p, p, *tail]) for p in (Replicate(), Shard(0), Shard(1))]
+
+    @register_sharding(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+    def backward_rule(grad: Any, query: Any, key: Any, value: Any, out: Any, lse: Any, *args: Any,
+                      **kwargs: Any) -> list:
+        return [([p, p, p], [p, p, p, p, p, p, *tail]) for p in (Replicate(), Shard(0), Shard(1))]
+
+    _CPU_ATTENTION_RULES.append(True)
+
+
 class PlacedParameters(ParallelStyle):
-    """Parameters as DTensors with the given placements (keyword per parameter name; others replicated).
+    """Parameters as DTensors with the given placements (by name inside the module; others replicated).
 
     Inputs enter as DTensors (local tensors read as ``input_layouts``, then made whole), DTensor's sharding
     rules run the module's ops (plain tensors made inside, such as ``torch.arange``, count as replicated),
     and outputs leave as local tensors laid out as ``output_layouts``.
     """
 
-    def __init__(self, *, input_layouts: Placement | None = None, output_layouts: Placement | None = None,
-                 **placements: Placement) -> None:
+    def __init__(self, placements: dict[str, Placement], *, input_layouts: Placement | None = None,
+                 output_layouts: Placement | None = None) -> None:
         super().__init__()
         self.input_layouts = input_layouts or Replicate()
         self.output_layouts = output_layouts or Replicate()
-        self.placements = placements
+        self.placements = dict(placements)
 
     def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
         for pname, p in list(module.named_parameters(recurse=False)):
@@ -67,6 +95,8 @@ class PlacedParameters(ParallelStyle):
         return tree_map(to_local, outputs)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if device_mesh.device_type == "cpu":
+            register_cpu_attention_rules()
         distribute_module(module, device_mesh, self._partition, self._inputs, self._outputs)
         inner = module.forward
 
@@ -102,13 +132,13 @@ class PrepareActivation(ParallelStyle):
         return x.redistribute(mesh, [want]).to_local()
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        name = next(iter(inspect.signature(module.forward).parameters))  # what the activation is called
+        name = next(iter(inspect.signature(module.forward).parameters), None)  # what the activation is called
 
         def prepare_input(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             have, want = self.input_layouts, self.desired_input_layouts
             if args:
                 return (self._relayout(args[0], have, want, device_mesh), *args[1:]), kwargs
-            if name in kwargs:
+            if name is not None and name in kwargs:
                 return args, {**kwargs, name: self._relayout(kwargs[name], have, want, device_mesh)}
             return args, kwargs
 
@@ -134,16 +164,19 @@ def placement_source(plan_placement: str) -> str:
 
 
 def evaluate(source: str) -> Any:
-    """The value of a style argument's source: placements, ``None``, bools, ints and tuples only."""
+    """The value of a style argument's source: placements, ``None``, bools, ints, tuples, str-keyed dicts."""
     def value(node: ast.expr) -> Any:
         if isinstance(node, ast.Constant) and (node.value is None or isinstance(node.value, (bool, int))):
             return node.value
         if isinstance(node, ast.Tuple):
             return tuple(value(e) for e in node.elts)
+        if isinstance(node, ast.Dict) and all(isinstance(k, ast.Constant) and isinstance(k.value, str)
+                                              for k in node.keys):
+            return {k.value: value(v) for k, v in zip(node.keys, node.values)}
         if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in PLACEMENTS
                 and not node.keywords):
             return PLACEMENTS[node.func.id](*(value(a) for a in node.args))
-        raise AutoparError(f"style argument {source!r} is not a placement, tuple, bool, int or None")
+        raise AutoparError(f"style argument {source!r} is not a placement, tuple, dict, bool, int or None")
     try:
         return value(ast.parse(source, mode="eval").body)
     except SyntaxError as exc:

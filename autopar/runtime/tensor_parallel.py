@@ -82,18 +82,48 @@ def tp_style_specs(plan: Plan, model: nn.Module) -> dict[str, StyleSpec] | None:
         if name in styles:
             handled.update(f"{name}.{p}" if name else p for p, _ in mod.named_parameters(recurse=False))
     present = {n for n, _ in model.named_parameters(remove_duplicate=False)}  # a pipeline stage holds a part
-    unhandled = sorted(f for f, v in placement.items() if v != "R" and f not in handled and f in present)
-    for fqn in unhandled:
-        owner, _, pname = fqn.rpartition(".")
+    regions = _mixed_regions(model, styles)
+    for region in regions:  # DTensor runs the whole module: drop the styles inside it
+        for name in [s for s in styles if _inside(s, region)]:
+            del styles[name]
+    placed: dict[str, dict[str, str]] = {}
+    for fqn in sorted(f for f, v in placement.items() if v != "R" and f in present):
+        owner = next((r for r in regions if _inside(fqn, r)), None)
+        if owner is None and fqn in handled:
+            continue
+        owner = owner if owner is not None else fqn.rpartition(".")[0]
         clash = [s for s in styles if s != owner and (_inside(s, owner) or _inside(owner, s))]
-        if clash or (owner in styles and styles[owner][0] != "PlacedParameters"):
+        if clash or owner in styles:
             raise AutoparError(f"the plan shards {fqn} as {placement[fqn]} on tp inside a region that also holds "
                                f"the {(clash or [owner])[0]!r} style; mixing them is not supported")
-        styles.setdefault(owner, ("PlacedParameters", {}))[1][pname] = placement_source(placement[fqn])
+        placed.setdefault(owner, {})[fqn[len(owner) + 1:] if owner else fqn] = placement_source(placement[fqn])
+    for owner, params in placed.items():
+        body = ", ".join(f"{name!r}: {where}" for name, where in sorted(params.items()))
+        styles[owner] = ("PlacedParameters", {"placements": "{" + body + "}"})
     if plan.layout.get("sp"):
         _sequence_parallel(styles, model, plan)
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
     return dict(sorted(styles.items(), key=lambda item: order[item[0]]))
+
+
+def _mixed_regions(model: nn.Module, styles: dict[str, StyleSpec]) -> list[str]:
+    """Modules whose Linears start a Megatron pair but do not finish one cleanly.
+
+    A module with a column-parallel Linear (local output) is a clean pair when every Linear directly in it
+    has a style and a row-parallel one reads the local shards back.  Anything else (say q column-parallel,
+    k and v replicated, the layout the ILP picks for GQA when tp exceeds the KV heads) would feed shards
+    to code that expects whole tensors, so the whole module runs as one ``PlacedParameters`` region.
+    """
+    mixed = []
+    for name, mod in model.named_modules():
+        linears = [f"{name}.{c}" if name else c for c, child in mod.named_children() if isinstance(child, nn.Linear)]
+        starts = [n for n in linears if styles.get(n) == ("ColwiseParallel", {})]
+        if not starts:
+            continue
+        ends = [n for n in linears if styles.get(n) == ("RowwiseParallel", {})]
+        if not ends or any(n not in styles for n in linears) or len(starts) + len(ends) != len(linears):
+            mixed.append(name)
+    return mixed
 
 
 def _inside(name: str, region: str) -> bool:

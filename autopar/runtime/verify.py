@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -64,16 +65,20 @@ def _max_rel(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> flo
     return max((_rel(got[k], want[k], ZERO_FLOOR * biggest) for k in want), default=0.0)
 
 
+#: A rank's exception as torchrun relays it (``[rank1]: RuntimeError: ...``): the root cause to report.
+_EXCEPTION_LINE = re.compile(r"^(?:\[rank\d+\]: )?(\w+(?:Error|Exception): .*)$")
+
+
 def run_plan(plan_path: str | Path, steps: int, *, seed: int = 0, lr: float = 0.1, start_step: int = 0,
              resume: str | Path | None = None, checkpoint: str | Path | None = None,
              timeout_s: float = 600) -> dict:
-    """Launch the plan on local CPU ranks with torch's launcher; rank 0's losses, grads and params."""
+    """Launch the plan on local CPU ranks with torch's launcher; the losses, and every stage's grads and params."""
     plan = Plan.load(plan_path)
     n = plan.num_devices
     if n > MAX_LOCAL_RANKS:
         raise AutoparError(f"verify runs plans of at most {MAX_LOCAL_RANKS} ranks locally; this one has {n}")
     with tempfile.TemporaryDirectory(prefix="autopar-verify-") as tmp:
-        out = Path(tmp) / "rank0.pt"
+        out = Path(tmp)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
                "-m", "autopar.runtime.worker", str(plan_path), str(out), "--steps", str(steps),
                "--seed", str(seed), "--lr", str(lr), "--start-step", str(start_step)]
@@ -81,11 +86,19 @@ def run_plan(plan_path: str | Path, steps: int, *, seed: int = 0, lr: float = 0.
         cmd += ["--checkpoint", str(checkpoint)] if checkpoint else []
         env = {**os.environ, "OMP_NUM_THREADS": "1", "AUTOPAR_DEVICE": "cpu"}
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s)
-        if proc.returncode != 0 or not out.exists():
-            errors = [line for line in proc.stderr.splitlines() if line.startswith("autopar: error")]
-            detail = errors[0] if errors else (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        if proc.returncode != 0 or not (out / "rank0.pt").exists():
+            lines = proc.stderr.splitlines()
+            errors = [line for line in lines if line.startswith("autopar: error")]
+            raised = [m.group(1) for line in lines if (m := _EXCEPTION_LINE.search(line))]
+            detail = (errors or raised or [line for line in lines if line.strip()][-1:] or ["no output"])[0]
             raise AutoparError(f"the distributed run failed: {detail}")
-        return torch.load(out, weights_only=True)
+        merged = torch.load(out / "rank0.pt", weights_only=True)
+        for path in sorted(out.glob("rank*.pt")):  # the other pipeline stages' parameters
+            part = torch.load(path, weights_only=True)
+            for key in ("grads", "params", "placements"):
+                for name, value in part[key].items():
+                    merged[key].setdefault(name, value)
+        return merged
 
 
 def verify(plan_path: str | Path, steps: int = 3, seed: int = 0, lr: float = 0.1, tolerance: float = 1e-4,

@@ -1,0 +1,136 @@
+"""Benchmark: the tensor-parallel communication the runtime really issues, against what the plan priced.
+
+For each case a plan is made for a real cluster preset; then, in this one process, a fake process group
+of the plan's world size stands in for the cluster (``torch.testing._internal.distributed.fake_pg``), the
+plan is applied to the model in bf16 (the plan's activation precision), and one training iteration runs
+under a ``CommDebugMode`` that records every collective's kind, bytes and process group.  The collectives
+on the tp group are priced with the same alpha-beta model the planner uses (``autopar.collectives``) and
+compared with the plan's ``tp_comm_s``.  A ratio near 1 says the runtime communicates what the plan
+assumed; far from 1, the runtime (or DTensor's choice inside a ``PlacedParameters`` region) differs.
+
+Rank 0's compute runs for real on the CPU, so the models are small.  Writes
+``benchmarks/results/runtime_comm.json``.
+
+    python benchmarks/runtime_comm.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from rich.console import Console
+from rich.table import Table
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils._pytree import tree_leaves
+
+from autopar.cli import main as cli
+from autopar.cluster import Cluster
+from autopar.collectives import collective_s, mesh_links
+from autopar.plan import Plan
+from autopar.runtime.apply import apply
+from autopar.runtime.session import batch_for_step, build_model
+
+ROOT = Path(__file__).resolve().parents[1]
+CASES = [
+    # name, model, config, --fix (8 a100-80gb in one node)
+    ("gpt megatron tp8", "gpt", "layers=2,hidden=1024,heads=16,vocab=8192,seq_len=512", "tp=8,sp=off"),
+    ("gpt megatron tp8 sp", "gpt", "layers=2,hidden=1024,heads=16,vocab=8192,seq_len=512", "tp=8,sp=on"),
+    ("llama dp2 x tp4", "llama", "layers=2,hidden=1024,heads=16,vocab=8192,seq_len=512", "dp=2,tp=4,sp=off,zero=0"),
+    ("moe dp2 x tp4 (experts on tp)", "moe", "layers=2,hidden=512,heads=8,vocab=8192,seq_len=256,experts=8",
+     "dp=2,tp=4,sp=off,zero=0"),
+]
+
+#: Functional collective -> (the planner's collective, whether the tensor argument is the gathered output's
+#: 1/n shard, so that the priced size is n times the argument).
+KINDS = {"all_reduce": ("all_reduce", False), "all_gather_into_tensor": ("all_gather", True),
+         "reduce_scatter_tensor": ("reduce_scatter", False), "all_to_all_single": ("all_to_all", False)}
+
+
+class CommBytes(CommDebugMode):
+    """``CommDebugMode`` that also keeps each collective's name, tensor bytes and group name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[tuple[str, int, str]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if out is NotImplemented or isinstance(func, torch._ops.HigherOrderOperator):
+            return out
+        name = func._overloadpacket.__name__
+        if name in KINDS:
+            tensor = next(a for a in tree_leaves(args) if isinstance(a, torch.Tensor))
+            group = next(a for a in reversed(args) if isinstance(a, str))
+            self.records.append((name, tensor.numel() * tensor.element_size(), group))
+        return out
+
+
+def measure(plan_path: Path) -> dict:
+    plan = Plan.load(plan_path)
+    n = plan.num_devices
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=n)
+    try:
+        session = build_model(plan, seed=0)
+        session.model.to(torch.bfloat16)
+        trainer = apply(plan, session.model, session.loss_fn)
+        tp_group = trainer.mesh["tp"].get_group().group_name
+        inputs = batch_for_step(plan, session, 0, 0)
+        with CommBytes() as comm:
+            trainer.step(inputs)
+    finally:
+        dist.destroy_process_group()
+    cluster = Cluster(**plan.cluster)  # the cluster the plan was made for, overrides included
+    if trainer.mesh["tp"].size() != plan.layout["tp"]:
+        raise SystemExit("the plan shards only the batch on tp: pick a larger model for this benchmark")
+    shape = tuple(plan.layout[a] for a in ("pp", "dp", "tp"))
+    tp_link = mesh_links(cluster, shape)[2]
+    by_kind: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
+    for name, nbytes, group in comm.records:
+        if group != tp_group:
+            continue
+        kind, sharded = KINDS[name]
+        size = nbytes * (plan.layout["tp"] if sharded else 1)
+        row = by_kind[kind]
+        row[0] += 1
+        row[1] += size
+        row[2] += collective_s(kind, size, tp_link)
+    runtime_s = sum(r[2] for r in by_kind.values())
+    planned_s = plan.estimate["breakdown"]["tp_comm_s"]
+    return {"layout": plan.layout, "planned_tp_comm_s": planned_s, "runtime_tp_comm_s": runtime_s,
+            "ratio": runtime_s / planned_s if planned_s else None,
+            "collectives": {k: {"count": c, "bytes": b, "priced_s": s} for k, (c, b, s) in sorted(by_kind.items())}}
+
+
+def main() -> None:
+    os.environ["AUTOPAR_DEVICE"] = "cpu"
+    rows = []
+    for name, model, config, fix in CASES:
+        with tempfile.TemporaryDirectory() as tmp:
+            argv = ["plan", model, "--config", config, "--cluster", "a100-80gb", "--gpus", "8", "--global-batch", "16",
+                    "--fix", fix, "-o", tmp]
+            assert cli(argv) == 0, name
+            rows.append({"case": name, "fix": fix, **measure(Path(tmp) / "plan.json")})
+    table = Table(title="tp communication per iteration: what the runtime issues vs what the plan priced")
+    for col in ("case", "planned", "runtime", "ratio", "collectives (count, MiB)"):
+        table.add_column(col)
+    for r in rows:
+        parts = ", ".join(f"{k} {v['count']}x {v['bytes'] / 2**20:.1f}" for k, v in r["collectives"].items())
+        table.add_row(r["case"], f"{r['planned_tp_comm_s'] * 1e3:.2f} ms", f"{r['runtime_tp_comm_s'] * 1e3:.2f} ms",
+                      f"{r['ratio']:.2f}" if r["ratio"] else "-", parts)
+    Console().print(table)
+    out = ROOT / "benchmarks" / "results" / "runtime_comm.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(rows, indent=2, sort_keys=True) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
