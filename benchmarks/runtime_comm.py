@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from autopar.passes.context import PrecisionPolicy
 from rich.console import Console
 from rich.table import Table
 from torch.distributed.tensor.debug import CommDebugMode
@@ -39,14 +40,17 @@ from autopar.runtime.apply import apply
 from autopar.runtime.session import batch_for_step, build_model
 
 ROOT = Path(__file__).resolve().parents[1]
+BIG = "layers=2,hidden=4096,heads=32,vocab=32000,seq_len=512"
 CASES = [
-    # name, model, config, --fix (8 a100-80gb in one node)
-    ("gpt megatron tp8", "gpt", "layers=2,hidden=1024,heads=16,vocab=8192,seq_len=512", "tp=8,sp=off"),
-    ("gpt megatron tp8 sp", "gpt", "layers=2,hidden=1024,heads=16,vocab=8192,seq_len=512", "tp=8,sp=on"),
-    ("llama dp2 x tp4", "llama", "layers=2,hidden=1024,heads=16,vocab=8192,seq_len=512", "dp=2,tp=4,sp=off,zero=0"),
-    ("moe dp2 x tp4 (experts on tp)", "moe", "layers=2,hidden=512,heads=8,vocab=8192,seq_len=256,experts=8",
-     "dp=2,tp=4,sp=off,zero=0"),
+    # name, model, config, --fix (8 a100-80gb in one node, global batch 8); big enough that tp shards weights
+    ("gpt megatron tp8", "gpt", BIG, "tp=8,sp=off"),
+    ("gpt megatron tp8 sp", "gpt", BIG, "tp=8,sp=on"),
+    ("llama dp2 x tp4", "llama", "layers=2,hidden=4096,heads=32,vocab=32000,seq_len=512", "dp=2,tp=4,sp=off,zero=0"),
+    ("moe tp8 (experts on tp)", "moe", "layers=2,hidden=2048,heads=16,vocab=32000,seq_len=512,experts=8",
+     "tp=8,sp=off"),
 ]
+
+ACTIVATION_BYTES = PrecisionPolicy().activation_bytes
 
 #: Functional collective -> (the planner's collective, whether the tensor argument is the gathered output's
 #: 1/n shard, so that the priced size is n times the argument).
@@ -59,7 +63,7 @@ class CommBytes(CommDebugMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.records: list[tuple[str, int, str]] = []
+        self.records: list[tuple[str, int, str]] = []  # (collective, elements, group name)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = super().__torch_dispatch__(func, types, args, kwargs)
@@ -69,7 +73,7 @@ class CommBytes(CommDebugMode):
         if name in KINDS:
             tensor = next(a for a in tree_leaves(args) if isinstance(a, torch.Tensor))
             group = next(a for a in reversed(args) if isinstance(a, str))
-            self.records.append((name, tensor.numel() * tensor.element_size(), group))
+            self.records.append((name, tensor.numel(), group))
         return out
 
 
@@ -79,25 +83,24 @@ def measure(plan_path: Path) -> dict:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=n)
     try:
         session = build_model(plan, seed=0)
-        session.model.to(torch.bfloat16)
         trainer = apply(plan, session.model, session.loss_fn)
         tp_group = trainer.mesh["tp"].get_group().group_name
+        if trainer.mesh["tp"].size() != plan.layout["tp"]:
+            raise SystemExit("the plan shards only the batch on tp: pick a larger model for this benchmark")
         inputs = batch_for_step(plan, session, 0, 0)
         with CommBytes() as comm:
             trainer.step(inputs)
     finally:
         dist.destroy_process_group()
     cluster = Cluster(**plan.cluster)  # the cluster the plan was made for, overrides included
-    if trainer.mesh["tp"].size() != plan.layout["tp"]:
-        raise SystemExit("the plan shards only the batch on tp: pick a larger model for this benchmark")
     shape = tuple(plan.layout[a] for a in ("pp", "dp", "tp"))
     tp_link = mesh_links(cluster, shape)[2]
     by_kind: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
-    for name, nbytes, group in comm.records:
+    for name, elements, group in comm.records:
         if group != tp_group:
             continue
         kind, sharded = KINDS[name]
-        size = nbytes * (plan.layout["tp"] if sharded else 1)
+        size = elements * ACTIVATION_BYTES * (plan.layout["tp"] if sharded else 1)
         row = by_kind[kind]
         row[0] += 1
         row[1] += size
@@ -114,7 +117,7 @@ def main() -> None:
     rows = []
     for name, model, config, fix in CASES:
         with tempfile.TemporaryDirectory() as tmp:
-            argv = ["plan", model, "--config", config, "--cluster", "a100-80gb", "--gpus", "8", "--global-batch", "16",
+            argv = ["plan", model, "--config", config, "--cluster", "a100-80gb", "--gpus", "8", "--global-batch", "8",
                     "--fix", fix, "-o", tmp]
             assert cli(argv) == 0, name
             rows.append({"case": name, "fix": fix, **measure(Path(tmp) / "plan.json")})
