@@ -10,7 +10,7 @@ from torch import nn
 
 from autopar import modelfile
 from autopar.cli import main
-from autopar.codegen.train_script import _hf_stage_source
+from autopar.codegen.train_script import _pipeline_source
 from autopar.plan import Plan
 from autopar.runtime.stages import hf_decoder_kind, prune_to_stage
 
@@ -55,7 +55,7 @@ def test_generated_scripts_carry_a_working_stage_forward(tmp_path, capsys, fixtu
     plan = _plan(tmp_path, str(fixtures / "hf_mistral.py"), SMALL)
     whole, _, stages = _whole_and_chained(plan)
     namespace = {"torch": torch, "nn": nn, "sys": sys}
-    exec(compile(_hf_stage_source(), "train.py", "exec"), namespace)  # the source train.py embeds
+    exec(compile(_pipeline_source("llama"), "train.py", "exec"), namespace)  # the source train.py embeds
     kind = hf_decoder_kind(stages[0])
     for i, stage in enumerate(stages):
         stage.forward = namespace["hf_stage_forward"](stage, kind, i == 0, i == len(stages) - 1)

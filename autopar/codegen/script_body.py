@@ -47,14 +47,7 @@ def build_stage(model, chunk):
     for key in list(blocks.keys()):
         if not lo <= int(key) < hi:
             del blocks[key]
-    parent = stage  # along the path to the blocks: parameterized modules before them, and after them
-    for name in LAYER_CONTAINER.split("."):
-        names = [n for n, _ in parent.named_children()]
-        i = names.index(name)
-        for other in (names[:i] if not first else []) + (names[i + 1:] if not last else []):
-            if next(getattr(parent, other).parameters(), None) is not None:
-                setattr(parent, other, None)
-        parent = getattr(parent, name)
+    _drop_ends(stage, LAYER_CONTAINER, first, last)
     if HUGGINGFACE_DECODER:
         stage.forward = hf_stage_forward(stage, HUGGINGFACE_DECODER, first, last)
     return stage

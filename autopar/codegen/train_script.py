@@ -52,9 +52,11 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torch.utils._pytree import tree_map"""
 
 
-def _hf_stage_source() -> str:
-    """The HuggingFace stage forward and its mask helpers, copied from the runtime."""
-    parts = (stages._hf_layer_masks, stages._hf_layer_type, stages.hf_stage_forward)
+def _pipeline_source(hf_kind: str | None) -> str:
+    """The runtime's stage pruning (and HuggingFace stage forward with its mask helpers), copied."""
+    parts = [stages._drop_ends]
+    if hf_kind:
+        parts += [stages._hf_layer_masks, stages._hf_layer_type, stages.hf_stage_forward]
     return "from collections.abc import Callable\n\n\n" + "\n\n".join(inspect.getsource(f) for f in parts) + "\n\n"
 
 
@@ -114,7 +116,7 @@ def generate_train_script(plan: Plan, script_name: str = "train.py") -> str:
     torch_kinds = sorted(kinds - {"PlacedParameters", "PrepareActivation"})
     names = ", ".join([*torch_kinds, "parallelize_module"])
     imports = IMPORTS + f"from torch.distributed.tensor.parallel import {names}\n"
-    helpers = _custom_styles_source(kinds) + (_hf_stage_source() if hf_kind and pp > 1 else "")
+    helpers = _custom_styles_source(kinds) + (_pipeline_source(hf_kind) if pp > 1 else "")
     return header + imports + "\n" + helpers + literals + BODY
 
 
