@@ -17,6 +17,7 @@ from autopar import __version__, modelfile
 from autopar.codegen.script_body import BODY
 from autopar.plan import Plan
 from autopar.runtime import stages
+from autopar.runtime.pipeline import tied_pairs
 from autopar.runtime.stages import hf_decoder_kind, stage_layer_ranges
 from autopar.runtime.styles import PlacedParameters, PrepareActivation, register_cpu_attention_rules, style_source
 from autopar.runtime.support import check_runnable, model_on_meta
@@ -42,7 +43,8 @@ from torch.distributed.tensor import Replicate, Shard
 """
 
 # Only for plans that use the runtime's own styles (stacked experts on tp, sequence parallelism).
-CUSTOM_STYLE_IMPORTS = """import inspect
+CUSTOM_STYLE_IMPORTS = """import functools
+import inspect
 from typing import Any
 
 from torch.distributed.device_mesh import DeviceMesh
@@ -65,9 +67,9 @@ def _custom_styles_source(kinds: set[str]) -> str:
     used = [cls for cls in (PlacedParameters, PrepareActivation) if cls.__name__ in kinds]
     if not used:
         return ""
-    parts = [inspect.getsource(obj) for obj in used]
     if PlacedParameters in used:  # its DTensor region needs rules torch lacks on CPU
-        parts.insert(0, "_CPU_ATTENTION_RULES: list[bool] = []\n\n\n" + inspect.getsource(register_cpu_attention_rules))
+        used.insert(0, register_cpu_attention_rules)
+    parts = [inspect.getsource(obj) for obj in used]
     return CUSTOM_STYLE_IMPORTS + "\n\n" + "\n\n".join(parts) + "\n\n"
 
 
@@ -83,7 +85,7 @@ def generate_train_script(plan: Plan, script_name: str = "train.py") -> str:
         dp, tp, mbs = dp * tp, 1, mbs // tp
         note = "# The plan shards only the batch on its tp axis, so that axis runs as data parallelism.\n"
     path = plan.model.get("path") or modelfile.resolve(plan.model["ref"]).resolve()
-    tied = [(fqn, alias) for fqn, p in plan.parameters.items() for alias in p.get("aliases", [])]
+    tied = tied_pairs(plan)
     tp_lines = "".join(f"    {name!r}: {style_source(spec)},\n" for name, spec in (specs or {}).items())
     layout = ", ".join(f"{k}={v}" for k, v in sorted(lay.items()))
     header = (

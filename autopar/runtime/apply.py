@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.errors import AutoparError
 from autopar.plan import Plan
-from autopar.runtime.pipeline import PipelineRunner, clean_fqn
+from autopar.runtime.pipeline import PipelineRunner, clean_fqn, tied_pairs
 from autopar.runtime.tensor_parallel import tp_styles
 
 
@@ -127,22 +127,20 @@ def _device() -> torch.device:
 def _blocks(model: nn.Module, container: str | None) -> list[nn.Module]:
     if not container:
         return []
-    mod = model.get_submodule(container)
-    return list(mod.values()) if isinstance(mod, nn.ModuleDict) else list(mod.children())
+    return list(model.get_submodule(container).children())
 
 
 def _retie(model: nn.Module, plan: Plan) -> None:
     """``parallelize_module`` unties shared parameters: point every alias back at its canonical one."""
-    for fqn, p in plan.parameters.items():
-        for alias in p.get("aliases", []):
-            owner, _, name = alias.rpartition(".")
-            src_owner, _, src_name = fqn.rpartition(".")
-            try:
-                dst, src = model.get_submodule(owner), model.get_submodule(src_owner)
-            except AttributeError:  # a pipeline stage holds only one of the two: it keeps its own copy
-                continue
-            if dst is not None and src is not None:
-                setattr(dst, name, getattr(src, src_name))
+    for fqn, alias in tied_pairs(plan):
+        owner, _, name = alias.rpartition(".")
+        src_owner, _, src_name = fqn.rpartition(".")
+        try:
+            dst, src = model.get_submodule(owner), model.get_submodule(src_owner)
+        except AttributeError:  # a pipeline stage holds only one of the two: it keeps its own copy
+            continue
+        if dst is not None and src is not None:
+            setattr(dst, name, getattr(src, src_name))
 
 
 def _checkpoint(module: nn.Module, plan: Plan) -> None:
@@ -206,7 +204,7 @@ def apply(plan: Plan, model: nn.Module, loss_fn: Callable[..., torch.Tensor], lr
                            f"{str(exc).splitlines()[0]}") from exc
     runner = None
     if pp > 1:
-        runner = PipelineRunner(plan, model, loss_fn, mesh, micro_batch, device)
+        runner = PipelineRunner(plan, model, loss_fn, mesh, device)
         fsdp = False
         for module in runner.modules:
             fsdp = _shard(module, plan, mesh, tp_styles(plan, module) if styles else None) or fsdp

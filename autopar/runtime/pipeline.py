@@ -30,7 +30,7 @@ class PipelineRunner:
     """This rank's stages and schedule; ``step`` runs one iteration's micro-batches."""
 
     def __init__(self, plan: Plan, model: nn.Module, loss_fn: Callable[..., torch.Tensor], mesh: object,
-                 micro_batch: int, device: torch.device) -> None:
+                 device: torch.device) -> None:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
         lay = plan.layout
@@ -46,18 +46,13 @@ class PipelineRunner:
         self.has_first = 0 in chunks
         self.has_last = self.pp * v - 1 in chunks
         n = lay["num_microbatches"]
-
-        def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-            return loss_fn(output, target)
-
         if lay["schedule"] == "interleaved":
-            self.schedule = ScheduleInterleaved1F1B(self.stages, n_microbatches=n, loss_fn=loss)
+            self.schedule = ScheduleInterleaved1F1B(self.stages, n_microbatches=n, loss_fn=loss_fn)
         elif lay["schedule"] == "gpipe":
-            self.schedule = ScheduleGPipe(self.stages[0], n_microbatches=n, loss_fn=loss)
+            self.schedule = ScheduleGPipe(self.stages[0], n_microbatches=n, loss_fn=loss_fn)
         else:
-            self.schedule = Schedule1F1B(self.stages[0], n_microbatches=n, loss_fn=loss)
+            self.schedule = Schedule1F1B(self.stages[0], n_microbatches=n, loss_fn=loss_fn)
         self.mesh = mesh
-        self.micro_batch = micro_batch
         self._tie_group = self._make_tie_group()
 
     def _make_tie_group(self) -> dist.ProcessGroup | None:

@@ -10,6 +10,7 @@ so nothing from a plan file is ever executed.
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 from typing import Any
 
@@ -34,17 +35,13 @@ from autopar.errors import AutoparError
 StyleSpec = tuple[str, dict[str, str]]
 
 
-_CPU_ATTENTION_RULES: list[bool] = []
-
-
+@functools.cache  # register once per process
 def register_cpu_attention_rules() -> None:
     """Sharding rules for the CPU flash-attention kernels, which DTensor has only for CUDA's.
 
     Batch (dim 0) or heads (dim 1) split the same way on every input and output, or nothing is split;
     the same as DTensor's rules for ``_scaled_dot_product_flash_attention`` on CUDA.
     """
-    if _CPU_ATTENTION_RULES:
-        return
     from torch.distributed.tensor.experimental import register_sharding
 
     aten = torch.ops.aten
@@ -58,8 +55,6 @@ def register_cpu_attention_rules() -> None:
     def backward_rule(grad: Any, query: Any, key: Any, value: Any, out: Any, lse: Any, *args: Any,
                       **kwargs: Any) -> list:
         return [([p, p, p], [p, p, p, p, p, p, *tail]) for p in (Replicate(), Shard(0), Shard(1))]
-
-    _CPU_ATTENTION_RULES.append(True)
 
 
 class PlacedParameters(ParallelStyle):
