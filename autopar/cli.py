@@ -18,11 +18,11 @@ from autopar import __version__
 from autopar.cluster import PRESETS, Cluster, cluster_from_args
 from autopar.errors import AutoparError
 from autopar.frontend import TracedModel, trace_model
-from autopar.layout import FIX_KEYS, normalize_fix, parse_fix
+from autopar.inter_op.layout import FIX_KEYS, normalize_fix, parse_fix
+from autopar.inter_op.search import search
+from autopar.inter_op.to_plan import build_plan
 from autopar.modelfile import parse_config
 from autopar.passes import PassContext
-from autopar.plan_builder import build_plan
-from autopar.planner import search
 from autopar.report import human_bytes, render_model_summary, render_plan
 from autopar.summary import model_summary
 

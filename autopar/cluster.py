@@ -17,6 +17,7 @@ TOML format (all keys of ``Cluster`` except ``name`` may appear; unknown keys ar
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from dataclasses import dataclass, fields
 from importlib import resources
@@ -119,6 +120,68 @@ class Cluster:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
+@dataclass(frozen=True, slots=True)
+class AxisLink:
+    """What one mesh axis runs on: its size, ranks per node and effective bandwidths/latency."""
+
+    size: int
+    ranks_per_node: int
+    bus_bandwidth_bytes_per_s: float
+    latency_s: float
+    intra_bandwidth_bytes_per_s: float
+    nic_bandwidth_bytes_per_s: float
+    launch_s: float = 0.0  # fixed cost of issuing one collective (a kernel launch)
+
+    @property
+    def crosses_nodes(self) -> bool:
+        return self.ranks_per_node < self.size
+
+
+def axis_link(cluster: Cluster, size: int, stride: int) -> AxisLink:
+    """The link of a mesh axis of ``size`` ranks spaced ``stride`` apart on ``cluster``."""
+    if size < 1 or stride < 1:
+        raise ValueError("mesh axis size and stride must be >= 1")
+    gpn = cluster.gpus_per_node
+    per_node = 1 if stride >= gpn else max(1, min(size, gpn // stride))
+    intra = cluster.intra_node_bandwidth_bytes_per_s * cluster.intra_node_collective_efficiency
+    nic = cluster.inter_node_bandwidth_bytes_per_s * cluster.inter_node_collective_efficiency
+    launch = cluster.kernel_overhead_s
+    if per_node >= size:
+        return AxisLink(size, size, intra, cluster.intra_node_latency_s, intra, nic, launch)
+    return AxisLink(size, per_node, min(intra, per_node * nic), cluster.inter_node_latency_s, intra, nic, launch)
+
+
+def mesh_links(cluster: Cluster, shape: tuple[int, ...]) -> tuple[AxisLink, ...]:
+    """Links of every axis of a row-major logical mesh of ``shape`` laid over the cluster's ranks."""
+    strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]
+    return tuple(axis_link(cluster, n, st) for n, st in zip(shape, strides))
+
+
+@dataclass(frozen=True, slots=True)
+class MeshSpec:
+    """A logical device mesh for the intra-op problem: axis names, sizes and the link of each axis."""
+
+    names: tuple[str, ...]
+    shape: tuple[int, ...]
+    links: tuple[AxisLink, ...]
+
+    @property
+    def num_devices(self) -> int:
+        return math.prod(self.shape)
+
+    def axis(self, name: str) -> int | None:
+        return self.names.index(name) if name in self.names else None
+
+    @classmethod
+    def on_cluster(cls, cluster: Cluster, names: tuple[str, ...], shape: tuple[int, ...]) -> MeshSpec:
+        """A row-major mesh laid over the cluster's ranks (last axis innermost, inside a node first)."""
+        if len(names) != len(shape):
+            raise ValueError("one name per mesh axis")
+        if math.prod(shape) > cluster.gpus:
+            raise ValueError(f"mesh {shape} needs {math.prod(shape)} devices, the cluster has {cluster.gpus}")
+        return cls(tuple(names), tuple(shape), mesh_links(cluster, tuple(shape)))
+
+
 _FIELD_NAMES = {f.name for f in fields(Cluster)}
 
 
@@ -173,4 +236,5 @@ def cluster_from_args(spec: str, gpus: int | None = None, gpus_per_node: int | N
     return cluster.with_overrides(gpus=gpus, gpus_per_node=gpus_per_node, inter_node_bandwidth_bytes_per_s=inter)
 
 
-__all__ = ["PRESETS", "Cluster", "GiB", "cluster_from_args", "load_cluster"]
+__all__ = ["PRESETS", "AxisLink", "Cluster", "GiB", "MeshSpec", "axis_link", "cluster_from_args", "load_cluster",
+           "mesh_links"]

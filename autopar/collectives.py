@@ -28,49 +28,11 @@ Every collective also pays a fixed ``launch`` cost (one kernel launch, the clust
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Literal
 
-from autopar.cluster import Cluster
+from autopar.cluster import AxisLink, Cluster
 
 Collective = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all"]
-
-
-@dataclass(frozen=True, slots=True)
-class AxisLink:
-    """What one mesh axis runs on: its size, ranks per node and effective bandwidths/latency."""
-
-    size: int
-    ranks_per_node: int
-    bus_bandwidth_bytes_per_s: float
-    latency_s: float
-    intra_bandwidth_bytes_per_s: float
-    nic_bandwidth_bytes_per_s: float
-    launch_s: float = 0.0  # fixed cost of issuing one collective (a kernel launch)
-
-    @property
-    def crosses_nodes(self) -> bool:
-        return self.ranks_per_node < self.size
-
-
-def axis_link(cluster: Cluster, size: int, stride: int) -> AxisLink:
-    """The link of a mesh axis of ``size`` ranks spaced ``stride`` apart on ``cluster``."""
-    if size < 1 or stride < 1:
-        raise ValueError("mesh axis size and stride must be >= 1")
-    gpn = cluster.gpus_per_node
-    per_node = 1 if stride >= gpn else max(1, min(size, gpn // stride))
-    intra = cluster.intra_node_bandwidth_bytes_per_s * cluster.intra_node_collective_efficiency
-    nic = cluster.inter_node_bandwidth_bytes_per_s * cluster.inter_node_collective_efficiency
-    launch = cluster.kernel_overhead_s
-    if per_node >= size:
-        return AxisLink(size, size, intra, cluster.intra_node_latency_s, intra, nic, launch)
-    return AxisLink(size, per_node, min(intra, per_node * nic), cluster.inter_node_latency_s, intra, nic, launch)
-
-
-def mesh_links(cluster: Cluster, shape: tuple[int, ...]) -> tuple[AxisLink, ...]:
-    """Links of every axis of a row-major logical mesh of ``shape`` laid over the cluster's ranks."""
-    strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]
-    return tuple(axis_link(cluster, n, st) for n, st in zip(shape, strides))
 
 
 def all_reduce_s(nbytes: float, link: AxisLink) -> float:

@@ -22,9 +22,9 @@ from autopar.passes import PassContext
 
 from autopar.cluster import load_cluster
 from autopar.frontend import trace_model
-from autopar.layout import normalize_fix
-from autopar.planner import UnitCostCache, search
-from autopar.unit_costs import unit_sequence
+from autopar.inter_op.layout import normalize_fix
+from autopar.inter_op.search import UnitCostCache, search
+from autopar.inter_op.unit_costs import unit_sequence
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_REFS = HERE.parents[1] / "shared" / "reference" / "calibration.json"

@@ -14,11 +14,10 @@ import time
 from pathlib import Path
 
 from autopar.passes import PassContext
-from autopar.passes.sharding_costs import MeshSpec
 
-from autopar.cluster import load_cluster
+from autopar.cluster import MeshSpec, load_cluster
 from autopar.frontend import trace_model
-from autopar.intra_op import IntraOpConfig, solve_intra_op
+from autopar.intra_op.problem import IntraOpConfig, solve_intra_op
 
 GPT3 = {"hidden": 12288, "heads": 96, "vocab": 51200, "seq_len": 2048}
 

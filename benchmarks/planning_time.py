@@ -15,7 +15,7 @@ from autopar.passes import PassContext
 
 from autopar.cluster import load_cluster
 from autopar.frontend import trace_model
-from autopar.planner import search
+from autopar.inter_op.search import search
 
 CASES = [
     # name, config, gpus, global batch, target seconds

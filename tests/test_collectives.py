@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from autopar.cluster import load_cluster
+from autopar.cluster import axis_link, load_cluster, mesh_links
 from autopar.collectives import (
     all_gather_s,
     all_reduce_s,
     all_to_all_s,
-    axis_link,
-    mesh_links,
     reduce_scatter_s,
     send_recv_s,
 )

@@ -5,15 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 from autopar.passes import PassContext, run_pipeline
-from autopar.passes.sharding_costs import MeshSpec
 from autopar.solvers.evaluate import objective_s
 from autopar.solvers.ilp import solve_ilp
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import autopar
-from autopar.cluster import load_cluster
+from autopar.cluster import MeshSpec, load_cluster
 from autopar.frontend import trace_model
-from autopar.intra_op import IntraOpConfig, build_intra_op, solve_intra_op
+from autopar.intra_op.problem import IntraOpConfig, build_intra_op, solve_intra_op
 
 A100 = load_cluster("a100-80gb")
 CTX = PassContext(cluster=A100)
@@ -43,8 +42,8 @@ def _solve(g, mesh, cfg):
 
 def _collectives(g, sol, mesh, cfg):
     """(forward, backward) resharding events of the chosen solution, from the edge cost model."""
-    from autopar.passes.sharding_costs import consumer_grad, producer_grad
-    from autopar.passes.strategies import tensor_refs
+    from autopar.intra_op.sharding_costs import consumer_grad, producer_grad
+    from autopar.intra_op.strategies import tensor_refs
 
     fwd, bwd = [], []
     for n in g.ops():

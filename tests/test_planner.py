@@ -12,9 +12,9 @@ from autopar.cli import main
 from autopar.cluster import load_cluster
 from autopar.errors import AutoparError
 from autopar.frontend import trace_model
-from autopar.layout import parse_fix
+from autopar.inter_op.layout import parse_fix
+from autopar.inter_op.search import search
 from autopar.plan import Plan, PlanError
-from autopar.planner import search
 
 GPT = {"layers": 8, "hidden": 512, "heads": 8, "vocab": 1024, "seq_len": 512}
 A100 = load_cluster("a100-80gb").with_overrides(gpus=16)

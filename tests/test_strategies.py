@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from autopar.passes.strategies import R, axis_strategies, mesh_strategies
 
 from autopar.frontend import trace_model
+from autopar.intra_op.strategies import R, axis_strategies, mesh_strategies
 
 SMALL = {"layers": 1, "hidden": 64, "heads": 4, "vocab": 128, "seq_len": 16}
 

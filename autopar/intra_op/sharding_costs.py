@@ -30,14 +30,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
+from autopar.cluster import AxisLink, Cluster, MeshSpec
+from autopar.collectives import all_gather_s, all_reduce_s, all_to_all_s, reduce_scatter_s
+from autopar.intra_op.strategies import PARTIAL, R, Strategy, shard_dim, tensor_refs
+from autopar.ir import Node, OpGraph, TensorInfo
 from autopar.passes.context import PassContext
 from autopar.passes.flops import NodeFlops
-from autopar.passes.strategies import PARTIAL, R, Strategy, shard_dim, tensor_refs
 from autopar.passes.traffic import NodeTraffic, math_attention_bytes
-
-from autopar.cluster import Cluster
-from autopar.collectives import AxisLink, all_gather_s, all_reduce_s, all_to_all_s, mesh_links, reduce_scatter_s
-from autopar.ir import Node, OpGraph, TensorInfo
 
 Placements = tuple[str | None, ...]
 
@@ -45,31 +44,6 @@ PRODUCT_OPS = frozenset({"aten.linear.default", "aten.matmul.default", "aten.mm.
                          "aten.einsum.default", "aten.addmm.default", "aten.baddbmm.default",
                          "aten.conv1d.default", "aten.conv2d.default", "aten.conv3d.default"})
 ATTENTION_OPS = frozenset({"aten.scaled_dot_product_attention.default"})
-
-
-@dataclass(frozen=True, slots=True)
-class MeshSpec:
-    """A logical device mesh for the intra-op problem: axis names, sizes and the link of each axis."""
-
-    names: tuple[str, ...]
-    shape: tuple[int, ...]
-    links: tuple[AxisLink, ...]
-
-    @property
-    def num_devices(self) -> int:
-        return math.prod(self.shape)
-
-    def axis(self, name: str) -> int | None:
-        return self.names.index(name) if name in self.names else None
-
-    @classmethod
-    def on_cluster(cls, cluster: Cluster, names: tuple[str, ...], shape: tuple[int, ...]) -> MeshSpec:
-        """A row-major mesh laid over the cluster's ranks (last axis innermost, inside a node first)."""
-        if len(names) != len(shape):
-            raise ValueError("one name per mesh axis")
-        if math.prod(shape) > cluster.gpus:
-            raise ValueError(f"mesh {shape} needs {math.prod(shape)} devices, the cluster has {cluster.gpus}")
-        return cls(tuple(names), tuple(shape), mesh_links(cluster, tuple(shape)))
 
 
 def shard_factor(placements: Placements, mesh: MeshSpec) -> int:

@@ -24,16 +24,15 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from autopar.cluster import Cluster
+from autopar.cluster import Cluster, MeshSpec
 from autopar.errors import AutoparError
-from autopar.estimate import Estimate, ModelFlops, estimate_layout
+from autopar.inter_op.estimate import Estimate, ModelFlops, estimate_layout
+from autopar.inter_op.layout import RECOMPUTE, Layout
+from autopar.inter_op.unit_costs import UnitCost, solve_tp, unit_costs, unit_sequence
+from autopar.intra_op.strategies import Strategy
 from autopar.ir import OpGraph
-from autopar.layout import RECOMPUTE, Layout
 from autopar.passes.context import PassContext
-from autopar.passes.sharding_costs import MeshSpec
-from autopar.passes.strategies import Strategy
 from autopar.solvers.ilp import Backend
-from autopar.unit_costs import UnitCost, solve_tp, unit_costs, unit_sequence
 
 MAX_MBS = 16
 #: The ILP picks strategies at these micro-batch sizes; other sizes reuse the nearest (in log scale) and

@@ -25,15 +25,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from autopar.cluster import Cluster
-from autopar.collectives import all_gather_s, all_reduce_s, axis_link, reduce_scatter_s, send_recv_s
+from autopar.cluster import Cluster, axis_link
+from autopar.collectives import all_gather_s, all_reduce_s, reduce_scatter_s, send_recv_s
+from autopar.inter_op.layout import Layout
+from autopar.inter_op.unit_costs import POST, PRE, UnitCost, unit_sequence
 from autopar.ir import OpGraph
-from autopar.layout import Layout
 from autopar.passes.context import PassContext
 from autopar.passes.flops import total_flops
 from autopar.solvers.pipeline import bubble_s, in_flight_microbatches
 from autopar.solvers.stage_dp import StageSplit, UnitLoad, split_stages, split_uniform_stages
-from autopar.unit_costs import POST, PRE, UnitCost, unit_sequence
 
 ADAM_BYTES_PER_PARAM = 28  # read master, m, v (4 each), grad (2); write master, m, v (4 each), weights (2)
 

@@ -26,17 +26,16 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from autopar.cluster import Cluster
-from autopar.ir import Node, OpGraph, Ref, TensorInfo
-from autopar.passes.context import PassContext
-from autopar.passes.sharding_costs import (
-    MeshSpec,
+from autopar.cluster import Cluster, MeshSpec
+from autopar.intra_op.sharding_costs import (
     compute_s,
     edge_cost_s,
     param_cost,
     shard_factor,
 )
-from autopar.passes.strategies import AxisStrategy, R, Strategy, divides, mesh_strategies, shard, tensor_refs
+from autopar.intra_op.strategies import AxisStrategy, R, Strategy, divides, mesh_strategies, shard, tensor_refs
+from autopar.ir import Node, OpGraph, Ref, TensorInfo
+from autopar.passes.context import PassContext
 from autopar.solvers.evaluate import min_memory_bytes
 from autopar.solvers.ilp import Backend, solve_ilp
 from autopar.solvers.request import SolverRequest, SolverResult

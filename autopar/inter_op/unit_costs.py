@@ -7,26 +7,25 @@ micro-batch size and the sequence-parallel switch, one intra-op ILP over the who
 this module then reads off, per unit, what the pipeline and data-parallel models need: forward/backward
 compute, tensor-parallel communication, parameters per device, saved activations, the unit's input
 (what a pipeline boundary sends and full recomputation keeps) and the attention core (what selective
-recomputation drops).  Data parallelism is applied analytically on top (``autopar.estimate``).
+recomputation drops).  Data parallelism is applied analytically on top (``autopar.inter_op.estimate``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autopar.cluster import Cluster
-from autopar.intra_op import IntraOpConfig, IntraOpSolution, solve_intra_op
-from autopar.ir import OpGraph
-from autopar.passes.context import PassContext
-from autopar.passes.sharding_costs import (
+from autopar.cluster import Cluster, MeshSpec
+from autopar.intra_op.problem import IntraOpConfig, IntraOpSolution, solve_intra_op
+from autopar.intra_op.sharding_costs import (
     ATTENTION_OPS,
-    MeshSpec,
     compute_s,
     edge_costs_s,
     param_cost,
     shard_factor,
 )
-from autopar.passes.strategies import AxisStrategy, R, Strategy, tensor_refs
+from autopar.intra_op.strategies import AxisStrategy, R, Strategy, tensor_refs
+from autopar.ir import OpGraph
+from autopar.passes.context import PassContext
 from autopar.solvers.ilp import Backend
 
 PRE, POST = "pre", "post"

@@ -6,13 +6,13 @@ from pathlib import Path
 from typing import Any
 
 from autopar.cluster import Cluster
-from autopar.estimate import Estimate
+from autopar.inter_op.estimate import Estimate
+from autopar.inter_op.unit_costs import POST, PRE, unit_sequence
+from autopar.intra_op.strategies import R, Strategy, tensor_refs
 from autopar.ir import OpGraph
 from autopar.modelfile import ZOO
 from autopar.passes.context import PassContext
-from autopar.passes.strategies import R, Strategy, tensor_refs
 from autopar.plan import Plan, model_fingerprint
-from autopar.unit_costs import POST, PRE, unit_sequence
 
 MESH_AXES = ("pp", "dp", "tp")
 
