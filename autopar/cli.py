@@ -44,6 +44,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, metavar="S", help="sequence length (default: the model's)")
     p.add_argument("--attention", choices=("flash", "math"), default="flash",
                    help="attention kernel to cost: flash (default, no s^2 tensors) or math")
+    p.add_argument("--trace-every-layer", action="store_true",
+                   help="export every block (default: export three identical blocks and repeat them)")
 
 
 def _add_cluster_args(p: argparse.ArgumentParser) -> None:
@@ -110,7 +112,7 @@ def _setup(args: argparse.Namespace) -> tuple[Cluster, PassContext, TracedModel,
     if args.time_limit <= 0:
         raise AutoparError("--time-limit must be positive")
     ctx = PassContext(cluster=cluster, attention=args.attention)
-    traced = trace_model(args.model, parse_config(args.config), args.seq_len, ctx)
+    traced = trace_model(args.model, parse_config(args.config), args.seq_len, ctx, args.trace_every_layer)
     batch = args.global_batch if args.global_batch is not None else max(256, cluster.gpus)
     if args.memory_limit is not None:
         if args.memory_limit <= 0:

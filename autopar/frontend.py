@@ -44,8 +44,11 @@ def build_fake(module: ModuleType, config: dict[str, Any], ref: str,
 
 
 def trace_model(ref: str, config: dict[str, Any] | None = None, seq_len: int | None = None,
-                ctx: PassContext | None = None) -> TracedModel:
-    """Load ``ref``, build it on fake tensors, trace one sample and run the default pass pipeline."""
+                ctx: PassContext | None = None, every_layer: bool = False) -> TracedModel:
+    """Load ``ref``, build it on fake tensors, trace one sample and run the default pass pipeline.
+
+    ``every_layer``: export every block of the stack instead of repeating a few identical ones.
+    """
     config = dict(config or {})
     module = modelfile.load_module(ref)
     model, config = build_fake(module, config, ref, seq_len)
@@ -53,6 +56,6 @@ def trace_model(ref: str, config: dict[str, Any] | None = None, seq_len: int | N
     if seq < 1:
         raise ModelFileError(f"sequence length must be >= 1, got {seq}")
     inputs = modelfile.example_inputs(module, model, 1, seq, config)
-    graph = trace(model, inputs, modelfile.loss_fn_of(module))
+    graph = trace(model, inputs, modelfile.loss_fn_of(module), repeat_identical_layers=not every_layer)
     graph = run_pipeline(graph, ctx or PassContext())
     return TracedModel(ref, config, module, model, graph, graph.seq_len)

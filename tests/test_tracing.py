@@ -125,3 +125,58 @@ def test_trace_of_a_user_module_uses_no_real_memory():
         big = torch.nn.Sequential(torch.nn.Embedding(50_000, 8192), torch.nn.Linear(8192, 50_000))
     g = autopar.trace(big, (torch.zeros(1, 4, dtype=torch.long),))  # ~3.3 GB of fp32 weights if real
     assert g.num_parameters > 800_000_000
+
+
+def _both_traces(ref: str, config: dict, seq: int):
+    from autopar.passes import PassContext, run_pipeline
+
+    from autopar import modelfile
+    from autopar.frontend import build_fake
+
+    module = modelfile.load_module(ref)
+    model, config = build_fake(module, config, ref, seq)
+    inputs = modelfile.example_inputs(module, model, 1, seq, config)
+    full = autopar.trace(model, inputs, modelfile.loss_fn_of(module), repeat_identical_layers=False)
+    short = autopar.trace(model, inputs, modelfile.loss_fn_of(module))
+    return model, config, run_pipeline(full, PassContext()), run_pipeline(short, PassContext())
+
+
+@pytest.mark.parametrize("ref,config,seq", [
+    ("gpt", {"layers": 6, "hidden": 64, "heads": 4, "vocab": 128}, 16),
+    ("llama", {"layers": 5, "hidden": 64, "heads": 4, "kv_heads": 2, "ffn": 96, "vocab": 128}, 16),
+    ("moe", {"layers": 4, "hidden": 32, "heads": 4, "vocab": 64, "experts": 4}, 16),
+    ("hf_llama.py", {"layers": 5, "hidden": 64, "heads": 4, "vocab": 128}, 32),
+    ("hf_gpt2.py", {"layers": 4, "hidden": 64, "heads": 4, "vocab": 128}, 32),
+])
+def test_repeated_blocks_give_the_graph_of_a_full_trace(ref, config, seq, examples):
+    from autopar.passes.flops import total_flops
+
+    from autopar.plan import model_fingerprint
+
+    ref = str(examples / ref) if ref.endswith(".py") else ref
+    _, config, full, short = _both_traces(ref, config, seq)
+    assert model_fingerprint(short, config) == model_fingerprint(full, config)  # node order, shapes, params
+    assert [layer.structural_hash for layer in short.layers] == [layer.structural_hash for layer in full.layers]
+    assert {k: (p.shape, p.aliases, p.layer) for k, p in short.params.items()} == \
+        {k: (p.shape, p.aliases, p.layer) for k, p in full.params.items()}
+    assert total_flops(short, 3) == total_flops(full, 3)
+    assert short.annotations["activations"].per_layer == full.annotations["activations"].per_layer
+    wiring = lambda g: [(n.op, n.layer, tuple(g[r].op for r in n.inputs)) for n in g.ops()]
+    assert wiring(short) == wiring(full)
+
+
+def test_blocks_that_differ_are_all_traced():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from autopar.tracing import _find_layer_container, _identical_blocks
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        # layers 3-5 use a sliding window: the blocks differ in an attribute, not in their parameters
+        model = Qwen2ForCausalLM(Qwen2Config(
+            num_hidden_layers=6, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=96, vocab_size=128, use_sliding_window=True, sliding_window=8, max_window_layers=3,
+            attn_implementation="sdpa", use_cache=False))
+    assert not _identical_blocks(model, _find_layer_container(model))
+    same = autopar.trace(_stack([16] * 6), (torch.zeros(1, 8, dtype=torch.long),))
+    assert len(same.layers) == 5 and len(same.layer_types()) == 1
+    assert not _identical_blocks(_stack([16, 16, 16, 16, 32]), "blocks")
