@@ -17,6 +17,7 @@ from rich.console import Console
 from autopar import __version__
 from autopar.cluster import PRESETS, Cluster, cluster_from_args
 from autopar.errors import AutoparError
+from autopar.framework import DEFAULT_FRAMEWORK, FRAMEWORKS, load_framework
 from autopar.frontend import TracedModel, trace_model
 from autopar.inter_op.layout import FIX_KEYS, normalize_fix, parse_fix
 from autopar.inter_op.search import search
@@ -42,10 +43,17 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="model file (.py defining build_model) or zoo name: gpt, llama, mlp, moe")
     p.add_argument("--config", metavar="K=V,...", help="model config overrides passed to build_model")
     p.add_argument("--seq-len", type=int, metavar="S", help="sequence length (default: the model's)")
-    p.add_argument("--attention", choices=("flash", "math"), default="flash",
-                   help="attention kernel to cost: flash (default, no s^2 tensors) or math")
+    p.add_argument("--attention", choices=("flash", "flash1", "flash3", "math", "eager"), default="flash",
+                   help="attention kernel to cost: flash (FlashAttention-2, default), flash1, flash3 "
+                        "(FlashAttention-3 / cuDNN on Hopper), math (unfused, fused softmax) or eager (unfused)")
     p.add_argument("--trace-every-layer", action="store_true",
                    help="export every block (default: export three identical blocks and repeat them)")
+
+
+def _add_framework_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--framework", default=DEFAULT_FRAMEWORK, metavar="PRESET|FILE",
+                   help=f"the software that trains the plan ({', '.join(FRAMEWORKS)}) or a TOML file; "
+                        f"autopar's own runtime is {DEFAULT_FRAMEWORK} (default)")
 
 
 def _add_cluster_args(p: argparse.ArgumentParser) -> None:
@@ -75,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="trace a model and plan its parallel layout")
     _add_model_args(plan)
     _add_cluster_args(plan)
+    _add_framework_arg(plan)
     _add_search_args(plan)
     plan.add_argument("--fix", metavar="KEY=VALUE,...", help=f"pin layout keys: {', '.join(FIX_KEYS)}")
     plan.add_argument("--top", type=int, default=1, metavar="K", help="report the K best distinct layouts")
@@ -84,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("evaluate", help="estimate candidate layouts given as JSON lines")
     _add_model_args(ev)
     _add_cluster_args(ev)
+    _add_framework_arg(ev)
     _add_search_args(ev)
     ev.add_argument("--layouts", required=True, metavar="FILE.jsonl",
                     help="one JSON object per line with --fix keys; the rest of each layout is searched")
@@ -111,7 +121,7 @@ def _setup(args: argparse.Namespace) -> tuple[Cluster, PassContext, TracedModel,
         raise AutoparError("--global-batch must be >= 1")
     if args.time_limit <= 0:
         raise AutoparError("--time-limit must be positive")
-    ctx = PassContext(cluster=cluster, attention=args.attention)
+    ctx = PassContext(cluster=cluster, attention=args.attention, framework=load_framework(args.framework))
     traced = trace_model(args.model, parse_config(args.config), args.seq_len, ctx, args.trace_every_layer)
     batch = args.global_batch if args.global_batch is not None else max(256, cluster.gpus)
     if args.memory_limit is not None:

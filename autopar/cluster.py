@@ -32,12 +32,28 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-PRESETS = ("a100-80gb", "h100-80gb", "h200", "cpu")
+PRESETS = ("a100-40gb", "a100-80gb", "h100-80gb", "h100-80gb-roce", "h200", "cpu")
+
+
+#: Index of each NCCL protocol in the per-protocol cluster keys.
+PROTOCOLS = ("LL", "LL128", "Simple")
+FABRICS = ("nvlink", "infiniband", "roce", "ethernet", "loopback")
+_TRIPLES = ("collective_base_latency_s", "intra_node_latency_s", "inter_node_latency_s",
+            "protocol_bandwidth_fraction")
+_FRACTIONS = ("gemm_efficiency", "attention_efficiency", "flash1_attention_efficiency", "flash3_attention_efficiency",
+              "memory_efficiency",
+              "intra_node_collective_efficiency", "inter_node_collective_efficiency", "tree_bandwidth_fraction")
+_INTEGERS = ("gpus", "gpus_per_node", "sm_count", "attention_block", "nics_per_node", "pod_gpus")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Cluster:
-    """A homogeneous GPU cluster: nodes of ``gpus_per_node`` devices on a switched fabric."""
+    """A homogeneous GPU cluster: nodes of ``gpus_per_node`` devices on a switched fabric.
+
+    The compute keys describe one device and the kernels that run on it; the network keys describe the
+    fabric (NVLink inside a node, NICs and pods between nodes) and NCCL's cost of running a collective
+    on it (``autopar.collectives``).  Per-protocol keys list (LL, LL128, Simple) values.
+    """
 
     name: str
     device: str
@@ -46,56 +62,109 @@ class Cluster:
     """Number of devices in the cluster."""
     gpus_per_node: int
     """Devices that share the fast intra-node fabric (NVLink/NVSwitch)."""
+    # ---- compute (``autopar.kernels``)
     peak_flops: float
     """Peak dense 16-bit tensor-core FLOP/s per device."""
+    sm_count: int
+    """Streaming multiprocessors: a GEMM's output tiles run in waves of this many."""
+    gemm_efficiency: float
+    """Fraction of ``peak_flops`` a large GEMM reaches once its tiles fill whole waves and its reduction
+    dimension is long (cuBLAS main-loop efficiency)."""
+    gemm_tiles: tuple[tuple[float, float, float], ...]
+    """Output tiles (rows, columns, relative efficiency) cuBLAS may pick; it picks the one that wastes the
+    least to tile and wave quantization.  Empty: no quantization (CPU)."""
+    gemm_k_overhead: float
+    """Reduction length equivalent to a tile's pipeline fill and epilogue: efficiency ``k / (k + this)``."""
+    attention_efficiency: float
+    """Fraction of ``peak_flops`` reached by FlashAttention-2 kernels on the FLOPs they execute."""
+    flash1_attention_efficiency: float
+    """The same for FlashAttention (v1) kernels."""
+    flash3_attention_efficiency: float
+    """The same for FlashAttention-3 / cuDNN fused attention (Hopper's warp-specialized kernels)."""
+    attention_block: int
+    """Query and key block size of flash attention: a causal mask skips the blocks above the diagonal."""
+    memory_efficiency: float
+    """Fraction of HBM bandwidth reached by memory-bound (element-wise, norm, softmax) kernels."""
+    kernel_overhead_s: float
+    """Fixed cost per launched kernel (launch latency and tail), added to every op."""
+    # ---- memory
     hbm_bytes: float
     """Device memory per device, bytes."""
     hbm_bandwidth_bytes_per_s: float
     """Device-memory bandwidth per device."""
+    memory_reserve_bytes: float
+    """Device memory never available to the plan (CUDA context, NCCL buffers)."""
+    allocator_fragmentation: float
+    """Memory the caching allocator holds beyond what is allocated, as a fraction of the allocated peak."""
+    # ---- network
     intra_node_bandwidth_bytes_per_s: float
     """Per-device, per-direction bandwidth of the intra-node fabric."""
-    inter_node_bandwidth_bytes_per_s: float
-    """Per-device, per-direction network bandwidth between nodes (one NIC per GPU on DGX systems)."""
-    intra_node_latency_s: float
-    """Latency of one hop of a collective inside a node."""
-    inter_node_latency_s: float
-    """Latency of one hop of a collective across nodes."""
-    gemm_efficiency: float
-    """Fraction of ``peak_flops`` reached by large matrix multiplies (cuBLAS)."""
-    attention_efficiency: float
-    """Fraction of ``peak_flops`` reached by fused (flash) attention kernels."""
-    memory_efficiency: float
-    """Fraction of HBM bandwidth reached by memory-bound (element-wise, norm, softmax) kernels."""
     intra_node_collective_efficiency: float
     """NCCL bus bandwidth inside a node as a fraction of the intra-node link bandwidth."""
+    inter_node_fabric: str
+    """Network between nodes: ``infiniband``, ``roce``, ``ethernet`` (``nvlink``/``loopback`` for one node)."""
+    inter_node_bandwidth_bytes_per_s: float
+    """Per-NIC, per-direction line rate of the network."""
+    nics_per_node: int
+    """NICs per node.  Rail-optimized systems (DGX, HGX) have one per GPU, each on its own rail; with fewer,
+    GPUs share them."""
     inter_node_collective_efficiency: float
     """NCCL bus bandwidth across nodes as a fraction of the NIC line rate."""
-    kernel_overhead_s: float
-    """Fixed cost per launched kernel (launch latency and tail), added to every op."""
+    pod_gpus: int
+    """GPUs under one full-bisection tier of the fabric; 0: the whole cluster is one."""
+    pod_oversubscription: float
+    """Oversubscription of the links above a pod (7 for 1:7): traffic between pods shares them."""
+    collective_base_latency_s: tuple[float, float, float]
+    """Fixed latency of one NCCL collective, per protocol."""
+    intra_node_latency_s: tuple[float, float, float]
+    """Latency of one ring or tree step over NVLink, per protocol."""
+    inter_node_latency_s: tuple[float, float, float]
+    """Latency of one ring or tree step over the network, per protocol."""
+    protocol_bandwidth_fraction: tuple[float, float, float]
+    """Share of the bus bandwidth each protocol delivers (LL sends half its bytes as flags)."""
+    tree_bandwidth_fraction: float
+    """Share of the ring's bus bandwidth the tree all-reduce reaches."""
     overlap_slowdown: float
     """Fraction by which compute slows while a collective runs beside it (NCCL kernels occupy SMs and
     memory bandwidth), so overlapped communication is never entirely free."""
-    memory_reserve_bytes: float
-    """Device memory not available to the plan (CUDA context, NCCL buffers, allocator fragmentation)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in ("name", "device"):
+            if f.name in ("name", "device", "inter_node_fabric"):
+                continue
+            if f.name in _TRIPLES:
+                _check_numbers(self.name, f.name, value, 3)
+                continue
+            if f.name == "gemm_tiles":
+                if not isinstance(value, tuple) or any(len(t) != 3 for t in value):
+                    raise ClusterSpecError(f"cluster {self.name}: gemm_tiles must be a list of [rows, columns, "
+                                           "efficiency] triples")
+                for tile in value:
+                    _check_numbers(self.name, f.name, tile, 3)
                 continue
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
                 raise ClusterSpecError(f"cluster {self.name}: {f.name} must be a non-negative number, got {value!r}")
-        if self.gpus < 1 or self.gpus_per_node < 1:
-            raise ClusterSpecError(f"cluster {self.name}: gpus and gpus_per_node must be >= 1")
+        for key in _INTEGERS:
+            if not isinstance(getattr(self, key), int):
+                raise ClusterSpecError(f"cluster {self.name}: {key} must be an integer")
+        if self.gpus < 1 or self.gpus_per_node < 1 or self.sm_count < 1 or self.nics_per_node < 1:
+            raise ClusterSpecError(f"cluster {self.name}: gpus, gpus_per_node, sm_count and nics_per_node must be >= 1")
         if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
             raise ClusterSpecError(
                 f"cluster {self.name}: gpus ({self.gpus}) must be a multiple of gpus_per_node ({self.gpus_per_node})")
-        for f in ("gemm_efficiency", "attention_efficiency", "memory_efficiency",
-                  "intra_node_collective_efficiency", "inter_node_collective_efficiency"):
+        for f in _FRACTIONS:
             if not 0 < getattr(self, f) <= 1:
                 raise ClusterSpecError(f"cluster {self.name}: {f} must be in (0, 1]")
+        if not all(0 < x <= 1 for x in self.protocol_bandwidth_fraction):
+            raise ClusterSpecError(f"cluster {self.name}: protocol_bandwidth_fraction values must be in (0, 1]")
         if not 0 <= self.overlap_slowdown < 1:
             raise ClusterSpecError(f"cluster {self.name}: overlap_slowdown must be in [0, 1)")
+        if self.pod_oversubscription < 1:
+            raise ClusterSpecError(f"cluster {self.name}: pod_oversubscription must be >= 1 (1 = full bisection)")
+        if self.inter_node_fabric not in FABRICS:
+            raise ClusterSpecError(f"cluster {self.name}: inter_node_fabric must be one of {', '.join(FABRICS)}, "
+                                   f"got {self.inter_node_fabric!r}")
 
     @property
     def num_nodes(self) -> int:
@@ -103,8 +172,13 @@ class Cluster:
 
     @property
     def usable_memory_bytes(self) -> float:
-        """Per-device memory a plan may use: HBM minus the reserve."""
-        return self.hbm_bytes - self.memory_reserve_bytes
+        """Per-device memory a plan may allocate: HBM minus the reserve, less the allocator's fragmentation."""
+        return (self.hbm_bytes - self.memory_reserve_bytes) / (1 + self.allocator_fragmentation)
+
+    @property
+    def nic_bandwidth_per_gpu_bytes_per_s(self) -> float:
+        """Network bandwidth one GPU has when every GPU of its node sends at once."""
+        return self.inter_node_bandwidth_bytes_per_s * min(self.nics_per_node, self.gpus_per_node) / self.gpus_per_node
 
     def with_overrides(self, **overrides: Any) -> Cluster:
         """A copy with some fields replaced (``None`` values are ignored)."""
@@ -117,19 +191,42 @@ class Cluster:
             raise ClusterSpecError(str(exc)) from exc
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = [list(x) for x in value] if f.name == "gemm_tiles" else (
+                list(value) if isinstance(value, tuple) else value)
+        return out
+
+
+def _check_numbers(cluster: str, key: str, value: Any, n: int) -> None:
+    if (not isinstance(value, tuple) or len(value) != n
+            or any(not isinstance(x, (int, float)) or isinstance(x, bool) or x < 0 for x in value)):
+        raise ClusterSpecError(f"cluster {cluster}: {key} must be a list of {n} non-negative numbers, got {value!r}")
 
 
 @dataclass(frozen=True, slots=True)
 class AxisLink:
-    """What one mesh axis runs on: its size, ranks per node and effective bandwidths/latency."""
+    """What one mesh axis runs on: its ranks, how they sit on nodes and pods, and the fabric's costs.
+
+    ``bus_bandwidth_bytes_per_s`` is the ring's bus bandwidth with the Simple protocol, taking into account
+    the NICs the group's ranks in a node drive in parallel and the share of the pod uplinks it gets when
+    every group of the axis communicates at once.
+    """
 
     size: int
     ranks_per_node: int
+    nodes: int
+    pods: int
     bus_bandwidth_bytes_per_s: float
-    latency_s: float
     intra_bandwidth_bytes_per_s: float
     nic_bandwidth_bytes_per_s: float
+    """Network bandwidth one rank has for traffic that leaves its node (its NIC share, pod uplinks included)."""
+    base_latency_s: tuple[float, float, float]
+    intra_latency_s: tuple[float, float, float]
+    inter_latency_s: tuple[float, float, float]
+    protocol_fraction: tuple[float, float, float]
+    tree_fraction: float
     launch_s: float = 0.0  # fixed cost of issuing one collective (a kernel launch)
 
     @property
@@ -137,18 +234,41 @@ class AxisLink:
         return self.ranks_per_node < self.size
 
 
+def _pods_spanned(cluster: Cluster, size: int, stride: int) -> int:
+    if cluster.pod_gpus <= 0 or cluster.pod_gpus >= cluster.gpus:
+        return 1
+    span = stride * (size - 1) + 1  # consecutive ranks from the group's first member to its last
+    return min(size, max(1, math.ceil(span / cluster.pod_gpus)))
+
+
 def axis_link(cluster: Cluster, size: int, stride: int) -> AxisLink:
-    """The link of a mesh axis of ``size`` ranks spaced ``stride`` apart on ``cluster``."""
+    """The link of a mesh axis of ``size`` ranks spaced ``stride`` apart on ``cluster``.
+
+    Across nodes, a group with ``k`` ranks per node runs ``k`` rings at once, one per NIC, so its bus
+    bandwidth is ``min(NVLink, k x NIC share)``.  Across pods, every group of the axis communicates at
+    once: each pod sends ``k`` ring channels out per group touching it, over uplinks of
+    ``pod GPUs x NIC share / oversubscription``, so the rings slow by ``members per pod / (k x
+    oversubscription)`` when that is below one.
+    """
     if size < 1 or stride < 1:
         raise ValueError("mesh axis size and stride must be >= 1")
     gpn = cluster.gpus_per_node
     per_node = 1 if stride >= gpn else max(1, min(size, gpn // stride))
     intra = cluster.intra_node_bandwidth_bytes_per_s * cluster.intra_node_collective_efficiency
-    nic = cluster.inter_node_bandwidth_bytes_per_s * cluster.inter_node_collective_efficiency
-    launch = cluster.kernel_overhead_s
+    nic = cluster.nic_bandwidth_per_gpu_bytes_per_s * cluster.inter_node_collective_efficiency
+    common = dict(base_latency_s=cluster.collective_base_latency_s, intra_latency_s=cluster.intra_node_latency_s,
+                  inter_latency_s=cluster.inter_node_latency_s, protocol_fraction=cluster.protocol_bandwidth_fraction,
+                  tree_fraction=cluster.tree_bandwidth_fraction, launch_s=cluster.kernel_overhead_s)
     if per_node >= size:
-        return AxisLink(size, size, intra, cluster.intra_node_latency_s, intra, nic, launch)
-    return AxisLink(size, per_node, min(intra, per_node * nic), cluster.inter_node_latency_s, intra, nic, launch)
+        return AxisLink(size, size, 1, 1, intra, intra, nic, **common)
+    nodes = math.ceil(size / per_node)
+    pods = _pods_spanned(cluster, size, stride)
+    uplink = 1.0
+    if pods > 1:
+        uplink = min(1.0, (size / pods) / (per_node * cluster.pod_oversubscription))
+    bus = min(intra, per_node * nic * uplink)
+    rank_nic = nic / cluster.pod_oversubscription if pods > 1 else nic
+    return AxisLink(size, per_node, nodes, pods, bus, intra, rank_nic, **common)
 
 
 def mesh_links(cluster: Cluster, shape: tuple[int, ...]) -> tuple[AxisLink, ...]:
@@ -216,17 +336,24 @@ def _from_toml(text: str, default_name: str, origin: str) -> Cluster:
     missing = sorted(_FIELD_NAMES - set(values))
     if missing:
         raise ClusterSpecError(f"{origin}: missing key {missing[0]!r}")
-    for key in ("gpus", "gpus_per_node"):
+    for key in _INTEGERS:
         if isinstance(values[key], float) and values[key].is_integer():
             values[key] = int(values[key])
-        if not isinstance(values[key], int):
+        if not isinstance(values[key], int) or isinstance(values[key], bool):
             raise ClusterSpecError(f"{origin}: {key} must be an integer")
+    if not isinstance(values["inter_node_fabric"], str):
+        raise ClusterSpecError(f"{origin}: inter_node_fabric must be a string")
+    for key in _TRIPLES:
+        if isinstance(values[key], list):
+            values[key] = tuple(values[key])
+    if isinstance(values["gemm_tiles"], list):
+        values["gemm_tiles"] = tuple(tuple(t) if isinstance(t, list) else t for t in values["gemm_tiles"])
     return Cluster(**values)
 
 
 def cluster_from_args(spec: str, gpus: int | None = None, gpus_per_node: int | None = None,
                       inter_node_gbps: float | None = None) -> Cluster:
-    """Load ``spec`` and apply the CLI overrides (``--inter-node-gbps`` is a NIC line rate in Gb/s)."""
+    """Load ``spec`` and apply the CLI overrides (``--inter-node-gbps`` is a NIC's line rate in Gb/s)."""
     cluster = load_cluster(spec)
     inter = inter_node_gbps * 1e9 / 8 if inter_node_gbps is not None else None
     if gpus is not None and gpus < 1:
@@ -236,5 +363,5 @@ def cluster_from_args(spec: str, gpus: int | None = None, gpus_per_node: int | N
     return cluster.with_overrides(gpus=gpus, gpus_per_node=gpus_per_node, inter_node_bandwidth_bytes_per_s=inter)
 
 
-__all__ = ["PRESETS", "AxisLink", "Cluster", "GiB", "MeshSpec", "axis_link", "cluster_from_args", "load_cluster",
-           "mesh_links"]
+__all__ = ["FABRICS", "PRESETS", "PROTOCOLS", "AxisLink", "Cluster", "GiB", "MeshSpec", "axis_link",
+           "cluster_from_args", "load_cluster", "mesh_links"]

@@ -1,28 +1,32 @@
-r"""Alpha-beta cost model of NCCL-style collectives over one axis of a device mesh.
+r"""Cost of NCCL collectives over one axis of a device mesh, after NCCL's own model (``src/graph/tuning.cc``).
 
-A logical mesh (e.g. ``(pp, dp, tp)``) maps onto ranks row-major, so the last axis has stride 1.  For an
-axis of ``n`` ranks with stride ``st``, a group's members are ``st`` apart and ``k`` of them share a node
-(``k = n`` when the whole group is inside one node).  The group runs on a ring whose slowest link decides:
+A mesh axis is an ``AxisLink`` (``autopar.cluster.axis_link``): ``n`` ranks, ``k`` of them per node on
+``N`` nodes, the ring's bus bandwidth ``B`` (NICs in parallel and pod uplinks included) and the fabric's
+per-protocol latencies.  NCCL prices every (algorithm, protocol) pair as ``latency + bytes / bandwidth``
+and runs the cheapest; so does this module:
 
-- inside one node: bus bandwidth ``B = intra_bw * intra_eff``, per-step latency ``alpha = intra_latency``;
-- across nodes: NCCL runs ``k`` rings in parallel, one per NIC of the group's ``k`` GPUs in a node, so the
-  node boundary carries ``k * inter_bw * inter_eff``; ``B = min(intra_bw * intra_eff, k * inter_bw * inter_eff)``
-  and ``alpha = inter_latency``.
+- **protocols** LL, LL128 and Simple: a fixed ``base`` latency, a latency per ring or tree step over NVLink
+  (``intra``) and over the network (``inter``), and a share of ``B`` (LL spends half its bytes on flags).
+  Small messages take LL, large ones Simple: efficiency grows with the message size.
+- **ring**: all-gather and reduce-scatter take ``n - 1`` steps, ``N - 1`` of them across nodes (the ring
+  enters and leaves each node once: the intra-then-inter hierarchy of NCCL's rings); all-reduce twice
+  that.  Bandwidth term ``(n-1)/n * D / B`` (twice for all-reduce).  Latency grows with ``n``: at
+  thousands of ranks one collective costs milliseconds whatever its size.
+- **tree** (all-reduce across nodes): a chain inside each node and a double binary tree across nodes,
+  ``2 ((k - 1) intra + log2(N) inter)`` steps of latency and ``2 D / (tree_fraction * B)``.
 
-With ``D`` the bytes of the full (unsharded) buffer on one rank:
+===============  ================================================================================
+all-reduce       min over protocols of ring and (across nodes) tree
+all-gather       ring; ``D`` = gathered output on one rank
+reduce-scatter   ring; ``D`` = input before the scatter
+all-to-all       ``(n - 1)`` steps of latency; ``(k-1)/n`` of ``D`` over NVLink and ``(n-k)/n`` through
+                 the rank's own NIC share, whichever is slower
+send/recv        one step of latency plus ``D`` over the link between the two ranks
+===============  ================================================================================
 
-=================  ===========================================================================
-all-reduce         ring: ``2 (n-1) alpha + 2 (n-1)/n * D / B``;
-                   tree: ``2 ceil(log2 n) alpha + 2 D / B``; NCCL picks the faster, so do we.
-all-gather         ``(n-1) alpha + (n-1)/n * D / B``            (``D`` = gathered output size)
-reduce-scatter     ``(n-1) alpha + (n-1)/n * D / B``            (``D`` = input size before scatter)
-all-to-all         ``(n-1) alpha + max((k-1)/n * D / B_intra, (n-k)/n * D / B_nic)``: each rank
-                   sends ``1/n`` of ``D`` to every peer; what leaves the node goes through its own NIC.
-send/recv          ``alpha + D / B_link`` over the link between the two ranks.
-=================  ===========================================================================
-
-Every collective also pays a fixed ``launch`` cost (one kernel launch, the cluster's
-``kernel_overhead_s``).  An axis of size 1 costs nothing.
+Every collective also pays a fixed ``launch`` cost (one kernel launch).  An axis of size 1 costs nothing.
+``copies_per_rank`` adds one copy kernel per rank, which ``torch.distributed``'s list-of-tensors
+collectives issue (they gather into a flat buffer and copy every rank's part out).
 """
 
 from __future__ import annotations
@@ -30,32 +34,49 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from autopar.cluster import AxisLink, Cluster
+from autopar.cluster import AxisLink
 
 Collective = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all"]
 
+SIMPLE = 2  # index of the Simple protocol in the per-protocol link values
+
+
+def _ring_s(nbytes: float, link: AxisLink, rounds: int) -> float:
+    """``rounds`` passes of a ring (1: all-gather / reduce-scatter, 2: all-reduce), cheapest protocol."""
+    n = link.size
+    steps, inter = rounds * (n - 1), rounds * (link.nodes - 1)
+    volume = rounds * (n - 1) / n * nbytes
+    return min(link.base_latency_s[p] + (steps - inter) * link.intra_latency_s[p] + inter * link.inter_latency_s[p]
+               + volume / (link.bus_bandwidth_bytes_per_s * link.protocol_fraction[p]) for p in range(3))
+
+
+def _tree_s(nbytes: float, link: AxisLink) -> float:
+    intra_hops, inter_hops = 2 * (link.ranks_per_node - 1), 2 * math.ceil(math.log2(link.nodes))
+    bw = link.bus_bandwidth_bytes_per_s * link.tree_fraction
+    return min(link.base_latency_s[p] + intra_hops * link.intra_latency_s[p] + inter_hops * link.inter_latency_s[p]
+               + 2 * nbytes / (bw * link.protocol_fraction[p]) for p in range(3))
+
 
 def all_reduce_s(nbytes: float, link: AxisLink) -> float:
-    n = link.size
-    if n <= 1 or nbytes <= 0:
+    if link.size <= 1 or nbytes <= 0:
         return 0.0
-    b, a = link.bus_bandwidth_bytes_per_s, link.latency_s
-    ring = 2 * (n - 1) * a + 2 * (n - 1) / n * nbytes / b
-    tree = 2 * math.ceil(math.log2(n)) * a + 2 * nbytes / b
-    return link.launch_s + min(ring, tree)
+    t = _ring_s(nbytes, link, 2)
+    if link.nodes > 1:
+        t = min(t, _tree_s(nbytes, link))
+    return link.launch_s + t
 
 
-def all_gather_s(nbytes: float, link: AxisLink) -> float:
+def all_gather_s(nbytes: float, link: AxisLink, copies_per_rank: bool = False) -> float:
     """``nbytes``: size of the gathered (full) tensor on one rank."""
-    n = link.size
-    if n <= 1 or nbytes <= 0:
+    if link.size <= 1 or nbytes <= 0:
         return 0.0
-    return link.launch_s + (n - 1) * link.latency_s + (n - 1) / n * nbytes / link.bus_bandwidth_bytes_per_s
+    copies = link.size * link.launch_s if copies_per_rank else 0.0
+    return link.launch_s + _ring_s(nbytes, link, 1) + copies
 
 
-def reduce_scatter_s(nbytes: float, link: AxisLink) -> float:
+def reduce_scatter_s(nbytes: float, link: AxisLink, copies_per_rank: bool = False) -> float:
     """``nbytes``: size of the full (pre-scatter) tensor on one rank."""
-    return all_gather_s(nbytes, link)
+    return all_gather_s(nbytes, link, copies_per_rank)
 
 
 def all_to_all_s(nbytes: float, link: AxisLink) -> float:
@@ -65,18 +86,20 @@ def all_to_all_s(nbytes: float, link: AxisLink) -> float:
         return 0.0
     intra = (k - 1) / n * nbytes / link.intra_bandwidth_bytes_per_s
     inter = (n - k) / n * nbytes / link.nic_bandwidth_bytes_per_s
-    return link.launch_s + (n - 1) * link.latency_s + max(intra, inter)
+    steps = (n - 1) * (link.inter_latency_s[SIMPLE] if link.crosses_nodes else link.intra_latency_s[SIMPLE])
+    return link.launch_s + link.base_latency_s[SIMPLE] + steps + max(intra, inter)
 
 
-def send_recv_s(nbytes: float, cluster: Cluster, across_nodes: bool) -> float:
-    """Point-to-point transfer between two ranks (pipeline stages)."""
+def send_recv_s(nbytes: float, link: AxisLink) -> float:
+    """Point-to-point transfer between neighbours on ``link`` (pipeline stages).  Every pair of the axis sends
+    at once, so a transfer that leaves the node gets the rank's NIC share (and pod uplink share)."""
     if nbytes <= 0:
         return 0.0
-    if across_nodes:
-        bw = cluster.inter_node_bandwidth_bytes_per_s * cluster.inter_node_collective_efficiency
-        return cluster.inter_node_latency_s + nbytes / bw
-    bw = cluster.intra_node_bandwidth_bytes_per_s * cluster.intra_node_collective_efficiency
-    return cluster.intra_node_latency_s + nbytes / bw
+    if link.crosses_nodes:
+        return link.launch_s + link.base_latency_s[SIMPLE] + link.inter_latency_s[SIMPLE] + \
+            nbytes / link.nic_bandwidth_bytes_per_s
+    return link.launch_s + link.base_latency_s[SIMPLE] + link.intra_latency_s[SIMPLE] + \
+        nbytes / link.intra_bandwidth_bytes_per_s
 
 
 COLLECTIVES = {

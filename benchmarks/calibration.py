@@ -1,143 +1,163 @@
-"""Benchmark: autopar's estimates of published training runs, with their layouts pinned (``--fix``).
+"""Benchmark: autopar's estimates of published training runs against their measured iteration times.
 
-Reads ``shared/reference/calibration.json`` (``--references PATH``), estimates every case and prints
-estimate vs measurement; writes ``benchmarks/results/calibration.json``.  For each case it also runs the
-unconstrained search and reports whether it finds a layout at least as fast that fits.
+Every row of ``benchmarks/reference/calibration.json`` is planned with its published layout pinned
+(``--fix``; unpublished knobs are searched, see ``reference_runs.py``) on its cluster and framework, and
+the estimate is compared with the measurement.  Per-layer rows (one transformer layer timed on a tp group)
+compare the estimated forward and backward time of one layer.  Prints a table and the summary (median and
+largest |error|, rows within 10 %), and writes ``benchmarks/results/calibration.json``.
 
-Runtime facts of each source, not fitted numbers, decide the modelling switches: Megatron-LM of 2021-22
-ran unfused ("math") attention with a fused scale-mask-softmax; torchtitan (2024) runs flash attention.
-
-    python benchmarks/calibration.py [--references ../shared/reference/calibration.json] [--no-search]
+    python benchmarks/calibration.py [--case CASE_ID] [--references FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from autopar.passes import PassContext
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from autopar.cluster import load_cluster
-from autopar.frontend import trace_model
-from autopar.inter_op.layout import normalize_fix
+from reference_runs import CALIBRATION, ReferenceRun, load_calibration, reference_run
+from rich.console import Console
+from rich.table import Table
+
+from autopar.frontend import TracedModel, trace_model
 from autopar.inter_op.search import UnitCostCache, search
 from autopar.inter_op.unit_costs import unit_sequence
 
-HERE = Path(__file__).resolve().parent
-DEFAULT_REFS = HERE.parents[1] / "shared" / "reference" / "calibration.json"
+RESULTS = Path(__file__).resolve().parent / "results" / "calibration.json"
+#: Variants of a per-layer row: (name in the row, sequence parallel, recompute)
+PER_LAYER_VARIANTS = (("baseline_no_recompute", False, "none"), ("sequence_parallel", True, "none"),
+                      ("full_recompute", False, "full"), ("selective_recompute", False, "selective"),
+                      ("selective_recompute_and_sequence_parallel", True, "selective"))
 
 
-def model_of(case: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    m = case["model"]
-    if "llama" in m["name"].lower():
-        return "llama", {"layers": m["layers"], "hidden": m["hidden"], "heads": m["heads"],
-                         "kv_heads": m.get("kv_heads", m["heads"]), "ffn": m["ffn"], "vocab": m["vocab"],
-                         "seq_len": m["seq_len"]}
-    cfg = {"layers": m["layers"], "hidden": m["hidden"], "heads": m["heads"], "vocab": m["vocab"],
-           "seq_len": m["seq_len"]}
-    if m.get("ffn"):
-        cfg["ffn"] = m["ffn"]
-    return "gpt", cfg
+class TraceCache:
+    """One trace per (model, config, attention): rows of the same model share it."""
+
+    def __init__(self) -> None:
+        self._traces: dict[tuple, TracedModel] = {}
+
+    def get(self, run: ReferenceRun) -> TracedModel:
+        if run.model_key not in self._traces:
+            self._traces[run.model_key] = trace_model(run.model_ref, run.config, ctx=run.context())
+        return self._traces[run.model_key]
 
 
-def attention_of(case: dict[str, Any]) -> str:
-    return "flash" if case["source"].startswith("pytorch/torchtitan") else "math"
-
-
-def fix_of(case: dict[str, Any]) -> dict[str, Any]:
-    lay = case["layout"]
-    rec = lay.get("recompute", "none")
-    fix = {"tp": lay["tp"], "pp": lay["pp"], "dp": lay["dp"], "mbs": lay["micro_batch"],
-           "recompute": "full" if rec.startswith("full") else ("selective" if rec.startswith("selective") else "none"),
-           "sp": "on" if lay.get("sequence_parallel") else "off"}
-    sched = lay.get("pipeline_schedule")
-    if lay["pp"] > 1 and sched:
-        fix["schedule"] = "interleaved" if lay.get("virtual_stages", 1) > 1 else sched.lower()
-        fix["v"] = lay.get("virtual_stages", 1)
-    fix["zero"] = 3 if "FSDP" in lay.get("dp_type", "") else 0
-    return normalize_fix(fix)
-
-
-def measured_time_s(case: dict[str, Any]) -> float | None:
-    meas, der = case.get("measured", {}), case.get("derived", {})
-    if der.get("iteration_time_s"):
-        return der["iteration_time_s"]
-    if meas.get("tokens_per_s_per_gpu"):
-        m = case["model"]
-        return case["global_batch"] * m["seq_len"] / (meas["tokens_per_s_per_gpu"] * case["cluster"]["n_gpus"])
-    return None
-
-
-def run_case(case: dict[str, Any], do_search: bool) -> dict[str, Any]:
-    cluster = load_cluster("a100-80gb").with_overrides(gpus=case["cluster"]["n_gpus"])
-    ctx = PassContext(cluster=cluster, attention=attention_of(case))
-    ref, cfg = model_of(case)
+def estimate_run(run: ReferenceRun, traces: TraceCache) -> dict[str, Any]:
+    """The estimate of one whole-run row, with its error against the measurement."""
     t0 = time.perf_counter()
-    traced = trace_model(ref, cfg, ctx=ctx)
-    row: dict[str, Any] = {"case_id": case["case_id"], "attention": ctx.attention}
-    if "measured_per_layer_ms" in case:  # one transformer layer on a tp group: compare unit costs
-        lay = case["layout"]
-        cache = UnitCostCache(traced.graph, cluster, ctx, "cbc", 60)
-        for variant, sp in (("baseline_no_recompute", False), ("sequence_parallel", True)):
-            costs, _ = cache.get(lay["tp"], lay["micro_batch"], sp, "lean")
-            layer = costs[unit_sequence(traced.graph)[1]]
-            fwd = (layer.fwd_s + layer.tp_fwd_s) * 1e3
-            bwd = (layer.bwd_s + layer.tp_bwd_s) * 1e3
-            meas = case["measured_per_layer_ms"][variant]
-            row[variant] = {"fwd_ms": round(fwd, 2), "bwd_ms": round(bwd, 2), "measured_fwd_ms": meas["forward"],
-                            "measured_bwd_ms": meas["backward"], "total_error": (fwd + bwd) / meas["total"] - 1}
-        return row
-    fixed = fix_of(case)
-    budget = cluster.usable_memory_bytes
-    pinned = search(traced.graph, cluster, ctx, case["global_batch"], fixed, budget)
-    est = pinned.best.estimate
-    measured = measured_time_s(case)
-    row.update({"layout": est.layout.to_dict(), "estimate_s": est.iteration_time_s, "measured_s": measured,
-                "error": est.iteration_time_s / measured - 1 if measured else None, "mfu": est.mfu,
-                "hfu": est.hfu, "peak_memory_gib": est.peak_memory_bytes / 2**30, "fits": est.fits,
-                "breakdown": est.breakdown, "trace_s": traced.graph.trace_time_s})
-    if do_search:
-        free = search(traced.graph, cluster, ctx, case["global_batch"], {}, budget)
-        best = free.best.estimate
-        row.update({"search_layout": best.layout.to_dict(), "search_estimate_s": best.iteration_time_s,
-                    "search_fits": best.fits, "search_time_s": free.solve_time_s,
-                    "search_at_least_as_fast": best.fits and best.iteration_time_s <= est.iteration_time_s + 1e-12})
-    row["wall_s"] = time.perf_counter() - t0
-    return row
+    traced = traces.get(run)
+    ctx = run.context()
+    res = search(traced.graph, run.cluster, ctx, run.global_batch, run.fixed, run.cluster.usable_memory_bytes)
+    if res.best is None:
+        return {"case_id": run.case_id, "framework": run.framework, "gpus": run.cluster.gpus, "fixed": run.fixed,
+                "error": None, "fits": False, "note": "no layout of the search space matches the published one"}
+    est = res.best.estimate
+    return {"case_id": run.case_id, "framework": run.framework, "attention": run.attention,
+            "gpus": run.cluster.gpus, "cluster": run.cluster.name, "fixed": run.fixed, "searched": list(run.searched),
+            "layout": est.layout.to_dict(), "estimate_s": est.iteration_time_s, "measured_s": run.measured_s,
+            "error": est.iteration_time_s / run.measured_s - 1, "mfu": est.mfu, "hfu": est.hfu,
+            "peak_memory_gib": est.peak_memory_bytes / 2**30, "fits": est.fits, "breakdown": est.breakdown,
+            "wall_s": time.perf_counter() - t0}
+
+
+def estimate_per_layer(run: ReferenceRun, traces: TraceCache) -> dict[str, Any]:
+    """One layer's forward and backward time on the row's tp group, per measured variant."""
+    t0 = time.perf_counter()
+    traced = traces.get(run)
+    ctx = run.context()
+    cache = UnitCostCache(traced.graph, run.cluster, ctx, "cbc", 60)
+    tp, mbs = run.fixed["tp"], run.fixed["mbs"]
+    variants = {}
+    est_total = meas_total = 0.0
+    for name, sp, recompute in PER_LAYER_VARIANTS:
+        if name not in run.per_layer_ms:
+            continue
+        costs, _ = cache.get(tp, mbs, sp, "fast")
+        layer = costs[unit_sequence(traced.graph)[1]]
+        fwd = layer.fwd_s + layer.tp_fwd_s
+        bwd = layer.bwd_s + layer.tp_bwd_s
+        if recompute == "full":
+            bwd += fwd
+        elif recompute == "selective":
+            bwd += layer.attention_fwd_s
+        meas = run.per_layer_ms[name]
+        variants[name] = {"fwd_ms": fwd * 1e3, "bwd_ms": bwd * 1e3, "measured_fwd_ms": meas["forward"],
+                          "measured_bwd_ms": meas["backward"], "error": (fwd + bwd) * 1e3 / meas["total"] - 1}
+        est_total += (fwd + bwd) * 1e3
+        meas_total += meas["total"]
+    return {"case_id": run.case_id, "framework": run.framework, "attention": run.attention, "gpus": run.cluster.gpus,
+            "cluster": run.cluster.name, "fixed": run.fixed, "per_layer": variants, "estimate_s": est_total / 1e3,
+            "measured_s": meas_total / 1e3, "error": est_total / meas_total - 1, "wall_s": time.perf_counter() - t0}
+
+
+def run_all(cases: list[dict[str, Any]], only: str | None = None) -> list[dict[str, Any]]:
+    traces = TraceCache()
+    rows = []
+    for case in cases:
+        if only and case["case_id"] != only:
+            continue
+        run = reference_run(case)
+        rows.append(estimate_per_layer(run, traces) if run.per_layer_ms else estimate_run(run, traces))
+    return rows
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median and largest |error| over the rows that got an estimate; rows refused (no layout, or one that
+    does not fit although it ran) are listed."""
+    refused = [r["case_id"] for r in rows if r["error"] is None or r.get("fits") is False]
+    scored = [r for r in rows if r["error"] is not None]
+    errors = [abs(r["error"]) for r in scored]
+    return {"rows": len(rows), "scored": len(scored), "median_abs_error": statistics.median(errors),
+            "max_abs_error": max(errors), "median_signed_error": statistics.median(r["error"] for r in scored),
+            "within_10pct": sum(e <= 0.10 for e in errors), "refused": refused}
+
+
+def render(rows: list[dict[str, Any]], summary: dict[str, Any], console: Console) -> None:
+    table = Table(title="Estimate vs measured (published layouts pinned)", title_justify="left")
+    for col in ("case", "GPUs", "framework", "layout", "estimate", "measured", "error", "MFU", "memory"):
+        table.add_column(col, justify="right" if col in ("GPUs", "estimate", "measured", "error", "MFU") else "left")
+    for r in rows:
+        if "per_layer" in r:
+            for name, v in r["per_layer"].items():
+                table.add_row(f"{r['case_id']} [{name}]", str(r["gpus"]), r["framework"], f"tp={r['fixed']['tp']} "
+                              "one layer", f"{v['fwd_ms'] + v['bwd_ms']:.1f} ms",
+                              f"{v['measured_fwd_ms'] + v['measured_bwd_ms']:.1f} ms", f"{v['error']:+.1%}", "", "")
+            continue
+        if r["error"] is None:
+            table.add_row(r["case_id"], str(r["gpus"]), r["framework"], r["note"], "", "", "", "", "REFUSED")
+            continue
+        lay = r["layout"]
+        text = (f"tp{lay['tp']} pp{lay['pp']} dp{lay['dp']} mbs{lay['mbs']} {lay['schedule']}"
+                f"{'' if lay['v'] == 1 else ' v' + str(lay['v'])} rc={lay['recompute']} z{lay['zero']}"
+                f"{' sp' if lay['sp'] else ''}")
+        table.add_row(r["case_id"], str(r["gpus"]), r["framework"], text, f"{r['estimate_s']:.2f} s",
+                      f"{r['measured_s']:.2f} s", f"{r['error']:+.1%}", f"{r['mfu']:.1%}",
+                      f"{r['peak_memory_gib']:.0f} GiB" + ("" if r["fits"] else " REFUSED"))
+    console.print(table)
+    console.print(f"{summary['rows']} rows: median |error| {summary['median_abs_error']:.1%}, "
+                  f"max |error| {summary['max_abs_error']:.1%}, median signed {summary['median_signed_error']:+.1%}, "
+                  f"{summary['within_10pct']} within 10 %, refused: {summary['refused'] or 'none'}")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--references", type=Path, default=DEFAULT_REFS)
-    ap.add_argument("--no-search", action="store_true")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--references", type=Path, default=CALIBRATION)
     ap.add_argument("--case", help="only this case_id")
     args = ap.parse_args()
-    cases = json.loads(args.references.read_text())["cases"]
-    rows = []
-    for case in cases:
-        if args.case and case["case_id"] != args.case:
-            continue
-        row = run_case(case, not args.no_search)
-        rows.append(row)
-        if "error" in row:
-            print(f"{row['case_id']:45s} estimate {row['estimate_s']:8.3f} s  measured {row['measured_s']:8.3f} s  "
-                  f"error {row['error']:+6.1%}  mfu {row['mfu']:.3f}  mem {row['peak_memory_gib']:.1f} GiB"
-                  f"  fits {row['fits']}")
-            if "search_estimate_s" in row:
-                print(f"{'':45s} search   {row['search_estimate_s']:8.3f} s  fits {row['search_fits']}  "
-                      f"({row['search_time_s']:.1f} s) {row['search_layout']}")
-        else:
-            for variant in ("baseline_no_recompute", "sequence_parallel"):
-                v = row[variant]
-                print(f"{row['case_id']:45s} {variant:22s} fwd {v['fwd_ms']:6.2f} ms (meas {v['measured_fwd_ms']})"
-                      f"  bwd {v['bwd_ms']:6.2f} ms (meas {v['measured_bwd_ms']})  total error {v['total_error']:+.1%}")
-    out = HERE / "results" / "calibration.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps(rows, indent=2, sort_keys=True, default=str))
-    print(f"wrote {out}")
+    t0 = time.perf_counter()
+    rows = run_all(load_calibration(args.references), args.case)
+    summary = summarize(rows)
+    summary["wall_s"] = time.perf_counter() - t0
+    render(rows, summary, Console(width=200))
+    RESULTS.parent.mkdir(exist_ok=True)
+    RESULTS.write_text(json.dumps({"summary": summary, "rows": rows}, indent=2, sort_keys=True, default=str) + "\n")
+    print(f"wrote {RESULTS} ({summary['wall_s']:.0f} s)")
 
 
 if __name__ == "__main__":

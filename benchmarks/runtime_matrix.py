@@ -27,7 +27,7 @@ from autopar.runtime.verify import verify
 ROOT = Path(__file__).resolve().parents[1]
 GPT = "layers=4,hidden=256,heads=8,vocab=256,seq_len=16"
 WIDE = "layers=2,hidden=512,heads=8,vocab=256,seq_len=16"
-LLAMA = "layers=4,hidden=512,heads=8,kv_heads=4,vocab=256,seq_len=16"
+LLAMA = "layers=4,hidden=512,heads=8,kv_heads=4,vocab=256,seq_len=32"
 MOE = "layers=4,hidden=128,heads=4,vocab=256,seq_len=16,experts=4"
 HF_LLAMA = "layers=4,hidden=512,heads=8,ffn=1024,vocab=256,seq_len=16"
 HF_GPT2 = "layers=4,hidden=512,heads=8,vocab=256,seq_len=16"

@@ -7,9 +7,9 @@ Parameters and buffers are already resident and never count as activations.
 
 Attention is the one op whose saved set depends on the kernel (``PassContext.attention``):
 
-- ``flash`` (default): q, k, v, the output and the fp32 log-sum-exp; no ``s x s`` tensor.
-- ``math``: q, k, v and the softmax probabilities (``2 a s^2 b`` bytes); with dropout also the 1-byte
-  mask and the dropped probabilities (Korthikanti et al. 2022: ``5 a s^2 b`` per layer).
+- ``flash``/``flash1`` (default): q, k, v, the output and the fp32 log-sum-exp; no ``s x s`` tensor.
+- ``math``/``eager``: q, k, v and the softmax probabilities (``2 a s^2 b`` bytes); with dropout also the
+  1-byte mask and the dropped probabilities (Korthikanti et al. 2022: ``5 a s^2 b`` per layer).
 
 Annotations: ``saved`` on nodes (tuple of ``SavedTensor``), ``activations`` on the graph
 (``ActivationSummary``: per-layer bytes, bytes outside the layers, and the whole-graph total).
@@ -163,9 +163,11 @@ def saved_tensors(graph: OpGraph, node: Node, ctx: PassContext, unknown: set[str
             per = out.numel_at(1)  # one byte (bool mask) per element
             s.synthetic("mask", BatchLinear(per, 0.0) if out.batch_dim is not None else BatchLinear(0.0, per))
     elif op == "aten.cross_entropy_loss.default":
-        # log-softmax of the logits kept in fp32 (autocast runs cross-entropy in fp32) plus the targets.
+        # log-softmax of the logits kept in fp32 (autocast runs cross-entropy in fp32) plus the targets; a fused
+        # loss keeps the 16-bit logits (and one fp32 log-sum-exp per row) to rewrite them in backward.
         (x_ref, x), (t_ref, _) = _arg(graph, node, 0), _arg(graph, node, 1)
-        per = x.numel_at(1) * FP32_BYTES
+        width = ctx.precision.activation_bytes if ctx.framework.fused_cross_entropy else FP32_BYTES
+        per = x.numel_at(1) * width
         s.synthetic("log_probs", BatchLinear(per, 0.0) if x.batch_dim is not None else BatchLinear(0.0, per))
         s.ref(t_ref)
     elif op in _SAVES_ONE:
@@ -194,7 +196,7 @@ def _save_attention(graph: OpGraph, node: Node, ctx: PassContext, s: _Saver) -> 
     qs, ks = q.shape_at(1), k.shape_at(1)
     rows = q.numel_at(1) // qs[-1]  # heads * s_q per sample
     scale = (lambda n: BatchLinear(n, 0.0)) if q.batch_dim is not None else (lambda n: BatchLinear(0.0, n))
-    if ctx.attention == "flash":
+    if ctx.flash:
         s.output(0)
         s.synthetic("logsumexp", scale(rows * FP32_BYTES))
         return

@@ -6,8 +6,12 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from autopar.cluster import Cluster
+from autopar.framework import DEFAULT_FRAMEWORK, Framework, load_framework
 
-Attention = Literal["flash", "math"]
+Attention = Literal["flash", "flash1", "flash3", "math", "eager"]
+ATTENTION_KERNELS: tuple[Attention, ...] = ("flash", "flash1", "flash3", "math", "eager")
+#: Kernels that never materialize the s x s scores.
+FLASH_KERNELS = ("flash", "flash1", "flash3")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -40,18 +44,40 @@ class PassContext:
     cluster: Cluster | None = None
     """Hardware the costs refer to (``None`` for hardware-free passes only)."""
     attention: Attention = "flash"
-    """``flash``: fused attention that never materializes the s x s scores (the default);
-    ``math``: scores, softmax and dropout as separate kernels that save s x s tensors for backward."""
+    """The attention kernel: ``flash`` (FlashAttention-2, the default), ``flash1`` (FlashAttention v1) and
+    ``flash3`` (FlashAttention-3 / cuDNN fused attention on Hopper) never materialize the s x s scores and
+    skip the blocks a causal mask hides; ``math`` runs the two
+    products as GEMMs around one fused scale-mask-softmax kernel (Megatron-LM's ``FusedScaleMaskSoftmax``)
+    and saves the s x s probabilities; ``eager`` is the same in plain PyTorch ops, with separate scale,
+    mask and softmax kernels."""
     precision: PrecisionPolicy = field(default_factory=PrecisionPolicy)
     """Byte counts of weights, gradients, optimizer state and activations."""
-    grad_bucket_bytes: float = 25 * 2**20
-    """Gradient and parameter collectives are bucketed (DDP's default ``bucket_cap_mb=25``; FSDP groups a
-    layer's parameters): each bucket pays one collective's latency, shared by the parameters in it."""
+    framework: Framework = field(default_factory=lambda: load_framework(DEFAULT_FRAMEWORK))
+    """The runtime that trains the plan: how it buckets, overlaps and stores (``autopar.framework``)."""
     disabled_passes: frozenset[str] = frozenset()
     """Names of passes to skip (exact function names)."""
     verify_ir: bool = False
     """Check IR invariants after every pass."""
 
     def __post_init__(self) -> None:
-        if self.attention not in ("flash", "math"):
-            raise ValueError(f"attention must be 'flash' or 'math', got {self.attention!r}")
+        if self.attention not in ATTENTION_KERNELS:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTION_KERNELS)}, got {self.attention!r}")
+
+    @property
+    def grad_bucket_bytes(self) -> float:
+        """Gradient and parameter collectives are bucketed: each bucket pays one collective's latency."""
+        return self.framework.grad_bucket_bytes
+
+    def state_bytes(self, params: float, dp: int = 1, zero: int = 0) -> float:
+        """Bytes of model state one device holds for ``params`` parameters under ZeRO level ``zero`` over ``dp``
+        data-parallel ranks: 16-bit weights (sharded by ZeRO-3), the gradient buffer in the framework's
+        precision (ZeRO-2) and the fp32 master weights and Adam moments (ZeRO-1)."""
+        p = self.precision
+        share = lambda level: dp if zero >= level and dp > 1 else 1
+        return params * (p.weight_bytes / share(3) + self.framework.main_grad_bytes / share(2)
+                         + p.optimizer_bytes / share(1))
+
+    @property
+    def flash(self) -> bool:
+        """Whether the attention kernel is a flash kernel (no s x s tensors, causal blocks skipped)."""
+        return self.attention in FLASH_KERNELS

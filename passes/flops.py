@@ -8,10 +8,17 @@ matrix products, convolutions and attention count; element-wise work is costed b
 
 Annotation ``flops`` = ``NodeFlops``: values are per sample for batch-scaled nodes (see ``OpGraph.scale``).
 
-- ``fwd``: forward FLOPs.
+- ``fwd``: forward FLOPs by the model-FLOPs convention; attention scores are counted in full.
 - ``bwd``: backward FLOPs the kernels execute (flash attention recomputes the scores: 2.5x forward).
 - ``bwd_model``: backward FLOPs by the model-FLOPs convention (2x forward for every product; gradients of
   operands that need none are skipped), used for MFU.
+- ``fwd_hw`` / ``bwd``: what the kernels execute.  Flash attention with a causal mask skips the key blocks
+  above the diagonal: of ``n x n`` blocks of ``attention_block`` rows it runs ``n (n + 1) / 2`` (Dao 2023,
+  sec. 3.1), so its forward and backward execute that fraction of the FLOPs; unfused attention computes
+  every score and masks afterwards.
+
+The model-FLOPs convention (the one MFU uses, as in Korthikanti et al. 2022 and PaLM) counts every product
+of forward and backward and full, unmasked attention, and no recomputation.
 """
 
 from __future__ import annotations
@@ -31,9 +38,30 @@ class NodeFlops:
     fwd: float
     bwd: float
     bwd_model: float
+    fwd_hw: float | None = None
+    """Forward FLOPs the kernel executes when they differ from ``fwd`` (causal flash attention)."""
+
+    @property
+    def fwd_executed(self) -> float:
+        return self.fwd if self.fwd_hw is None else self.fwd_hw
 
 
 ZERO = NodeFlops(0.0, 0.0, 0.0)
+DEFAULT_ATTENTION_BLOCK = 128  # FlashAttention-2's block size, when no cluster is given
+
+
+def causal_block_fraction(s_q: int, s_k: int, block: int) -> float:
+    """Share of the ``s_q x s_k`` score blocks a causal flash kernel computes (the rest lie above the
+    diagonal, aligned to the last query as ``is_causal`` does for ``s_q <= s_k``)."""
+    nq, nk = math.ceil(s_q / block), math.ceil(s_k / block)
+    offset = s_k - s_q
+    executed = sum(min(nk, math.ceil(((i + 1) * block + offset) / block)) for i in range(nq))
+    return executed / (nq * nk)
+
+
+def is_causal(node: Node) -> bool:
+    flag = node.kwargs.get("is_causal", node.args[5] if len(node.args) > 5 else False)
+    return bool(flag)
 
 
 def tensor_arg(graph: OpGraph, node: Node, i: int) -> TensorInfo | None:
@@ -104,9 +132,15 @@ def node_flops(graph: OpGraph, node: Node, ctx: PassContext) -> NodeFlops:
         shapes = [t.shape_at(1) for t in (q, k, v)]
         fwd = float(sdpa_flop_count(*shapes))
         model_bwd = 2.0 * fwd
-        # Flash attention recomputes the scores in backward; math attention saved them.
-        hw_bwd = float(sdpa_backward_flop_count(out.shape_at(1), *shapes)) if ctx.attention == "flash" else model_bwd
-        return NodeFlops(fwd, hw_bwd, model_bwd)
+        if not ctx.flash:  # unfused attention computes every score and saved the probabilities
+            return NodeFlops(fwd, model_bwd, model_bwd)
+        # Flash attention recomputes the scores in backward and skips the blocks a causal mask hides.
+        hw_bwd = float(sdpa_backward_flop_count(out.shape_at(1), *shapes))
+        frac = 1.0
+        if is_causal(node):
+            block = ctx.cluster.attention_block if ctx.cluster is not None else DEFAULT_ATTENTION_BLOCK
+            frac = causal_block_fraction(shapes[0][-2], shapes[1][-2], block)
+        return NodeFlops(fwd, hw_bwd * frac, model_bwd, fwd * frac)
     if op in ("aten.conv1d.default", "aten.conv2d.default", "aten.conv3d.default", "aten.convolution.default"):
         x, w = tensor_arg(graph, node, 0), tensor_arg(graph, node, 1)
         fwd = float(conv_flop_count(list(x.shape_at(1)), list(w.shape), list(out.shape_at(1)), transposed=False))
@@ -126,6 +160,8 @@ def total_flops(graph: OpGraph, batch: int, kind: str = "model") -> float:
     total = 0.0
     for node in graph.ops():
         f: NodeFlops = node.annotations["flops"]
-        bwd = f.bwd_model if kind == "model" else f.bwd
-        total += (f.fwd + bwd) * graph.scale(node, batch)
+        if kind == "model":
+            total += (f.fwd + f.bwd_model) * graph.scale(node, batch)
+        else:
+            total += (f.fwd_executed + f.bwd) * graph.scale(node, batch)
     return total

@@ -5,6 +5,7 @@ activation width (16-bit); integer and boolean tensors at their own width.  View
 and move no bytes.  Backward of an op reads the output gradient and the inputs it saved and writes the
 gradients of the inputs that need one: ``out + in + in_needing_grad``.  Math attention adds the
 ``s x s`` score, softmax and dropout tensors its separate kernels write and read (see ``math_attention_bytes``).
+Dropout with ``p = 0`` is free; the loss moves what its fp32 passes move (``loss_traffic``).
 """
 
 from __future__ import annotations
@@ -43,25 +44,86 @@ def attention_dropout(node: Node) -> float:
     return float(p or 0.0)
 
 
-def math_attention_bytes(graph: OpGraph, node: Node, ctx: PassContext) -> tuple[BatchLinear, BatchLinear]:
-    """Extra traffic of unfused attention on the ``heads x s_q x s_k`` scores, per sample.
-
-    Forward: write scores, fused scale/mask/softmax reads and writes them, the AV product reads the
-    probabilities (4 passes); dropout adds a read, a write and a 1-byte mask.  Backward: write dP, softmax
-    backward reads P and dP and writes dS, dV reads P, dQ and dK read dS (7 passes); dropout adds 2 + mask.
-    """
+def score_elements(graph: OpGraph, node: Node) -> int:
+    """``heads x s_q x s_k`` of an attention node, per sample."""
     q, k = graph.tensor(node.args[0]), graph.tensor(node.args[1])
-    scores = q.numel_at(1) // q.shape_at(1)[-1] * k.shape_at(1)[-2]  # heads * s_q * s_k per sample
+    return q.numel_at(1) // q.shape_at(1)[-1] * k.shape_at(1)[-2]
+
+
+def softmax_passes_bytes(graph: OpGraph, node: Node, ctx: PassContext) -> tuple[BatchLinear, BatchLinear]:
+    """Traffic of unfused attention's element-wise kernels on the ``heads x s_q x s_k`` scores, per sample.
+
+    ``math`` (Megatron-LM's fused scale-mask-softmax): forward reads the scores and writes the
+    probabilities; backward reads P and dP and writes dS.  ``eager`` (plain PyTorch ops): the causal mask is
+    a kernel of its own (reads the scores and a 1-byte mask, writes), then the softmax; backward adds the
+    mask's backward.  Dropout on the probabilities adds a read, a write and a 1-byte mask each way.
+    """
+    scores = score_elements(graph, node)
     e = ctx.precision.activation_bytes
-    drop = attention_dropout(node) > 0
-    fwd = scores * (6 * e + 1 if drop else 4 * e)
-    bwd = scores * (9 * e + 1 if drop else 7 * e)
-    return BatchLinear(fwd, 0.0), BatchLinear(bwd, 0.0)
+    drop = 2 * e + 1 if attention_dropout(node) > 0 else 0
+    fwd, bwd = 2 * e + drop, 3 * e + drop
+    if ctx.attention == "eager":
+        fwd, bwd = fwd + 2 * e + 1, bwd + 2 * e + 1
+    return BatchLinear(scores * fwd, 0.0), BatchLinear(scores * bwd, 0.0)
+
+
+def softmax_passes_kernels(node: Node, ctx: PassContext) -> tuple[int, int]:
+    """Element-wise kernels of unfused attention: (forward, backward)."""
+    drop = 1 if attention_dropout(node) > 0 else 0
+    extra = 1 if ctx.attention == "eager" else 0
+    return 1 + drop + extra, 1 + drop + extra
+
+
+def math_attention_bytes(graph: OpGraph, node: Node, ctx: PassContext) -> tuple[BatchLinear, BatchLinear]:
+    """All extra traffic of unfused attention on the scores, per sample: the element-wise passes plus the
+    products writing the scores and reading the probabilities (forward 2 passes; backward: write dP, dV
+    reads P, dQ and dK read dS: 4)."""
+    e = ctx.precision.activation_bytes
+    scores = score_elements(graph, node)
+    fwd, bwd = softmax_passes_bytes(graph, node, ctx)
+    return fwd + BatchLinear(2 * e * scores, 0.0), bwd + BatchLinear(4 * e * scores, 0.0)
+
+
+DROPOUT_OPS = frozenset({"aten.dropout.default", "aten.native_dropout.default", "aten.feature_dropout.default"})
+LOSS_OPS = frozenset({"aten.cross_entropy_loss.default"})
+FP32_BYTES = 4
+
+
+def dropout_is_identity(node: Node) -> bool:
+    """``dropout(x, p=0)`` (or in eval) returns its input: no kernel runs."""
+    p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+    train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+    return not p or not train
+
+
+def loss_traffic(graph: OpGraph, node: Node, ctx: PassContext) -> NodeTraffic:
+    """Bytes per logit of the cross-entropy over ``[tokens, vocab]`` 16-bit logits.
+
+    Unfused (PyTorch under autocast, Megatron-LM's vocab-parallel loss): the logits are upcast to fp32 (read
+    2, write 4), ``log_softmax`` reads them twice (max, then sum of exponentials) and writes the
+    log-probabilities (8 + 4); backward writes the fp32 gradient of the log-probabilities (4),
+    ``log_softmax``'s backward reads it and the output and writes its result (8 + 4), which is cast back to
+    16 bits (4 + 2).  Fused (FlashAttention's ``CrossEntropyLoss``, ``Framework.fused_cross_entropy``): one
+    online-softmax pass reads the logits; backward rewrites them in place (read and write).
+    """
+    logits = graph.tensor(node.args[0])
+    e = ctx.precision.activation_bytes
+    n = logits.numel_at(1)
+    scale = (lambda b: BatchLinear(b, 0.0)) if logits.batch_dim is not None else (lambda b: BatchLinear(0.0, b))
+    if ctx.framework.fused_cross_entropy:
+        return NodeTraffic(scale(n * e), scale(n * 2 * e), 1, 1)
+    fwd = n * (e + FP32_BYTES + 2 * FP32_BYTES + FP32_BYTES)
+    bwd = n * (FP32_BYTES + 2 * FP32_BYTES + FP32_BYTES + FP32_BYTES + e)
+    return NodeTraffic(scale(fwd), scale(bwd), 3, 3)
 
 
 def node_traffic(graph: OpGraph, node: Node, ctx: PassContext) -> NodeTraffic:
     if node.alias_of is not None:
         return NO_TRAFFIC
+    if node.op in DROPOUT_OPS and dropout_is_identity(node):
+        return NO_TRAFFIC
+    if node.op in LOSS_OPS:
+        return loss_traffic(graph, node, ctx)
     inputs = [graph.tensor(r) for r in dict.fromkeys(iter_refs((node.args, node.kwargs)))]
     in_bytes = sum((tensor_bytes(t, ctx) for t in inputs), ZERO)
     grad_in = sum((tensor_bytes(t, ctx) for t in inputs if t is not None and t.requires_grad), ZERO)
@@ -70,10 +132,11 @@ def node_traffic(graph: OpGraph, node: Node, ctx: PassContext) -> NodeTraffic:
     needs_backward = any(t is not None and t.requires_grad for t in node.outputs)
     bwd = out_bytes + in_bytes + grad_in if needs_backward else ZERO
     fwd_kernels, bwd_kernels = 1, (2 if needs_backward else 0)
-    if node.op == "aten.scaled_dot_product_attention.default" and ctx.attention == "math":
+    if node.op == "aten.scaled_dot_product_attention.default" and not ctx.flash:
         extra_fwd, extra_bwd = math_attention_bytes(graph, node, ctx)
         fwd, bwd = fwd + extra_fwd, bwd + extra_bwd
-        fwd_kernels, bwd_kernels = 4, 6
+        k_fwd, k_bwd = softmax_passes_kernels(node, ctx)
+        fwd_kernels, bwd_kernels = 2 + k_fwd, 4 + k_bwd  # two products forward, four backward
     return NodeTraffic(fwd, bwd, fwd_kernels, bwd_kernels)
 
 

@@ -8,8 +8,9 @@ With ``p`` stages, ``m`` micro-batches, per-micro-batch stage times ``t_i`` and 
   ``v = 1`` this is Alpa's ``sum_i t_i + (m - 1) * t_max``.
 - activations alive at stage ``i`` (in micro-batches of the whole stage): one without a pipeline;
   GPipe ``m`` (all forwards run before any backward); 1F1B ``min(p - i, m)``; interleaved 1F1B
-  ``min(m*v, (p - i - 1) * 2 + (v - 1) * p + 1)`` chunks of ``1/v`` of the stage (Megatron-LM's warm-up
-  count plus the one in flight).
+  ``min(m*v, (v - 1) * r + 2 (p - i - 1) + 1)`` chunks of ``1/v`` of the stage, with ``r = m / max(1, m // p)``
+  micro-batches per round (torch's ``ScheduleInterleaved1F1B`` warm-up count plus the one in flight;
+  Megatron-LM's for ``m`` a multiple of ``p``).
 """
 
 from __future__ import annotations
@@ -40,5 +41,8 @@ def in_flight_microbatches(schedule: Schedule, stage: int, num_stages: int, num_
         return float(m)
     if schedule == "1f1b":
         return float(min(p - stage, m))
-    chunks = min(m * v, (p - stage - 1) * 2 + (v - 1) * p + 1)
+    # torch's ScheduleInterleaved1F1B: micro-batches go in rounds of m / max(1, m // p); before its first
+    # backward, rank r runs (v - 1) rounds plus 2 (p - 1 - r) chunk forwards (_get_warmup_ops), then one more.
+    per_round = m // max(1, m // p)
+    chunks = min(m * v, (v - 1) * per_round + 2 * (p - 1 - stage) + 1)
     return chunks / v

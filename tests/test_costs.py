@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from autopar.passes import PassContext
-from autopar.passes.flops import total_flops
+from autopar.passes.flops import causal_block_fraction, total_flops
 from autopar.passes.traffic import tensor_bytes
 
 from autopar.frontend import trace_model
@@ -30,12 +30,28 @@ def test_gpt3_175b_flops_per_iteration(gpt3, batch):
     assert abs(total_flops(gpt3, batch, "model") / expected - 1) < 0.02
 
 
-def test_flash_backward_recomputes_scores(gpt3):
+def test_flash_backward_recomputes_scores_and_skips_masked_blocks(gpt3):
     sdpa = next(n for n in gpt3.ops() if n.op == "aten.scaled_dot_product_attention.default")
     f = sdpa.annotations["flops"]
-    assert f.bwd_model == pytest.approx(2 * f.fwd)
-    assert f.bwd == pytest.approx(2.5 * f.fwd)  # flash: QK^T recomputed in backward
-    assert total_flops(gpt3, 1, "hardware") > total_flops(gpt3, 1, "model")
+    assert f.bwd_model == pytest.approx(2 * f.fwd)  # the model-FLOPs convention counts every score
+    # causal: of 16 x 16 blocks of 128 the kernel runs the 136 on or below the diagonal
+    assert causal_block_fraction(2048, 2048, 128) == pytest.approx(136 / 256)
+    assert f.fwd_hw == pytest.approx(f.fwd * 136 / 256)
+    assert f.bwd == pytest.approx(2.5 * f.fwd * 136 / 256)  # flash: QK^T recomputed in backward
+
+
+def test_causal_block_fraction():
+    assert causal_block_fraction(128, 128, 128) == 1.0  # one block: nothing to skip
+    assert causal_block_fraction(64 * 1024, 64 * 1024, 128) == pytest.approx(0.5, abs=2e-3)
+    assert causal_block_fraction(1000, 1000, 128) == pytest.approx(36 / 64)  # 8 partial blocks
+
+
+def test_unfused_attention_computes_every_score():
+    cfg = {"layers": 1, "hidden": 256, "heads": 8, "vocab": 64, "seq_len": 1024}
+    g = trace_model("gpt", cfg, ctx=PassContext(attention="math")).graph
+    sdpa = next(n for n in g.ops() if n.op == "aten.scaled_dot_product_attention.default")
+    f = sdpa.annotations["flops"]
+    assert f.fwd_executed == f.fwd and f.bwd == f.bwd_model
 
 
 def _layer_bytes(attention: str, seq: int, heads: int = 16, hidden: int = 1024, dropout: float = 0.1) -> float:

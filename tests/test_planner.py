@@ -50,9 +50,12 @@ def test_1f1b_and_gpipe_stage_memory_follow_in_flight_counts(gpt):
 
 def test_interleaving_divides_the_bubble(gpt):
     fix = "dp=2,tp=2,pp=4,mbs=1,recompute=none,sp=off,zero=0"
-    base = _estimate(gpt, fix + ",schedule=1f1b").breakdown["pp_bubble_s"]
-    inter = _estimate(gpt, fix + ",schedule=interleaved,v=2").breakdown["pp_bubble_s"]
-    assert inter == pytest.approx(base / 2, rel=0.05)
+    base = _estimate(gpt, fix + ",schedule=1f1b")
+    inter = _estimate(gpt, fix + ",schedule=interleaved,v=2")
+    for est, v in ((base, 1), (inter, 2)):  # warm-up and cool-down of the stage times, over v
+        times = [s.time_s for s in est.stages]
+        assert est.breakdown["pp_bubble_s"] == pytest.approx((sum(times) - max(times)) / v)
+    assert inter.breakdown["pp_bubble_s"] < 0.6 * base.breakdown["pp_bubble_s"]
 
 
 def test_zero3_divides_parameter_memory_by_dp():
@@ -61,8 +64,9 @@ def test_zero3_divides_parameter_memory_by_dp():
     z0 = _estimate(big, fix + ",dp=16,zero=0")
     z3 = _estimate(big, fix + ",dp=16,zero=3")
     state = big.num_parameters * 16  # bytes of weights + grads + Adam state
-    # ZeRO-3 shards 15/16 of the state away but keeps two gathered layers (bf16) alive while it runs them
-    gathered = 2 * big.annotations["state_memory"].per_layer_parameters[0] * 2
+    # ZeRO-3 shards 15/16 of the state away but keeps two gathered layers (bf16) alive while it runs them,
+    # and one layer's unsharded gradients (fp32 on the wire) before they are reduce-scattered
+    gathered = big.annotations["state_memory"].per_layer_parameters[0] * (2 * 2 + 4)
     saved = z0.peak_memory_bytes - z3.peak_memory_bytes
     assert saved == pytest.approx(state * 15 / 16 - gathered, rel=1e-6)
 
@@ -70,7 +74,9 @@ def test_zero3_divides_parameter_memory_by_dp():
 def test_breakdown_adds_up(gpt):
     est = _estimate(gpt, "")
     assert sum(est.breakdown.values()) == pytest.approx(est.iteration_time_s)
-    assert est.fits and 0 < est.mfu <= est.hfu < 1
+    assert est.fits and 0 < est.mfu < 1 and 0 < est.hfu < 1
+    # causal flash attention executes fewer FLOPs than the MFU convention counts
+    assert est.hfu / est.mfu == pytest.approx(est.hardware_flops_per_iter / est.model_flops_per_iter)
 
 
 def test_fixed_layout_that_does_not_divide_heads():

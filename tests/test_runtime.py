@@ -101,7 +101,7 @@ def test_verify_pipeline_plans(tmp_path, capsys, config, fix):
 def test_verify_half_megatron_gqa_attention_with_fsdp_and_full_recompute(tmp_path, capsys):
     # GQA with fewer KV heads than the ILP cares to split: q sharded on heads, k and v kept whole, so the
     # attention runs as one DTensor region (PlacedParameters) next to a Megatron feed-forward
-    cfg = ["--config", "layers=4,hidden=512,heads=8,kv_heads=4,vocab=256,seq_len=16", "--cluster", "cpu"]
+    cfg = ["--config", "layers=4,hidden=512,heads=8,kv_heads=4,vocab=256,seq_len=32", "--cluster", "cpu"]
     plan, out = _verify(tmp_path, capsys, "llama", cfg, "dp=2,tp=2,sp=off,zero=3,recompute=full")
     assert plan["parameters"]["blocks.0.attn.k.weight"]["placements"]["tp"] == "R"
     assert "'blocks.0.attn': PlacedParameters(" in (tmp_path / "train.py").read_text()

@@ -131,8 +131,8 @@ def test_sequence_parallel_refuses_to_slice_a_replicated_attention(tmp_path):
 
 
 def test_a_half_megatron_attention_runs_as_one_dtensor_region(tmp_path):
-    # GQA with fewer KV heads than tp: the ILP shards q on heads but keeps k and v whole (batch-split)
-    cfg = ["--config", "layers=4,hidden=512,heads=8,kv_heads=4,vocab=256,seq_len=16", "--cluster", "cpu",
+    # GQA: the ILP shards q on heads but keeps the small k and v whole (batch-split)
+    cfg = ["--config", "layers=4,hidden=512,heads=8,kv_heads=4,vocab=256,seq_len=32", "--cluster", "cpu",
            "--global-batch", "8"]
     plan, specs = _specs(tmp_path, "llama", cfg, "tp=2,sp=off")
     assert plan.parameters["blocks.0.attn.k.weight"]["placements"]["tp"] == "R"

@@ -1,19 +1,27 @@
 """Iteration time and memory of a layout: the pipeline, data-parallel and ZeRO models on top of unit costs.
 
-Per micro-batch, a unit costs its forward and backward compute plus its tensor-parallel communication
-(which real runtimes do not overlap).  On top:
+Per micro-batch, a unit costs its forward and backward compute plus its tensor-parallel communication,
+which only a framework with TP comm overlap (``Framework.tp_comm_overlap``) hides under the GEMMs.  On top:
 
 - **recomputation**: ``full`` re-runs every layer's forward (compute and its tp communication) during
-  backward and keeps only each layer's input; ``selective`` re-runs attention and drops its ``s x s``
-  tensors (Korthikanti et al. 2022); ``none`` keeps everything.
-- **ZeRO on dp**: level 1 shards optimizer state, 2 also gradients, 3 also weights.  Levels 0-2 reduce
-  gradients once per iteration, overlapped with the last micro-batch's backward except what does not fit
-  in it and the last bucket; levels 1-2 then all-gather the updated weights.  Level 3 (FSDP) all-gathers
-  each unit's weights in forward and backward and reduce-scatters its gradients every micro-batch,
-  prefetched behind the unit's compute; what compute cannot hide is exposed.
+  backward and keeps only each layer's input; ``selective`` re-runs the attention core and frees what it
+  saved (the ``s x s`` tensors of unfused attention, Korthikanti et al. 2022; under flash attention the
+  core saves nothing its neighbours do not keep, so it frees little); ``op`` is per-op selective
+  checkpointing (``autopar.inter_op.unit_costs``): it keeps the products' and attention's outputs and
+  re-runs the rest; ``none`` keeps everything.  Recomputing a layer briefly needs all its activations.
+- **ZeRO on dp**: level 1 shards optimizer state, 2 also gradients, 3 also weights (one state formula:
+  ``PassContext.state_bytes``).  Levels 0-2 reduce gradients once per iteration in buckets, overlapped with
+  the last micro-batch's backward when the framework does that (``overlap_grad_reduce``), else after it;
+  levels 1-2 then all-gather the updated weights, under the next forward if ``overlap_param_gather``.
+  Level 3 all-gathers each unit's weights in forward (and again in backward when it reshards), and
+  reduce-scatters its gradients, every micro-batch, as one collective per block, per module or per
+  parameter (``zero3_unit``); prefetched behind compute when the framework prefetches, else waited for.
+  At hundreds of ranks the ring latency of each of those collectives is what costs (``autopar.collectives``).
 - **pipeline**: stages from the stage DP (``autopar.solvers.stage_dp``) under the memory limit, each
-  stage's activations times its in-flight micro-batches (``autopar.solvers.pipeline``), two
-  point-to-point transfers of the boundary activation per micro-batch and stage boundary.
+  stage's activations times its in-flight micro-batches (``autopar.solvers.pipeline``); per micro-batch
+  and stage boundary one transfer each way, on the critical path unless the framework overlaps it.
+  Interleaving with ``v`` chunks divides the bubble by ``v``; the layers need not divide ``pp x v``.
+- **overlap costs**: overlapped communication still slows the compute beside it (``overlap_slowdown``).
 - **optimizer step**: Adam reads and writes 28 bytes per local parameter, memory-bound.
 
 The iteration time is ``m * t_max + bubble + exposed dp communication + optimizer step``, and the
@@ -22,20 +30,28 @@ breakdown adds up to it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
-from autopar.cluster import Cluster, axis_link
+from autopar.cluster import AxisLink, Cluster, axis_link
 from autopar.collectives import all_gather_s, all_reduce_s, reduce_scatter_s, send_recv_s
 from autopar.inter_op.layout import Layout
 from autopar.inter_op.unit_costs import POST, PRE, UnitCost, unit_sequence
 from autopar.ir import OpGraph
+from autopar.kernels import memory_s
 from autopar.passes.context import PassContext
 from autopar.passes.flops import total_flops
 from autopar.solvers.pipeline import bubble_s, in_flight_microbatches
 from autopar.solvers.stage_dp import StageSplit, UnitLoad, split_stages, split_uniform_stages
 
 ADAM_BYTES_PER_PARAM = 28  # read master, m, v (4 each), grad (2); write master, m, v (4 each), weights (2)
+FLOPS_CONVENTION = {
+    "model": "every matrix product of forward and backward (backward = 2x forward), attention scores in full "
+             "(no causal discount), no recomputation: the MFU convention of Korthikanti et al. 2022 and PaLM",
+    "hardware": "what the kernels execute: causal flash attention skips masked blocks and recomputes scores in "
+                "backward; recomputation included (HFU)",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +77,7 @@ class Estimate:
     fits: bool
     breakdown: dict[str, float]
     stages: tuple[StageEstimate, ...]
+    framework: str = "torch"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -68,7 +85,7 @@ class Estimate:
             "model_flops_per_iter": self.model_flops_per_iter,
             "hardware_flops_per_iter": self.hardware_flops_per_iter, "tflops_per_gpu": self.tflops_per_gpu,
             "mfu": self.mfu, "hfu": self.hfu, "peak_memory_bytes": self.peak_memory_bytes, "fits": self.fits,
-            "breakdown": dict(self.breakdown),
+            "breakdown": dict(self.breakdown), "framework": self.framework, "flops_convention": FLOPS_CONVENTION,
         }
 
 
@@ -79,34 +96,62 @@ class _UnitLoad:
     tp_s: float
     recompute_s: float
     zero3_exposed_s: float
+    fwd_s: float
     bwd_s: float
     state_bytes: float
     activation_bytes: float
     extra_bytes: float
 
 
-def _unit_load(u: UnitCost, is_layer: bool, layout: Layout, cluster: Cluster, ctx: PassContext) -> _UnitLoad:
-    pol = ctx.precision
+def _exposed(comm_s: float, compute_s: float, cluster: Cluster) -> float:
+    """Time a collective adds when overlapped with ``compute_s`` of work: what does not fit beside the
+    compute, plus the compute's slowdown while both run."""
+    return max(0.0, comm_s - compute_s) + cluster.overlap_slowdown * min(comm_s, compute_s)
+
+
+def _zero3_collectives(u: UnitCost, ctx: PassContext) -> tuple[int, float]:
+    """How many all-gathers (and reduce-scatters) ZeRO-3 issues per pass over the unit, and the elements
+    one device holds gathered at once (the whole unit for a block, else its largest module)."""
+    unit = ctx.framework.zero3_unit
+    if unit == "block":
+        return 1, u.params_local
+    count = u.param_modules if unit == "module" else u.param_tensors
+    return max(1, count), u.largest_module_params
+
+
+def _unit_load(u: UnitCost, is_layer: bool, layout: Layout, dp_link: AxisLink, cluster: Cluster,
+               ctx: PassContext) -> _UnitLoad:
+    fw, pol = ctx.framework, ctx.precision
     compute = u.fwd_s + u.bwd_s
     tp = u.tp_fwd_s + u.tp_bwd_s
-    act, extra, recompute = u.activation_bytes, 0.0, 0.0
+    tp_exposed = _exposed(tp, compute, cluster) if fw.tp_comm_overlap and layout.sp else tp
+    act, extra, recompute = u.activation_bytes, u.transient_bytes, 0.0
     if is_layer and layout.recompute == "full":
         recompute = u.fwd_s + u.tp_fwd_s
-        act, extra = u.input_bytes, u.activation_bytes
+        act, extra = u.input_bytes, max(extra, u.activation_bytes)
     elif is_layer and layout.recompute == "selective":
         recompute = u.attention_fwd_s
         act = u.activation_bytes - u.attention_saved_bytes
+    elif is_layer and layout.recompute == "op":
+        recompute = u.op_recompute_s
+        act, extra = min(u.op_saved_bytes, u.activation_bytes), max(extra, u.activation_bytes)
     dp, z = layout.dp, layout.zero
-    local = u.params_local
-    state = local * (pol.weight_bytes / (dp if z >= 3 else 1) + pol.grad_bytes / (dp if z >= 2 else 1)
-                     + pol.optimizer_bytes / (dp if z >= 1 else 1))
+    state = ctx.state_bytes(u.params_local, dp, z)
     zero3 = 0.0
-    if z >= 3 and dp > 1:
-        link = axis_link(cluster, dp, layout.tp)
-        comm = 2 * all_gather_s(local * pol.weight_bytes, link) + reduce_scatter_s(local * pol.grad_bytes, link)
-        zero3 = _exposed(comm, compute, cluster)
-        extra += 2 * local * pol.weight_bytes  # the gathered unit and the prefetched next one
-    return _UnitLoad(compute + tp + recompute + zero3, compute, tp, recompute, zero3, u.bwd_s, state, act, extra)
+    if z >= 3 and dp > 1 and u.params_local > 0:
+        count, gathered = _zero3_collectives(u, ctx)
+        copies = fw.list_collectives
+        gather = count * all_gather_s(u.params_local * pol.weight_bytes / count, dp_link, copies)
+        scatter = count * reduce_scatter_s(u.params_local * fw.grad_reduce_bytes / count, dp_link, copies)
+        gathers = 1 + (1 if fw.zero3_reshard_after_forward else 0)
+        if is_layer and layout.recompute == "full" and fw.zero3_unit != "block":
+            gathers += 1  # per-module runtimes release after every forward, the recomputed one too
+        comm = gathers * gather + scatter
+        zero3 = _exposed(comm, compute + recompute, cluster) if fw.zero3_prefetch else comm
+        # the gathered weights of this unit and the prefetched next one, and one unsharded gradient
+        extra += 2 * gathered * pol.weight_bytes + gathered * fw.grad_reduce_bytes
+    time = compute + tp_exposed + recompute + zero3
+    return _UnitLoad(time, compute, tp_exposed, recompute, zero3, u.fwd_s, u.bwd_s, state, act, extra)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,15 +167,50 @@ class ModelFlops:
         return cls(total_flops(graph, 1, "model"), total_flops(graph, 1, "hardware"))
 
 
+def _bucketed(collective, nbytes: float, link: AxisLink, bucket_bytes: float) -> tuple[float, float]:
+    """Total time of ``nbytes`` reduced in buckets, and the time of the last bucket alone."""
+    if nbytes <= 0 or link.size <= 1:
+        return 0.0, 0.0
+    buckets = max(1, math.ceil(nbytes / bucket_bytes))
+    one = collective(nbytes / buckets, link)
+    return buckets * one, one
+
+
+def _dp_sync_exposed(local_params: float, bwd_window_s: float, fwd_window_s: float, layout: Layout,
+                     dp_link: AxisLink, cluster: Cluster, ctx: PassContext) -> float:
+    """ZeRO 0-2: the once-per-iteration gradient reduction (and weight gather) that compute does not hide."""
+    if layout.dp <= 1 or layout.zero >= 3 or local_params <= 0:
+        return 0.0
+    fw = ctx.framework
+    reduce = all_reduce_s if layout.zero == 0 else reduce_scatter_s
+    total, last = _bucketed(reduce, local_params * fw.grad_reduce_bytes, dp_link, fw.grad_bucket_bytes)
+    exposed = max(_exposed(total, bwd_window_s, cluster), last) if fw.overlap_grad_reduce else total
+    if layout.zero >= 1:
+        gather, _ = _bucketed(all_gather_s, local_params * ctx.precision.weight_bytes, dp_link, fw.grad_bucket_bytes)
+        exposed += _exposed(gather, fwd_window_s, cluster) if fw.overlap_param_gather else gather
+    return exposed
+
+
+def _p2p_s(boundary_bytes: float, layout: Layout, pp_link: AxisLink, tp_link: AxisLink, ctx: PassContext) -> float:
+    """One transfer of a stage-boundary activation (or its gradient) between neighbouring stages."""
+    fw = ctx.framework
+    if fw.pp_scatter_gather and layout.tp > 1 and not layout.sp and pp_link.crosses_nodes:
+        return send_recv_s(boundary_bytes / layout.tp, pp_link) + all_gather_s(boundary_bytes, tp_link)
+    return send_recv_s(boundary_bytes, pp_link)
+
+
 def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, global_batch: int,
                     cluster: Cluster, ctx: PassContext, memory_budget_bytes: float,
                     flops: ModelFlops | None = None, allow_spill: bool = True) -> Estimate | None:
     """Estimate ``layout``.  When no stage split fits ``memory_budget_bytes``: the best split ignoring
     memory, marked ``fits=False``, if ``allow_spill``, else ``None``."""
     keys = unit_sequence(graph)
-    by_key = {k: _unit_load(costs[k], k not in (PRE, POST), layout, cluster, ctx) for k in set(keys)}
-    loads = [by_key[k] for k in keys]
     p, m, v = layout.pp, layout.num_microbatches, layout.v
+    dp_link = axis_link(cluster, layout.dp, layout.tp)
+    tp_link = axis_link(cluster, layout.tp, 1)
+    pp_link = axis_link(cluster, p, layout.dp * layout.tp)
+    by_key = {k: _unit_load(costs[k], k not in (PRE, POST), layout, dp_link, cluster, ctx) for k in set(keys)}
+    loads = [by_key[k] for k in keys]
     in_flight = [in_flight_microbatches(layout.schedule, i, p, m, v) for i in range(p)]
     tie_bytes = _tied_state_bytes(costs, layout, ctx) if p == 1 else 0.0
     split = _split(keys, by_key, loads, in_flight, memory_budget_bytes + tie_bytes)
@@ -141,32 +221,27 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
         split = _split(keys, by_key, loads, in_flight, float("inf"))
         if split is None:
             return None
-    across = layout.dp * layout.tp >= cluster.gpus_per_node
-    pol = ctx.precision
-    dp_link = axis_link(cluster, layout.dp, layout.tp)
+    if v > 1 and not _chunks_fit(split, p, v, len(keys)):
+        return None
+    fw = ctx.framework
     stage_times, stages, dp_exposed = [], [], 0.0
     per_stage: list[dict[str, float]] = []
     for k in range(p):
         a, b = split.boundaries[k], split.boundaries[k + 1]
         units = loads[a:b]
-        boundary = costs[keys[b]].input_bytes if b < len(keys) else 0.0
-        hops = (1 if k > 0 else 0) + (1 if k < p - 1 else 0)
-        p2p = hops * send_recv_s(boundary if k < p - 1 else costs[keys[a]].input_bytes, cluster, across) * v
-        t = sum(x.time_s for x in units) + p2p
+        neighbours = (1 if k > 0 else 0) + (1 if k < p - 1 else 0)
+        boundary = max(costs[keys[a]].input_bytes if k > 0 else 0.0,
+                       costs[keys[b]].input_bytes if b < len(keys) else 0.0)
+        # one transfer each way per neighbour and micro-batch, for every chunk with interleaving
+        p2p = neighbours * _p2p_s(boundary, layout, pp_link, tp_link, ctx) * v if p > 1 else 0.0
+        p2p_cost = cluster.overlap_slowdown * p2p if fw.pp_p2p_overlap else p2p
+        t = sum(x.time_s for x in units) + p2p_cost
         stage_times.append(t)
         local = sum(costs[key].params_local for key in keys[a:b])
-        exposed = 0.0
-        if layout.dp > 1 and layout.zero < 3:
-            sync = (all_reduce_s if layout.zero == 0 else reduce_scatter_s)(local * pol.grad_bytes, dp_link)
-            last_bucket = (all_reduce_s if layout.zero == 0 else reduce_scatter_s)(
-                min(local * pol.grad_bytes, ctx.grad_bucket_bytes), dp_link)
-            window = sum(x.bwd_s for x in units)
-            exposed = max(_exposed(sync, window, cluster), last_bucket)
-            if layout.zero >= 1:
-                exposed += all_gather_s(local * pol.weight_bytes, dp_link)
-        dp_exposed = max(dp_exposed, exposed)
+        dp_exposed = max(dp_exposed, _dp_sync_exposed(local, sum(x.bwd_s for x in units), sum(x.fwd_s for x in units),
+                                                      layout, dp_link, cluster, ctx))
         per_stage.append({"compute": sum(x.compute_s for x in units), "tp": sum(x.tp_s for x in units),
-                          "recompute": sum(x.recompute_s for x in units), "p2p": p2p,
+                          "recompute": sum(x.recompute_s for x in units), "p2p": p2p_cost,
                           "zero3": sum(x.zero3_exposed_s for x in units), "local": local})
         layer_idx = [i - 1 for i in range(a, b) if 0 < i < len(keys) - 1]
         layers = (layer_idx[0], layer_idx[-1] + 1) if layer_idx else (0, 0)
@@ -174,7 +249,7 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
     bottleneck = max(range(p), key=lambda k: stage_times[k])
     bn = per_stage[bottleneck]
     local_opt = max(s["local"] for s in per_stage) / (layout.dp if layout.zero >= 1 else 1)
-    optimizer_s = local_opt * ADAM_BYTES_PER_PARAM / (cluster.hbm_bandwidth_bytes_per_s * cluster.memory_efficiency)
+    optimizer_s = memory_s(cluster, local_opt * ADAM_BYTES_PER_PARAM)
     tp_sync = max(sum(costs[key].tp_sync_s for key in keys[s.units[0]:s.units[1]]) for s in stages)
     bubble = bubble_s(stage_times, v)
     breakdown = {
@@ -196,13 +271,18 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
         model_flops_per_iter=model_flops, hardware_flops_per_iter=hw_flops,
         tflops_per_gpu=model_flops / iteration / n / 1e12, mfu=model_flops / iteration / n / cluster.peak_flops,
         hfu=hw_flops / iteration / n / cluster.peak_flops, peak_memory_bytes=peak,
-        fits=fits and peak <= memory_budget_bytes, breakdown=breakdown, stages=tuple(stages))
+        fits=fits and peak <= memory_budget_bytes, breakdown=breakdown, stages=tuple(stages), framework=fw.name)
 
 
-def _exposed(comm_s: float, compute_s: float, cluster: Cluster) -> float:
-    """Time a collective adds when overlapped with ``compute_s`` of work: what does not fit beside the
-    compute, plus the compute's slowdown while both run."""
-    return max(0.0, comm_s - compute_s) + cluster.overlap_slowdown * min(comm_s, compute_s)
+def _chunks_fit(split: StageSplit, p: int, v: int, num_units: int) -> bool:
+    """Interleaving cuts every stage into ``v`` chunks: a stage needs ``v`` layers, one fewer at either end
+    of the pipeline, whose first (last) chunk may hold only the embedding (head), as in Llama 3."""
+    for k in range(p):
+        a, b = split.boundaries[k], split.boundaries[k + 1]
+        layers = sum(1 for i in range(a, b) if 0 < i < num_units - 1)
+        if layers < v - (1 if k == 0 else 0) - (1 if k == p - 1 else 0):
+            return False
+    return True
 
 
 def _split(keys: list[str], by_key: dict[str, _UnitLoad], loads: list[_UnitLoad], in_flight: list[float],
@@ -225,10 +305,7 @@ def _tied_state_bytes(costs: dict[str, UnitCost], layout: Layout, ctx: PassConte
     shared = set(costs[PRE].param_local) & set(costs[POST].param_local)
     if not shared:
         return 0.0
-    pol, dp, z = ctx.precision, layout.dp, layout.zero
-    per = (pol.weight_bytes / (dp if z >= 3 else 1) + pol.grad_bytes / (dp if z >= 2 else 1)
-           + pol.optimizer_bytes / (dp if z >= 1 else 1))
-    return sum(costs[POST].param_local[f] for f in shared) * per
+    return ctx.state_bytes(sum(costs[POST].param_local[f] for f in shared), layout.dp, layout.zero)
 
 
 def _recompute_flops(costs: dict[str, UnitCost], keys: list[str], layout: Layout, global_batch: int) -> float:
@@ -238,4 +315,6 @@ def _recompute_flops(costs: dict[str, UnitCost], keys: list[str], layout: Layout
         return micro * sum(u.fwd_flops for u in layers)
     if layout.recompute == "selective":
         return micro * sum(u.attention_fwd_flops for u in layers)
+    if layout.recompute == "op":
+        return micro * sum(u.op_recompute_flops for u in layers)
     return 0.0

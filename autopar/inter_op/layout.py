@@ -8,8 +8,8 @@ from typing import Any, Literal
 from autopar.errors import AutoparError
 from autopar.solvers.pipeline import SCHEDULES, Schedule
 
-Recompute = Literal["none", "selective", "full"]
-RECOMPUTE: tuple[Recompute, ...] = ("none", "selective", "full")
+Recompute = Literal["none", "selective", "op", "full"]
+RECOMPUTE: tuple[Recompute, ...] = ("none", "selective", "op", "full")
 FIX_KEYS = ("dp", "tp", "pp", "mbs", "schedule", "v", "recompute", "sp", "zero")
 
 

@@ -5,10 +5,12 @@ Search space (each key can be pinned with ``fixed``):
 - mesh ``pp x dp x tp = N``; ``tp`` inside a node (a pinned ``tp`` may cross nodes) and dividing the
   attention heads; ``pp`` at most the number of layers;
 - micro-batch size ``mbs`` (divisors of ``global_batch / dp`` up to 16) and so ``m = B / (dp * mbs)``;
-- schedule: GPipe, 1F1B, interleaved 1F1B with ``v`` in {2, 4} (layers divisible by ``pp * v``, ``m``
-  by ``pp``); with one stage there is no pipeline;
-- recomputation none / selective / full, sequence parallelism on/off (with ``tp > 1``), ZeRO 0-3 (with
-  ``dp > 1``).
+- schedule: GPipe, 1F1B (``m >= pp``, as ``Schedule1F1B`` requires), interleaved 1F1B with ``v`` in
+  {2, 4, 8} (any ``v`` when pinned) wherever ``ScheduleInterleaved1F1B`` accepts it (``m`` a multiple of
+  ``max(1, m // pp)``) and every stage holds ``v`` chunks (the layers need not divide ``pp * v``; the end
+  stages may hold one layer fewer); with one stage there is no pipeline;
+- recomputation none / selective / op / full, sequence parallelism on/off (with ``tp > 1``), ZeRO 0-3
+  (with ``dp > 1``).
 
 Unit costs depend only on ``(tp, mbs, sp)``.  The intra-op ILP chooses strategies per ``(tp, sp)`` at a
 few reference micro-batch sizes, twice (fastest, and fastest among the leanest in memory); every layout
@@ -26,6 +28,7 @@ from typing import Any
 
 from autopar.cluster import Cluster, MeshSpec
 from autopar.errors import AutoparError
+from autopar.framework import DEFAULT_FRAMEWORK, Framework, load_framework
 from autopar.inter_op.estimate import Estimate, ModelFlops, estimate_layout
 from autopar.inter_op.layout import RECOMPUTE, Layout
 from autopar.inter_op.unit_costs import UnitCost, solve_tp, unit_costs, unit_sequence
@@ -136,8 +139,11 @@ def check_fixed(graph: OpGraph, cluster: Cluster, global_batch: int, fixed: dict
         raise AutoparError("v > 1 needs schedule=interleaved")
 
 
-def layouts(graph: OpGraph, cluster: Cluster, global_batch: int, fixed: dict[str, Any]) -> Iterator[Layout]:
-    """Every layout of the search space that satisfies ``fixed``."""
+def layouts(graph: OpGraph, cluster: Cluster, global_batch: int, fixed: dict[str, Any],
+            fw: Framework | None = None) -> Iterator[Layout]:
+    """Every layout of the search space that satisfies ``fixed`` (and, for unpinned knobs, that the framework
+    implements)."""
+    fw = fw or load_framework(DEFAULT_FRAMEWORK)
     n, layers = cluster.gpus, max(1, len(graph.layers))
     heads = attention_heads(graph)
 
@@ -158,33 +164,47 @@ def layouts(graph: OpGraph, cluster: Cluster, global_batch: int, fixed: dict[str
                     continue
                 m = global_batch // (dp * mbs)
                 for sp in allowed("sp", [False, True] if tp > 1 else [False]):
-                    for schedule, v in _schedules(pp, m, layers, fixed):
+                    for schedule, v in _schedules(pp, m, layers, fixed, fw):
                         for recompute in allowed("recompute", list(RECOMPUTE)):
-                            for zero in allowed("zero", [0, 1, 2, 3] if dp > 1 else [0]):
+                            zeros = [z for z in (0, 1, 2, 3) if fw.zero_allowed(z, pp)] if dp > 1 else [0]
+                            for zero in allowed("zero", zeros):
                                 yield Layout(dp=dp, tp=tp, pp=pp, mbs=mbs, num_microbatches=m, schedule=schedule,
                                              v=v, recompute=recompute, sp=sp, zero=zero)
 
 
-def _schedules(pp: int, m: int, layers: int, fixed: dict[str, Any]) -> list[tuple[str, int]]:
+INTERLEAVE_V = (2, 4, 8)
+
+
+def interleaving_runs(pp: int, m: int, layers: int, v: int) -> bool:
+    """Whether torch's ``ScheduleInterleaved1F1B`` runs ``m`` micro-batches over ``pp`` ranks of ``v`` chunks,
+    with ``v`` chunks per stage (the first and last stage may give one up to the embedding and head)."""
+    rounds = max(1, m // pp)
+    return v >= 2 and m % rounds == 0 and layers >= pp * v - 2
+
+
+def _schedules(pp: int, m: int, layers: int, fixed: dict[str, Any], fw: Framework) -> list[tuple[str, int]]:
     if pp == 1:
         options = [("1f1b", 1), ("gpipe", 1)]
     else:
-        options = [("gpipe", 1), ("1f1b", 1)]
-        options += [("interleaved", v) for v in (2, 4) if layers % (pp * v) == 0 and m % pp == 0]
+        options = [("gpipe", 1)] + ([("1f1b", 1)] if m >= pp else [])
+        vs = [fixed["v"]] if fixed.get("v", 1) > 1 else list(INTERLEAVE_V)
+        options += [("interleaved", v) for v in vs if interleaving_runs(pp, m, layers, v)]
+        if "schedule" not in fixed:  # the framework's own schedules, unless one is pinned
+            options = [o for o in options if o[0] in fw.schedules]
     if "schedule" in fixed:
         options = [o for o in options if o[0] == fixed["schedule"]]
-        if fixed["schedule"] == "interleaved" and "v" in fixed and pp > 1:
-            options = [("interleaved", fixed["v"])] if layers % (pp * fixed["v"]) == 0 else []
-    elif "v" in fixed:
+    if "v" in fixed and pp > 1:
         options = [o for o in options if o[1] == fixed["v"]]
     if pp == 1:
         options = options[:1] if "schedule" not in fixed else options  # one stage: the schedules coincide
     return options
 
 
-def _lower_bound(costs: dict[str, UnitCost], sequence: list[str], layout: Layout) -> float:
+def _lower_bound(costs: dict[str, UnitCost], sequence: list[str], layout: Layout, ctx: PassContext) -> float:
     """Iteration time if every stage were perfectly balanced and nothing else cost anything."""
-    total = sum(costs[k].fwd_s + costs[k].bwd_s + costs[k].tp_fwd_s + costs[k].tp_bwd_s for k in sequence)
+    hidden_tp = ctx.framework.tp_comm_overlap and layout.sp
+    total = sum(costs[k].fwd_s + costs[k].bwd_s + (0.0 if hidden_tp else costs[k].tp_fwd_s + costs[k].tp_bwd_s)
+                for k in sequence)
     return layout.num_microbatches * total / layout.pp
 
 
@@ -200,10 +220,10 @@ def search(graph: OpGraph, cluster: Cluster, ctx: PassContext, global_batch: int
     fitting: list[Candidate] = []
     spill: list[Candidate] = []
     evaluated = 0
-    for layout in layouts(graph, cluster, global_batch, fixed):
+    for layout in layouts(graph, cluster, global_batch, fixed, ctx.framework):
         for variant in VARIANTS if layout.tp > 1 else VARIANTS[:1]:
             costs, strategies = cache.get(layout.tp, layout.mbs, layout.sp, variant)
-            bound = _lower_bound(costs, sequence, layout)
+            bound = _lower_bound(costs, sequence, layout, ctx)
             if len(fitting) >= top_k and bound >= fitting[top_k - 1].estimate.iteration_time_s:
                 continue
             est = estimate_layout(graph, costs, layout, global_batch, cluster, ctx, memory_budget_bytes, flops,

@@ -18,6 +18,7 @@ from autopar.cluster import Cluster, MeshSpec
 from autopar.intra_op.problem import IntraOpConfig, IntraOpSolution, solve_intra_op
 from autopar.intra_op.sharding_costs import (
     ATTENTION_OPS,
+    PRODUCT_OPS,
     compute_s,
     edge_costs_s,
     param_cost,
@@ -49,10 +50,20 @@ class UnitCost:
     attention_saved_bytes: float  # the s x s tensors math attention saves (dropped by selective recomputation)
     fwd_flops: float  # model FLOPs of the forward, whole tp group, one micro-batch
     attention_fwd_flops: float
+    op_recompute_s: float = 0.0  # forward time of what per-op checkpointing recomputes (see ``_op_checkpoint``)
+    op_saved_bytes: float = 0.0  # what per-op checkpointing keeps: the unit's input and the saved ops' outputs
+    op_recompute_flops: float = 0.0
+    transient_bytes: float = 0.0  # memory alive only while the unit runs (fp32 logits and loss gradients)
+    param_modules: int = 0  # modules holding parameters (one ZeRO-3 collective each for per-module runtimes)
+    largest_module_params: float = 0.0  # elements one device holds of the largest of them
 
     @property
     def params_local(self) -> float:
         return sum(self.param_local.values())
+
+    @property
+    def param_tensors(self) -> int:
+        return len(self.param_local)
 
 
 def unit_sequence(graph: OpGraph) -> list[str]:
@@ -112,9 +123,32 @@ def unit_costs(graph: OpGraph, strategies: dict[str, Strategy], mesh: MeshSpec, 
     return out
 
 
+#: Per-op selective checkpointing (torchtitan's ``recompute=op``, built on
+#: ``torch.utils.checkpoint.create_selective_checkpoint_contexts``) keeps the outputs of matrix products,
+#: except every second one, and of attention, and recomputes everything else in backward
+#: (torchtitan ``_save_list``: aten.mm and the SDPA kernels; "save every other mm").
+OP_CHECKPOINT_SAVES_EVERY = 2
+#: Under bf16 autocast the loss runs in fp32 (``log_softmax`` is on autocast's fp32 list): beyond the fp32
+#: log-probabilities it saves, the fp32 copy of the logits in forward and the fp32 gradient of the
+#: log-probabilities in backward are alive while the loss runs: 8 bytes per logit (none for a fused loss,
+#: which rewrites the 16-bit logits in place).
+LOSS_TRANSIENT_BYTES_PER_LOGIT = 8
+LOSS_OPS = frozenset({"aten.cross_entropy_loss.default", "aten.cross_entropy.default"})
+
+
+def _op_checkpoint_saves(node_op: str, product_index: int) -> bool:
+    """Whether per-op checkpointing keeps this op's output (``product_index``: 1 for a unit's first product)."""
+    if node_op in ATTENTION_OPS:
+        return True
+    return node_op in PRODUCT_OPS and product_index % OP_CHECKPOINT_SAVES_EVERY == 1
+
+
 def _unit_cost(graph: OpGraph, names: list[str], strategies: dict[str, Strategy], mesh: MeshSpec, mbs: int,
                cluster: Cluster, ctx: PassContext) -> UnitCost:
     members = set(names)
+    products = 0
+    op_recompute = op_saved = op_recompute_flops = transient = 0.0
+    modules: dict[str, float] = {}
     fwd = bwd = tp_fwd = tp_bwd = tp_sync = attn_s = attn_bytes = 0.0
     act = 0.0
     input_bytes = 0.0
@@ -132,15 +166,31 @@ def _unit_cost(graph: OpGraph, names: list[str], strategies: dict[str, Strategy]
         if node.op in ATTENTION_OPS:
             attn_s += f
             attn_flops += flops
+        if node.op in PRODUCT_OPS and node.annotations["flops"].fwd > 0:
+            products += 1
+        if _op_checkpoint_saves(node.op, products):
+            op_saved += sum(o.numel_at(mbs) * (ctx.precision.activation_bytes if o.is_floating else o.itemsize)
+                            / shard_factor(tuple(ax.outputs[j] for ax in strat), mesh)
+                            for j, o in enumerate(node.outputs) if o is not None)
+        else:
+            op_recompute += f
+            op_recompute_flops += flops
         refs = tensor_refs(node)
+        if node.op in LOSS_OPS and not ctx.framework.fused_cross_entropy:
+            logits = graph.tensor(refs[0])
+            transient += (logits.numel_at(mbs) * LOSS_TRANSIENT_BYTES_PER_LOGIT
+                          / shard_factor(tuple(ax.inputs[0] for ax in strat), mesh))
         for k, r in enumerate(refs):
             src = graph[r.name]
             required = tuple(ax.inputs[k] for ax in strat)
             if src.kind == "param":
                 pc = param_cost(src.out, required, strat, mesh, 0, ctx)
                 tp_sync += pc.per_iteration_s
-                params.setdefault(src.target, src.out.numel_at(1) / shard_factor(required, mesh))
-                params_global.setdefault(src.target, src.out.numel_at(1))
+                if src.target not in params:
+                    params[src.target] = src.out.numel_at(1) / shard_factor(required, mesh)
+                    params_global[src.target] = src.out.numel_at(1)
+                    owner = src.target.rsplit(".", 1)[0] if "." in src.target else ""
+                    modules[owner] = modules.get(owner, 0.0) + params[src.target]
                 continue
             if r.name not in strategies:  # inputs, buffers, constants: produced replicated, no gradient
                 continue
@@ -163,7 +213,10 @@ def _unit_cost(graph: OpGraph, names: list[str], strategies: dict[str, Strategy]
                 if t.key.rsplit(":", 1)[-1] in ATTENTION_CORE_KEYS:
                     attn_bytes += b_
     return UnitCost(fwd, bwd, tp_fwd, tp_bwd, tp_sync, sum(params_global.values()), params, act,
-                    input_bytes, attn_s, attn_bytes, fwd_flops, attn_flops)
+                    input_bytes, attn_s, attn_bytes, fwd_flops, attn_flops,
+                    op_recompute_s=op_recompute, op_saved_bytes=input_bytes + op_saved,
+                    op_recompute_flops=op_recompute_flops, transient_bytes=transient, param_modules=len(modules),
+                    largest_module_params=max(modules.values(), default=0.0))
 
 
 __all__ = ["POST", "PRE", "UnitCost", "solve_tp", "unit_costs", "unit_sequence"]

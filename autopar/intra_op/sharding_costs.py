@@ -2,10 +2,11 @@
 
 All costs are per device, in seconds or bytes, for one micro-batch unless stated otherwise.
 
-- **Compute** (``compute_s``): roofline of the local shard, ``max(flops / (peak * eff), bytes / (hbm * eff))``
-  plus a fixed overhead per kernel, forward and backward.  ``eff`` is the cluster's GEMM efficiency for
-  products, attention efficiency for attention; memory-bound work uses the memory efficiency.  Local FLOPs
-  are the node's FLOPs divided by the mesh axes on which some input is sharded (a product's m, k or n).
+- **Compute** (``compute_s``): roofline of the local shard, the longer of its compute time and the time to
+  stream its bytes, plus a fixed overhead per kernel, forward and backward.  A linear or matmul is timed
+  as the GEMMs of its local shapes (forward ``m x n x k``; backward ``dY W^T`` and ``X^T dY``) with the
+  shape-dependent efficiency of ``autopar.kernels``; flash attention at its kernel's efficiency on the
+  FLOPs it executes; unfused attention as its four-plus-two batched products and softmax passes.
 - **Resharding** (``redistribute_s``): one collective per mesh axis whose placement changes, sized by the
   tensor as the group on that axis sees it: ``S->R`` all-gather, ``P->R`` all-reduce, ``P->S``
   reduce-scatter, ``S(d)->S(e)`` all-to-all; ``R->S``, ``R->P`` and ``P->P`` are local and free.
@@ -34,9 +35,10 @@ from autopar.cluster import AxisLink, Cluster, MeshSpec
 from autopar.collectives import all_gather_s, all_reduce_s, all_to_all_s, reduce_scatter_s
 from autopar.intra_op.strategies import PARTIAL, R, Strategy, shard_dim, tensor_refs
 from autopar.ir import Node, OpGraph, TensorInfo
+from autopar.kernels import flash_attention_s, gemm_s, memory_s
 from autopar.passes.context import PassContext
 from autopar.passes.flops import NodeFlops
-from autopar.passes.traffic import NodeTraffic, math_attention_bytes
+from autopar.passes.traffic import NodeTraffic, softmax_passes_bytes
 
 Placements = tuple[str | None, ...]
 
@@ -154,11 +156,7 @@ def param_cost(t: TensorInfo, required: Placements, consumer: Strategy, mesh: Me
     dp = mesh.axis("dp")
     dp_size = mesh.shape[dp] if dp is not None else 1
     replicated_on_dp = dp is not None and (required[dp] or R) == R and dp_size > 1
-    w, g, o = pol.weight_bytes * local, pol.grad_bytes * local, pol.optimizer_bytes * local
-    if replicated_on_dp:
-        o /= dp_size if zero >= 1 else 1
-        g /= dp_size if zero >= 2 else 1
-        w /= dp_size if zero >= 3 else 1
+    state = ctx.state_bytes(local, dp_size if replicated_on_dp else 1, zero)
     per_mb = 0.0
     per_iter = 0.0
     for a, link in enumerate(mesh.links):
@@ -169,14 +167,14 @@ def param_cost(t: TensorInfo, required: Placements, consumer: Strategy, mesh: Me
         if grad != PARTIAL:
             continue
         others = shard_factor(tuple(p if b != a else None for b, p in enumerate(required)), mesh)
-        group_bytes = numel / others * pol.grad_bytes
+        group_bytes = numel / others * ctx.framework.grad_reduce_bytes
         sync = reduce_scatter_s if a == dp and zero >= 3 else all_reduce_s  # ZeRO-1/2: RS + AG, AR's volume
         per_iter += _bucketed_s(sync, group_bytes, link, ctx.grad_bucket_bytes)
     if replicated_on_dp and zero >= 3:
         others = shard_factor(tuple(p if b != dp else None for b, p in enumerate(required)), mesh)
         gathered = numel / others * pol.weight_bytes
         per_mb += 2 * _bucketed_s(all_gather_s, gathered, mesh.links[dp], ctx.grad_bucket_bytes)
-    return ParamCost(per_mb, per_iter, w + g + o)
+    return ParamCost(per_mb, per_iter, state)
 
 
 def _local_bytes(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec, batch: int,
@@ -199,27 +197,120 @@ def _local_bytes(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec,
     return fwd, bwd
 
 
-def compute_s(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec, batch: int, cluster: Cluster,
-              ctx: PassContext) -> tuple[float, float]:
-    """(forward, backward) time of ``node``'s local shard under ``strategy``."""
+@dataclass(frozen=True, slots=True)
+class Gemm:
+    """One local product: ``batch x (m x k) @ (k x n)``, and the bytes it reads and writes."""
+
+    batch: float
+    m: float
+    n: float
+    k: float
+
+    def s(self, cluster: Cluster, width: int) -> float:
+        """Roofline of the product: its compute time, or streaming its operands and result if longer."""
+        io = width * self.batch * (self.m * self.k + self.k * self.n + self.m * self.n)
+        return max(gemm_s(cluster, self.m, self.n, self.k, self.batch), memory_s(cluster, io))
+
+
+def _splits(placements: tuple[str | None, ...], mesh: MeshSpec, rank: int) -> dict[int, int]:
+    """Tensor dim (non-negative) -> how many pieces the mesh cuts it into."""
+    out: dict[int, int] = {}
+    for p, n in zip(placements, mesh.shape):
+        d = shard_dim(p or R)
+        if d is not None:
+            d = d % rank if rank else d
+            out[d] = out.get(d, 1) * n
+    return out
+
+
+def product_gemms(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec,
+                  batch: int) -> tuple[list[Gemm], list[Gemm]] | None:
+    """The local products of a linear or (batched) matmul: forward, and backward (the input gradient
+    ``dY W^T``, then the weight gradient ``X^T dY``, each when that operand needs a gradient)."""
+    if node.op not in ("aten.linear.default", "aten.matmul.default", "aten.mm.default", "aten.bmm.default"):
+        return None
+    refs = tensor_refs(node)
+    a, b = graph.tensor(refs[0]), graph.tensor(refs[1])
+    if a is None or b is None:
+        return None
+    sa, sb = a.shape_at(batch), b.shape_at(batch)
+    pa = _splits(tuple(ax.inputs[0] for ax in strategy), mesh, len(sa))
+    pb = _splits(tuple(ax.inputs[1] for ax in strategy), mesh, len(sb))
+    if node.op == "aten.linear.default":  # x [..., K] @ w[N, K]^T
+        k = sa[-1] / pa.get(len(sa) - 1, 1)
+        m = math.prod(sa[:-1]) / math.prod(v for d, v in pa.items() if d < len(sa) - 1)
+        n = sb[0] / pb.get(0, 1)
+        nb = 1.0
+    else:  # a [..., M, K] @ b [..., K, N]
+        if len(sa) < 2 or len(sb) < 2:
+            return None
+        m = sa[-2] / pa.get(len(sa) - 2, 1)
+        k = sa[-1] / pa.get(len(sa) - 1, 1)
+        n = sb[-1] / pb.get(len(sb) - 1, 1)
+        batch_a = math.prod(sa[:-2]) / math.prod(v for d, v in pa.items() if d < len(sa) - 2)
+        batch_b = math.prod(sb[:-2]) / math.prod(v for d, v in pb.items() if d < len(sb) - 2)
+        nb = max(batch_a, batch_b)
+    fwd = [Gemm(nb, m, n, k)]
+    bwd = []
+    if a.requires_grad:
+        bwd.append(Gemm(nb, m, k, n))
+    if b.requires_grad:
+        bwd.append(Gemm(1.0, k, n, m * nb) if node.op == "aten.linear.default" else Gemm(nb, k, n, m))
+    return fwd, bwd
+
+
+def _attention_s(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec, batch: int, cluster: Cluster,
+                 ctx: PassContext, split: int, fwd_bytes: float, bwd_bytes: float) -> tuple[float, float]:
+    """Attention: a flash kernel at its efficiency on the FLOPs it executes, or unfused products and passes."""
     flops: NodeFlops = node.annotations["flops"]
     traffic: NodeTraffic = node.annotations["traffic"]
-    if node.alias_of is not None:
-        return 0.0, 0.0
+    scale = graph.scale(node, batch)
+    launch_f = traffic.fwd_kernels * cluster.kernel_overhead_s
+    launch_b = traffic.bwd_kernels * cluster.kernel_overhead_s
+    if ctx.flash:
+        version = {"flash1": 1, "flash3": 3}.get(ctx.attention, 2)
+        fwd = max(flash_attention_s(cluster, flops.fwd_executed * scale / split, version), memory_s(cluster, fwd_bytes))
+        bwd = max(flash_attention_s(cluster, flops.bwd * scale / split, version), memory_s(cluster, bwd_bytes))
+        return fwd + launch_f, bwd + launch_b
+    q, k, v = (graph.tensor(r) for r in tensor_refs(node)[:3])
+    sq, sk = q.shape_at(batch), k.shape_at(batch)
+    heads = math.prod(sq[:-2]) / split  # batch x heads of the local shard
+    s_q, s_k, d, dv = sq[-2], sk[-2], sq[-1], v.shape[-1]
+    e = ctx.precision.activation_bytes
+    fwd = sum(g.s(cluster, e) for g in (Gemm(heads, s_q, s_k, d), Gemm(heads, s_q, dv, s_k)))
+    bwd = sum(g.s(cluster, e) for g in (Gemm(heads, s_k, dv, s_q), Gemm(heads, s_q, s_k, dv),
+                                         Gemm(heads, s_q, d, s_k), Gemm(heads, s_k, d, s_q)))
+    passes_f, passes_b = softmax_passes_bytes(graph, node, ctx)
+    fwd += memory_s(cluster, passes_f.at(batch) / split)
+    bwd += memory_s(cluster, passes_b.at(batch) / split)
+    return fwd + launch_f, bwd + launch_b
+
+
+def compute_s(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec, batch: int, cluster: Cluster,
+              ctx: PassContext) -> tuple[float, float]:
+    """(forward, backward) time of ``node``'s local shard under ``strategy``.
+
+    Products are timed as GEMMs of their local shapes (``autopar.kernels``), attention by its kernel, and
+    everything else by the bytes it moves; each op also pays its kernel launches."""
+    flops: NodeFlops = node.annotations["flops"]
+    traffic: NodeTraffic = node.annotations["traffic"]
+    if node.alias_of is not None or traffic.fwd_kernels == traffic.bwd_kernels == 0:
+        return 0.0, 0.0  # a view, or an op that launches nothing (dropout with p = 0)
     scale = graph.scale(node, batch)
     split = math.prod(n for a, n in enumerate(mesh.shape)
                       if any(shard_dim(p or R) is not None for p in strategy[a].inputs))
     fwd_bytes, bwd_bytes = _local_bytes(node, graph, strategy, mesh, batch, ctx)
-    eff = cluster.attention_efficiency if node.op in ATTENTION_OPS else cluster.gemm_efficiency
-    peak = cluster.peak_flops * eff
-    hbm = cluster.hbm_bandwidth_bytes_per_s * cluster.memory_efficiency
-    fwd = max(flops.fwd * scale / split / peak, fwd_bytes / hbm) + traffic.fwd_kernels * cluster.kernel_overhead_s
-    bwd = max(flops.bwd * scale / split / peak, bwd_bytes / hbm) + traffic.bwd_kernels * cluster.kernel_overhead_s
-    if node.op in ATTENTION_OPS and ctx.attention == "math":
-        # Unfused attention: the s x s softmax/dropout passes are kernels of their own, between the two
-        # batched products, so their memory time adds to the products' time instead of hiding under it.
-        extra_fwd, extra_bwd = math_attention_bytes(graph, node, ctx)
-        fwd += extra_fwd.at(batch) / split / hbm
-        bwd += extra_bwd.at(batch) / split / hbm
+    if node.op in ATTENTION_OPS:
+        return _attention_s(node, graph, strategy, mesh, batch, cluster, ctx, split, fwd_bytes, bwd_bytes)
+    launch_f = traffic.fwd_kernels * cluster.kernel_overhead_s
+    launch_b = traffic.bwd_kernels * cluster.kernel_overhead_s
+    gemms = product_gemms(node, graph, strategy, mesh, batch) if flops.fwd > 0 else None
+    if gemms is not None:
+        fwd_c = sum(gemm_s(cluster, g.m, g.n, g.k, g.batch) for g in gemms[0])
+        bwd_c = sum(gemm_s(cluster, g.m, g.n, g.k, g.batch) for g in gemms[1])
+    else:
+        peak = cluster.peak_flops * cluster.gemm_efficiency
+        fwd_c, bwd_c = flops.fwd * scale / split / peak, flops.bwd * scale / split / peak
+    fwd = max(fwd_c, memory_s(cluster, fwd_bytes)) + launch_f
+    bwd = max(bwd_c, memory_s(cluster, bwd_bytes)) + launch_b
     return fwd, bwd
-

@@ -1,0 +1,163 @@
+"""Framework profiles: how the software that runs a plan communicates, overlaps and stores state.
+
+The same layout costs different time under different runtimes: PyTorch DDP reduces gradients in buckets
+while backward runs, Megatron-LM's 2021 ``local`` DDP reduces them after it; FSDP gathers a whole block
+per collective and prefetches the next, DeepSpeed's 2021 ZeRO-3 gathered one parameter at a time and
+waited for each.  A ``Framework`` says which, and the estimate (``autopar.inter_op.estimate``) prices what
+it does.  Presets live in ``autopar/frameworks/`` with the source of every value; ``torch`` is what
+autopar's own runtime and generated scripts run, and the default.
+
+TOML format (every key of ``Framework`` but ``name``; ``base`` starts from a preset)::
+
+    base = "torch"
+    grad_reduce_bytes = 2
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+from dataclasses import dataclass, fields
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+from autopar.errors import AutoparError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+FRAMEWORKS = ("torch", "torchtitan", "megatron-lm", "megatron-core", "deepspeed", "llm-foundry")
+ZeroUnit = Literal["block", "module", "parameter"]
+ZERO_UNITS: tuple[ZeroUnit, ...] = ("block", "module", "parameter")
+
+
+class FrameworkSpecError(AutoparError):
+    """A framework preset or file that cannot be used."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Framework:
+    """What the training runtime does with a layout, as far as time and memory go."""
+
+    name: str
+    description: str
+    grad_reduce_bytes: int
+    """Bytes per gradient element in the data-parallel reduction (2: bf16/fp16, 4: fp32)."""
+    grad_bucket_bytes: float
+    """Size of one bucket of the data-parallel gradient reduction (one collective each)."""
+    overlap_grad_reduce: bool
+    """ZeRO 0-2: buckets are reduced while backward still runs; ``False``: all of it after backward."""
+    overlap_param_gather: bool
+    """ZeRO 1-2: the all-gather of updated weights runs under the next forward; ``False``: after the step."""
+    main_grad_bytes: int
+    """Bytes per parameter of the gradient buffer backward accumulates into (Megatron keeps fp32 main grads)."""
+    zero3_unit: ZeroUnit
+    """ZeRO-3 issues one all-gather and one reduce-scatter per ``block`` of the stack (FSDP), per ``module``
+    holding parameters, or per ``parameter``."""
+    zero3_prefetch: bool
+    """ZeRO-3 gathers the next unit while the current one computes; ``False``: it waits for each gather."""
+    zero3_reshard_after_forward: bool
+    """ZeRO-3 frees gathered weights after forward and gathers them again for backward."""
+    list_collectives: bool
+    """ZeRO-3 uses ``torch.distributed``'s list-of-tensors collectives, which copy every rank's part with a
+    kernel of its own."""
+    tp_comm_overlap: bool
+    """Tensor-parallel collectives run under the GEMMs they feed (Transformer Engine userbuffers)."""
+    pp_p2p_overlap: bool
+    """Pipeline sends and receives run under compute; ``False``: they wait on the critical path."""
+    pp_scatter_gather: bool
+    """A pipeline boundary tensor crosses nodes split over the tp ranks and is re-gathered over NVLink."""
+    fused_cross_entropy: bool
+    """The loss is one fused kernel on the 16-bit logits (FlashAttention's ``CrossEntropyLoss``) instead of
+    fp32 ``log_softmax`` passes that materialize fp32 copies of the logits."""
+    schedules: tuple[str, ...]
+    """Pipeline schedules the framework implements (the search offers only these)."""
+    zero_levels: tuple[int, ...]
+    """ZeRO levels it implements without pipeline parallelism."""
+    zero_levels_with_pp: tuple[int, ...]
+    """... and with it."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type in ("bool",) and not isinstance(value, bool):
+                raise FrameworkSpecError(f"framework {self.name}: {f.name} must be true or false")
+        if self.grad_reduce_bytes not in (1, 2, 4) or self.main_grad_bytes not in (2, 4):
+            raise FrameworkSpecError(f"framework {self.name}: grad_reduce_bytes must be 1, 2 or 4 and "
+                                     "main_grad_bytes 2 or 4")
+        if self.grad_bucket_bytes <= 0:
+            raise FrameworkSpecError(f"framework {self.name}: grad_bucket_bytes must be positive")
+        if not self.schedules or any(s not in ("gpipe", "1f1b", "interleaved") for s in self.schedules):
+            raise FrameworkSpecError(f"framework {self.name}: schedules must list gpipe, 1f1b or interleaved")
+        for key in ("zero_levels", "zero_levels_with_pp"):
+            levels = getattr(self, key)
+            if not levels or any(z not in (0, 1, 2, 3) for z in levels):
+                raise FrameworkSpecError(f"framework {self.name}: {key} must list ZeRO levels 0-3")
+        if self.zero3_unit not in ZERO_UNITS:
+            raise FrameworkSpecError(f"framework {self.name}: zero3_unit must be one of {', '.join(ZERO_UNITS)}")
+
+    def with_overrides(self, **overrides: Any) -> Framework:
+        try:
+            return dataclasses.replace(self, **{k: v for k, v in overrides.items() if v is not None})
+        except TypeError as exc:
+            raise FrameworkSpecError(str(exc)) from exc
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v for f in fields(self)}
+
+    def zero_allowed(self, zero: int, pp: int) -> bool:
+        return zero in (self.zero_levels_with_pp if pp > 1 else self.zero_levels)
+
+
+_FIELDS = {f.name for f in fields(Framework)}
+
+
+@functools.lru_cache(maxsize=64)
+def load_framework(spec: str) -> Framework:
+    """A preset name (``torch``, ``megatron-core``, ...) or a path to a TOML file."""
+    if spec in FRAMEWORKS:
+        text = resources.files("autopar").joinpath("frameworks", f"{spec}.toml").read_text()
+        return _from_toml(text, spec, f"framework preset {spec}")
+    path = Path(spec)
+    if not path.is_file():
+        raise FrameworkSpecError(f"unknown framework {spec!r}: not a preset ({', '.join(FRAMEWORKS)}) nor a TOML file")
+    return _from_toml(path.read_text(), path.stem, str(path))
+
+
+def _from_toml(text: str, default_name: str, origin: str) -> Framework:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise FrameworkSpecError(f"{origin}: invalid TOML: {exc}") from exc
+    base = data.pop("base", None)
+    values: dict[str, Any] = {}
+    if base is not None:
+        if base not in FRAMEWORKS:
+            raise FrameworkSpecError(f"{origin}: unknown base framework {base!r} (presets: {', '.join(FRAMEWORKS)})")
+        values = load_framework(base).to_dict()
+    unknown = sorted(set(data) - _FIELDS)
+    if unknown:
+        raise FrameworkSpecError(f"{origin}: unknown key {unknown[0]!r} (known keys: {', '.join(sorted(_FIELDS))})")
+    values.update(data)
+    values["name"] = data.get("name", default_name)
+    for key in ("schedules", "zero_levels", "zero_levels_with_pp"):
+        if isinstance(values.get(key), list):
+            values[key] = tuple(values[key])
+    missing = sorted(_FIELDS - set(values))
+    if missing:
+        raise FrameworkSpecError(f"{origin}: missing key {missing[0]!r}")
+    for f in fields(Framework):
+        if f.type == "bool" and not isinstance(values[f.name], bool):
+            raise FrameworkSpecError(f"{origin}: {f.name} must be true or false")
+        if f.type == "int" and (not isinstance(values[f.name], int) or isinstance(values[f.name], bool)):
+            raise FrameworkSpecError(f"{origin}: {f.name} must be an integer")
+    return Framework(**values)
+
+
+DEFAULT_FRAMEWORK = "torch"
+
+__all__ = ["DEFAULT_FRAMEWORK", "FRAMEWORKS", "Framework", "FrameworkSpecError", "load_framework"]

@@ -1,0 +1,80 @@
+"""Time of one kernel on one device: GEMMs, attention and memory-bound work, from the cluster spec.
+
+**GEMMs** (``gemm_s``).  cuBLAS splits the ``m x n`` output of a product into tiles, one thread block
+each, and runs them in waves of ``sm_count`` blocks; the last wave may be partly empty (wave
+quantization), and the edge tiles partly outside the matrix (tile quantization).  Each tile then walks
+the reduction dimension ``k``; filling its software pipeline and writing its result cost about
+``gemm_k_overhead`` elements of ``k`` (NVIDIA, "Matrix Multiplication Background User's Guide").  So a
+product runs at::
+
+    gemm_efficiency * k / (k + gemm_k_overhead) * max over tiles of (tile efficiency * useful / launched)
+
+where ``useful / launched`` is ``m * n`` over the area of all waves of that tile.  When one wave is not
+filled, cuBLAS splits the reduction (split-K) across more blocks; that is one of the choices.  Small and
+skinny products (tensor-parallel slices of small models, attention's ``k = head_dim`` products) come out
+well below the large-GEMM efficiency, as measured products do.
+
+**Attention** with flash kernels runs at ``attention_efficiency`` (FlashAttention-2),
+``flash1_attention_efficiency`` or ``flash3_attention_efficiency`` on the FLOPs it executes (a causal
+mask skips blocks; see ``autopar.passes.flops``).  Unfused attention is two batched products per pass
+plus its softmax passes.
+
+**Memory-bound** work moves its bytes at ``hbm_bandwidth * memory_efficiency``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+from autopar.cluster import Cluster
+
+#: Split-K factors cuBLAS considers for a product that does not fill one wave.
+SPLIT_K = (1, 2, 4, 8, 16)
+
+
+def gemm_efficiency(cluster: Cluster, m: float, n: float, k: float, batch: float = 1) -> float:
+    """Fraction of peak a ``batch x (m x k) @ (k x n)`` product reaches on ``cluster``."""
+    return _efficiency(cluster.gemm_efficiency, cluster.sm_count, cluster.gemm_tiles, cluster.gemm_k_overhead,
+                       max(1, round(m)), max(1, round(n)), max(1, round(k)), max(1, round(batch)))
+
+
+@functools.lru_cache(maxsize=65536)
+def _efficiency(peak_fraction: float, sms: int, tile_set: tuple[tuple[float, float, float], ...], k_overhead: float,
+                m: int, n: int, k: int, batch: int) -> float:
+    if not tile_set:
+        return peak_fraction * k / (k + k_overhead)
+    best = 0.0
+    for tm, tn, rel in tile_set:
+        tiles = batch * math.ceil(m / tm) * math.ceil(n / tn)
+        for split in SPLIT_K:
+            if split > 1 and (tiles * split > sms * 2 or k / split < 2 * k_overhead):
+                break  # split-K only to fill the first waves, and never into slivers of k
+            blocks = tiles * split
+            waves = math.ceil(blocks / sms)
+            useful = batch * m * n * split / (waves * sms * tm * tn)
+            k_part = k / split
+            best = max(best, rel * useful * k_part / (k_part + k_overhead))
+    return peak_fraction * best
+
+
+def gemm_s(cluster: Cluster, m: float, n: float, k: float, batch: float = 1) -> float:
+    """Compute time of a ``batch x (m x k) @ (k x n)`` product (FLOPs only; callers add the memory roofline)."""
+    if min(m, n, k, batch) <= 0:
+        return 0.0
+    return 2.0 * batch * m * n * k / (cluster.peak_flops * gemm_efficiency(cluster, m, n, k, batch))
+
+
+def flash_attention_s(cluster: Cluster, flops: float, version: int = 2) -> float:
+    """Compute time of a flash-attention kernel (FlashAttention ``version`` 1, 2 or 3) executing ``flops``."""
+    eff = {1: cluster.flash1_attention_efficiency, 2: cluster.attention_efficiency,
+           3: cluster.flash3_attention_efficiency}[version]
+    return flops / (cluster.peak_flops * eff)
+
+
+def memory_s(cluster: Cluster, nbytes: float) -> float:
+    """Time to stream ``nbytes`` through HBM."""
+    return nbytes / (cluster.hbm_bandwidth_bytes_per_s * cluster.memory_efficiency)
+
+
+__all__ = ["flash_attention_s", "gemm_efficiency", "gemm_s", "memory_s"]
