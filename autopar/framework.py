@@ -74,6 +74,12 @@ class Framework:
     fused_cross_entropy: bool
     """The loss is one fused kernel on the 16-bit logits (FlashAttention's ``CrossEntropyLoss``) instead of
     fp32 ``log_softmax`` passes that materialize fp32 copies of the logits."""
+    selective_recompute: Literal["attention_core", "attention_module"]
+    """What ``recompute=selective`` checkpoints: the attention core (Megatron-LM's ``--recompute-granularity
+    selective``, Korthikanti et al. 2022) or each block's whole attention module (autopar's runtime)."""
+    recompute_early_stop: bool
+    """Checkpointing is non-reentrant and stops recomputing once backward has what it needs; ``False``:
+    reentrant checkpointing re-runs the whole checkpointed forward."""
     schedules: tuple[str, ...]
     """Pipeline schedules the framework implements (the search offers only these)."""
     zero_levels: tuple[int, ...]
@@ -97,6 +103,9 @@ class Framework:
             levels = getattr(self, key)
             if not levels or any(z not in (0, 1, 2, 3) for z in levels):
                 raise FrameworkSpecError(f"framework {self.name}: {key} must list ZeRO levels 0-3")
+        if self.selective_recompute not in ("attention_core", "attention_module"):
+            raise FrameworkSpecError(f"framework {self.name}: selective_recompute must be attention_core or "
+                                     "attention_module")
         if self.zero3_unit not in ZERO_UNITS:
             raise FrameworkSpecError(f"framework {self.name}: zero3_unit must be one of {', '.join(ZERO_UNITS)}")
 

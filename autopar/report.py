@@ -94,8 +94,8 @@ def render_plan(result: dict[str, Any], console: Console) -> None:
         stages.add_column(col)
     for s in result.get("stages", []):
         extra = (" +emb" if s["has_embedding"] else "") + (" +head" if s["has_head"] else "")
-        lo, hi = s["layers"]
-        stages.add_row(str(s["index"]), (f"{lo}-{hi - 1}" if hi > lo else "none") + extra,
+        spans = [f"{lo}-{hi - 1}" if hi > lo else "none" for lo, hi in (s.get("chunks") or [s["layers"]])]
+        stages.add_row(str(s["index"]), ", ".join(spans) + extra,
                        f"{s['ranks'][0]}-{s['ranks'][1] - 1}", human_time(s["estimated_time_per_microbatch_s"]),
                        human_bytes(s["estimated_memory_bytes"]))
     console.print(stages)

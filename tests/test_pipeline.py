@@ -25,6 +25,17 @@ def test_interleaving_divides_the_bubble():
     assert in_flight_microbatches("interleaved", 0, 4, 8, 2) > in_flight_microbatches("1f1b", 0, 4, 8)
 
 
+@pytest.mark.parametrize("p,m,v", [(4, 8, 2), (4, 6, 2), (16, 32, 4), (16, 20, 2), (4, 3, 2), (2, 6, 3)])
+def test_interleaved_in_flight_follows_torch_warmup(p, m, v):
+    """Chunks alive before the first backward: torch's own warm-up count for ScheduleInterleaved1F1B."""
+    from torch.distributed.pipelining.schedules import _get_warmup_ops
+
+    per_round = m // max(1, m // p)
+    for rank in range(p):
+        warmup = _get_warmup_ops(rank, v, per_round, p, m, 2)
+        assert in_flight_microbatches("interleaved", rank, p, m, v) == pytest.approx(min(m * v, warmup + 1) / v)
+
+
 def test_stage_dp_balances_uneven_units():
     # embedding 3, four layers of 2, head 5: best 2 stages -> [emb, l, l] (7) | [l, l, head] (9)
     times = [3.0, 2.0, 2.0, 2.0, 2.0, 5.0]

@@ -66,16 +66,8 @@ def apply_tp(module, mesh):
 
 
 def apply_ac(module):
-    if RECOMPUTE == "none":
-        return
-    blocks = module.get_submodule(LAYER_CONTAINER)
-    for key, block in list(blocks.named_children()):
-        if RECOMPUTE == "full":
-            blocks.register_module(key, checkpoint_wrapper(block))
-        else:  # selective: the attention of every block
-            for name, child in list(block.named_children()):
-                if "attention" in type(child).__name__.lower() or name in ("attn", "self_attn", "attention"):
-                    block.register_module(name, checkpoint_wrapper(child))
+    if RECOMPUTE != "none":
+        apply_recompute(module, LAYER_CONTAINER, RECOMPUTE)
 
 
 def apply_fsdp(module, mesh):

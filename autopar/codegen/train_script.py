@@ -16,7 +16,7 @@ from pathlib import Path
 from autopar import __version__, modelfile
 from autopar.codegen.script_body import BODY
 from autopar.plan import Plan
-from autopar.runtime import stages
+from autopar.runtime import recompute, stages
 from autopar.runtime.pipeline import tied_pairs
 from autopar.runtime.stages import hf_decoder_kind, stage_layer_ranges
 from autopar.runtime.styles import PlacedParameters, PrepareActivation, register_cpu_attention_rules, style_source
@@ -40,6 +40,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.tensor import Replicate, Shard
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 """
 
 # Only for plans that use the runtime's own styles (stacked experts on tp, sequence parallelism).
@@ -60,6 +61,14 @@ def _pipeline_source(hf_kind: str | None) -> str:
     if hf_kind:
         parts += [stages._hf_layer_masks, stages._hf_layer_type, stages.hf_stage_forward]
     return "from collections.abc import Callable\n\n\n" + "\n\n".join(inspect.getsource(f) for f in parts) + "\n\n"
+
+
+def _recompute_source() -> str:
+    """The runtime's activation checkpointing (``autopar.runtime.recompute``), copied."""
+    parts = [recompute._saved_by_op_checkpointing, recompute.op_checkpoint_context, recompute._op_checkpointed,
+             recompute._is_attention, recompute.apply_recompute]
+    return f"ATTENTION_NAMES = {recompute.ATTENTION_NAMES!r}\n\n\n" + "\n\n".join(
+        inspect.getsource(f) for f in parts) + "\n\n"
 
 
 def _custom_styles_source(kinds: set[str]) -> str:
@@ -109,7 +118,7 @@ def generate_train_script(plan: Plan, script_name: str = "train.py") -> str:
         f"STAGE_LAYERS = {[tuple(r) for r in stage_layer_ranges(plan)]!r}  # layers of each pipeline chunk\n"
         f"LAYER_CONTAINER = {plan.model['layer_container']!r}\n"
         f"HUGGINGFACE_DECODER = {hf_kind!r}  # llama | gpt2: pipeline stages run hf_stage_forward\n"
-        f"RECOMPUTE = {lay['recompute']!r}  # none | selective | full\n"
+        f"RECOMPUTE = {lay['recompute']!r}  # none | selective | op | full\n"
         f"ZERO = {plan.zero}  # 0: all-reduce gradients; 1-3: FSDP2 fully_shard (3: reshard after forward)\n"
         f"TIED = {tied!r}  # (parameter, alias) pairs\n"
         f"TP_PLAN = {{\n{tp_lines}}}\n"
@@ -118,7 +127,8 @@ def generate_train_script(plan: Plan, script_name: str = "train.py") -> str:
     torch_kinds = sorted(kinds - {"PlacedParameters", "PrepareActivation"})
     names = ", ".join([*torch_kinds, "parallelize_module"])
     imports = IMPORTS + f"from torch.distributed.tensor.parallel import {names}\n"
-    helpers = _custom_styles_source(kinds) + (_pipeline_source(hf_kind) if pp > 1 else "")
+    helpers = (_custom_styles_source(kinds) + (_pipeline_source(hf_kind) if pp > 1 else "")
+               + (_recompute_source() if lay["recompute"] != "none" else ""))
     return header + imports + "\n" + helpers + literals + BODY
 
 

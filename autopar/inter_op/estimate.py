@@ -127,8 +127,12 @@ def _unit_load(u: UnitCost, is_layer: bool, layout: Layout, dp_link: AxisLink, c
     tp_exposed = _exposed(tp, compute, cluster) if fw.tp_comm_overlap and layout.sp else tp
     act, extra, recompute = u.activation_bytes, u.transient_bytes, 0.0
     if is_layer and layout.recompute == "full":
-        recompute = u.fwd_s + u.tp_fwd_s
+        recompute = u.full_recompute_s + u.tp_fwd_s
         act, extra = u.input_bytes, max(extra, u.activation_bytes)
+    elif is_layer and layout.recompute == "selective" and fw.selective_recompute == "attention_module":
+        recompute = u.attention_module_recompute_s
+        act = u.activation_bytes - u.attention_module_saved_bytes
+        extra = max(extra, u.attention_module_saved_bytes)
     elif is_layer and layout.recompute == "selective":
         recompute = u.attention_fwd_s
         act = u.activation_bytes - u.attention_saved_bytes
@@ -263,7 +267,7 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
     iteration = sum(breakdown.values())
     flops = flops or ModelFlops.of(graph)
     model_flops = flops.model_per_sample * global_batch
-    hw_flops = flops.hardware_per_sample * global_batch + _recompute_flops(costs, keys, layout, global_batch)
+    hw_flops = flops.hardware_per_sample * global_batch + _recompute_flops(costs, keys, layout, global_batch, ctx)
     n = layout.devices
     peak = max(s.memory_bytes for s in stages)
     return Estimate(
@@ -308,11 +312,14 @@ def _tied_state_bytes(costs: dict[str, UnitCost], layout: Layout, ctx: PassConte
     return ctx.state_bytes(sum(costs[POST].param_local[f] for f in shared), layout.dp, layout.zero)
 
 
-def _recompute_flops(costs: dict[str, UnitCost], keys: list[str], layout: Layout, global_batch: int) -> float:
+def _recompute_flops(costs: dict[str, UnitCost], keys: list[str], layout: Layout, global_batch: int,
+                     ctx: PassContext) -> float:
     micro = global_batch / max(1, layout.mbs)  # micro-batches over all dp ranks
     layers = [costs[k] for k in keys if k not in (PRE, POST)]
     if layout.recompute == "full":
-        return micro * sum(u.fwd_flops for u in layers)
+        return micro * sum(u.full_recompute_flops for u in layers)
+    if layout.recompute == "selective" and ctx.framework.selective_recompute == "attention_module":
+        return micro * sum(u.attention_module_recompute_flops for u in layers)
     if layout.recompute == "selective":
         return micro * sum(u.attention_fwd_flops for u in layers)
     if layout.recompute == "op":

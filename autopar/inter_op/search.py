@@ -137,6 +137,16 @@ def check_fixed(graph: OpGraph, cluster: Cluster, global_batch: int, fixed: dict
         raise AutoparError(f"global batch {global_batch} is not divisible by dp*mbs = {fixed['dp'] * fixed['mbs']}")
     if fixed.get("v", 1) > 1 and fixed.get("schedule", "interleaved") != "interleaved":
         raise AutoparError("v > 1 needs schedule=interleaved")
+    if fixed.get("schedule") == "interleaved" and fixed.get("pp", 2) > 1 and all(k in fixed for k in ("dp", "mbs")):
+        pp, v = fixed.get("pp", 1), fixed.get("v")
+        m = global_batch // (fixed["dp"] * fixed["mbs"])
+        if "pp" in fixed and m % max(1, m // pp):
+            raise AutoparError(f"interleaving {m} micro-batches over pp={pp} needs m to be a multiple of "
+                               f"max(1, m // pp) = {max(1, m // pp)} (torch's ScheduleInterleaved1F1B)")
+        layers = max(1, len(graph.layers))
+        if "pp" in fixed and v and layers < pp * v - 2:
+            raise AutoparError(f"interleaving v={v} chunks on pp={pp} stages needs at least {pp * v - 2} layers, "
+                               f"the model has {layers}")
 
 
 def layouts(graph: OpGraph, cluster: Cluster, global_batch: int, fixed: dict[str, Any],

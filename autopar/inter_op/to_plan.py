@@ -32,13 +32,44 @@ def _param_tp_placements(graph: OpGraph, strategies: dict[str, Strategy]) -> dic
     return out
 
 
+def interleaved_chunks(layers_per_stage: list[int], v: int) -> list[tuple[int, int]]:
+    """Layer ranges of the ``p * v`` chunks in pipeline order (chunk ``c`` runs on stage ``c % p``), each stage's
+    layers dealt over its ``v`` chunks as evenly as they go.  A short chunk goes where the embedding (first
+    chunk of the first stage) or the head (last chunk of the last stage) already adds work, as Llama 3
+    balances its pipeline; the layers need not divide ``p * v``."""
+    p = len(layers_per_stage)
+    sizes = []
+    for k, n in enumerate(layers_per_stage):
+        base, extra = divmod(n, v)
+        rounds = [base] * v
+        order = list(range(v - 1, -1, -1)) if k == 0 and p > 1 else list(range(v))
+        for r in order[:extra]:
+            rounds[r] += 1
+        sizes.append(rounds)
+    chunks, start = [], 0
+    for r in range(v):
+        for k in range(p):
+            chunks.append((start, start + sizes[k][r]))
+            start += sizes[k][r]
+    return chunks
+
+
+def _chunks_of(est: Estimate) -> list[tuple[int, int]]:
+    lay = est.layout
+    counts = [s.layers[1] - s.layers[0] for s in est.stages]
+    if lay.v == 1:
+        return [tuple(s.layers) for s in est.stages]
+    return interleaved_chunks(counts, lay.v)
+
+
 def _param_stages(graph: OpGraph, est: Estimate) -> dict[str, int]:
     """FQN -> the stage that owns it (tied parameters: the first stage that uses them)."""
     keys = unit_sequence(graph)
-    stage_of_unit = {}
-    for s in est.stages:
-        for u in range(*s.units):
-            stage_of_unit[u] = s.index
+    p = est.layout.pp
+    stage_of_unit = {0: 0, len(keys) - 1: p - 1}
+    for c, (lo, hi) in enumerate(_chunks_of(est)):
+        for layer in range(lo, hi):
+            stage_of_unit[1 + layer] = c % p
     first_layer_unit = 1
     out: dict[str, int] = {}
     seen_layer = False
@@ -67,10 +98,12 @@ def build_plan(*, graph: OpGraph, model_ref: str, config: dict[str, Any], cluste
                            "placements": placements, "aliases": list(p.aliases)}
     keys = unit_sequence(graph)
     per_stage = lay.dp * lay.tp
+    chunks = _chunks_of(estimate)
     stages = []
     for s in estimate.stages:
+        own = [list(c) for i, c in enumerate(chunks) if i % lay.pp == s.index]
         stages.append({
-            "index": s.index, "layers": list(s.layers),
+            "index": s.index, "layers": list(s.layers) if lay.v == 1 else None, "chunks": own,
             "has_embedding": s.units[0] == 0, "has_head": s.units[1] == len(keys),
             "ranks": [s.index * per_stage, (s.index + 1) * per_stage],
             "micro_batch": lay.mbs, "recompute": lay.recompute,
@@ -95,7 +128,7 @@ def build_plan(*, graph: OpGraph, model_ref: str, config: dict[str, Any], cluste
         model=model, cluster=cluster.to_dict(), global_batch=global_batch, seq_len=graph.seq_len,
         mesh={"axes": list(MESH_AXES), "shape": [lay.pp, lay.dp, lay.tp]}, layout=lay.to_dict(),
         stages=stages, schedule={"name": lay.schedule, "virtual_stages": lay.v,
-                                 "num_microbatches": lay.num_microbatches},
+                                 "num_microbatches": lay.num_microbatches, "chunks": [list(c) for c in chunks]},
         zero=lay.zero, parameters=parameters, estimate=estimate.to_dict(), op_strategies=ops,
         attention=ctx.attention,
     )

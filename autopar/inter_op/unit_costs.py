@@ -50,6 +50,11 @@ class UnitCost:
     attention_saved_bytes: float  # the s x s tensors math attention saves (dropped by selective recomputation)
     fwd_flops: float  # model FLOPs of the forward, whole tp group, one micro-batch
     attention_fwd_flops: float
+    attention_module_recompute_s: float = 0.0  # forward time re-run when the attention module is checkpointed
+    attention_module_saved_bytes: float = 0.0  # what its ops save, beyond the module's input
+    attention_module_recompute_flops: float = 0.0
+    full_recompute_s: float = 0.0  # forward time full recomputation re-runs (see ``_recompute_stop``)
+    full_recompute_flops: float = 0.0
     op_recompute_s: float = 0.0  # forward time of what per-op checkpointing recomputes (see ``_op_checkpoint``)
     op_saved_bytes: float = 0.0  # what per-op checkpointing keeps: the unit's input and the saved ops' outputs
     op_recompute_flops: float = 0.0
@@ -143,9 +148,52 @@ def _op_checkpoint_saves(node_op: str, product_index: int) -> bool:
     return node_op in PRODUCT_OPS and product_index % OP_CHECKPOINT_SAVES_EVERY == 1
 
 
+def _recompute_stop(graph: OpGraph, names: list[str], early_stop: bool) -> int:
+    """Index of the last op a recomputation re-runs.  Non-reentrant checkpointing stops as soon as every
+    tensor backward needs is back (``torch.utils.checkpoint``'s early stop), so the ops after the last one
+    whose output (or internal state) is saved are never re-run; reentrant checkpointing re-runs them all."""
+    if not early_stop:
+        return len(names) - 1
+    producers = {t.key.split(":", 1)[0] for name in names for t in graph[name].annotations.get("saved", ())}
+    return max((i for i, name in enumerate(names) if name in producers), default=len(names) - 1)
+
+
+ATTENTION_MODULE_NAMES = ("attn", "self_attn", "attention")  # as ``autopar.runtime.recompute`` finds it
+
+
+def _attention_module_nodes(graph: OpGraph, names: list[str]) -> list[str]:
+    """The ops of a layer that run inside its attention module (the child the runtime checkpoints for
+    ``recompute=selective``: named attn/self_attn/attention, or of a type whose name says attention)."""
+    prefix = {layer.index: layer.prefix for layer in graph.layers}
+    child_type: dict[str, str] = {}
+    for name in names:
+        n = graph[name]
+        if n.layer is None:
+            continue
+        rest = n.module[len(prefix[n.layer]) + 1:] if n.module.startswith(prefix[n.layer] + ".") else ""
+        if rest and "." not in rest:
+            child_type.setdefault(rest, n.module_type)
+    out = []
+    for name in names:
+        n = graph[name]
+        if n.layer is None or not n.module.startswith(prefix[n.layer] + "."):
+            continue
+        child = n.module[len(prefix[n.layer]) + 1:].split(".", 1)[0]
+        if child in ATTENTION_MODULE_NAMES or "attention" in child_type.get(child, "").lower():
+            out.append(name)
+    return out
+
+
 def _unit_cost(graph: OpGraph, names: list[str], strategies: dict[str, Strategy], mesh: MeshSpec, mbs: int,
                cluster: Cluster, ctx: PassContext) -> UnitCost:
     members = set(names)
+    stop = _recompute_stop(graph, names, ctx.framework.recompute_early_stop)
+    attn_nodes = _attention_module_nodes(graph, names)
+    attn_members = set(attn_nodes)
+    attn_stop = _recompute_stop(graph, attn_nodes, ctx.framework.recompute_early_stop) if attn_nodes else -1
+    attn_rank = {name: i for i, name in enumerate(attn_nodes)}
+    attn_module_s = attn_module_bytes = attn_module_flops = 0.0
+    full_recompute = full_recompute_flops = 0.0
     products = 0
     op_recompute = op_saved = op_recompute_flops = transient = 0.0
     modules: dict[str, float] = {}
@@ -156,10 +204,11 @@ def _unit_cost(graph: OpGraph, names: list[str], strategies: dict[str, Strategy]
     params_global: dict[str, int] = {}
     fwd_flops = attn_flops = 0.0
     seen: set[str] = set()
-    for name in names:
+    for i, name in enumerate(names):
         node = graph[name]
         strat = strategies[name]
         f, b = compute_s(node, graph, strat, mesh, mbs, cluster, ctx)
+        reruns = i <= stop
         fwd, bwd = fwd + f, bwd + b
         flops = node.annotations["flops"].fwd * graph.scale(node, mbs)
         fwd_flops += flops
@@ -168,11 +217,17 @@ def _unit_cost(graph: OpGraph, names: list[str], strategies: dict[str, Strategy]
             attn_flops += flops
         if node.op in PRODUCT_OPS and node.annotations["flops"].fwd > 0:
             products += 1
+        if reruns:
+            full_recompute += f
+            full_recompute_flops += flops
+        if attn_rank.get(name, attn_stop + 1) <= attn_stop:
+            attn_module_s += f
+            attn_module_flops += flops
         if _op_checkpoint_saves(node.op, products):
             op_saved += sum(o.numel_at(mbs) * (ctx.precision.activation_bytes if o.is_floating else o.itemsize)
                             / shard_factor(tuple(ax.outputs[j] for ax in strat), mesh)
                             for j, o in enumerate(node.outputs) if o is not None)
-        else:
+        elif reruns:
             op_recompute += f
             op_recompute_flops += flops
         refs = tensor_refs(node)
@@ -212,8 +267,13 @@ def _unit_cost(graph: OpGraph, names: list[str], strategies: dict[str, Strategy]
                 act += b_
                 if t.key.rsplit(":", 1)[-1] in ATTENTION_CORE_KEYS:
                     attn_bytes += b_
+                if name in attn_members and t.key.split(":", 1)[0] in attn_members:
+                    attn_module_bytes += b_  # made inside the module: freed when it is checkpointed
     return UnitCost(fwd, bwd, tp_fwd, tp_bwd, tp_sync, sum(params_global.values()), params, act,
                     input_bytes, attn_s, attn_bytes, fwd_flops, attn_flops,
+                    attention_module_recompute_s=attn_module_s, attention_module_saved_bytes=attn_module_bytes,
+                    attention_module_recompute_flops=attn_module_flops,
+                    full_recompute_s=full_recompute, full_recompute_flops=full_recompute_flops,
                     op_recompute_s=op_recompute, op_saved_bytes=input_bytes + op_saved,
                     op_recompute_flops=op_recompute_flops, transient_bytes=transient, param_modules=len(modules),
                     largest_module_params=max(modules.values(), default=0.0))

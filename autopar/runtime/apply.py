@@ -144,20 +144,10 @@ def _retie(model: nn.Module, plan: Plan) -> None:
 
 
 def _checkpoint(module: nn.Module, plan: Plan) -> None:
-    """Activation checkpointing per the plan: every block (``full``) or its attention (``selective``)."""
-    mode = plan.layout["recompute"]
-    if mode == "none" or not plan.model.get("layer_container"):
-        return
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    """Activation checkpointing per the plan (``autopar.runtime.recompute``)."""
+    from autopar.runtime.recompute import apply_recompute
 
-    blocks = module.get_submodule(plan.model["layer_container"])
-    for key, block in list(blocks.named_children()):
-        if mode == "full":
-            blocks.register_module(key, checkpoint_wrapper(block))
-            continue
-        for name, child in list(block.named_children()):
-            if "attention" in type(child).__name__.lower() or name in ("attn", "self_attn", "attention"):
-                block.register_module(name, checkpoint_wrapper(child))
+    apply_recompute(module, plan.model.get("layer_container"), plan.layout["recompute"])
 
 
 def _shard(module: nn.Module, plan: Plan, mesh: object, styles: dict | None) -> bool:

@@ -50,6 +50,8 @@ def stage_layer_ranges(plan: Plan) -> list[tuple[int, int]]:
     lay = plan.layout
     if lay["v"] == 1:
         return [tuple(s["layers"]) for s in plan.stages]
+    if "chunks" in plan.schedule:
+        return [tuple(c) for c in plan.schedule["chunks"]]
     return layer_chunks(plan.model["num_layers"], lay["pp"], lay["v"])
 
 

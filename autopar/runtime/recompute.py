@@ -1,0 +1,73 @@
+"""Activation checkpointing of the block stack, per the plan's ``recompute`` mode.
+
+- ``full``: every block is checkpointed; backward re-runs its forward from its input.
+- ``selective``: the attention module of every block is checkpointed.
+- ``op``: per-op selective checkpointing of every block, as torchtitan does it
+  (``torch.utils.checkpoint.create_selective_checkpoint_contexts``): the outputs of matrix products are
+  kept, except every second one, and so are attention's; everything else is recomputed.  This is what the
+  cost model prices as ``recompute=op`` (``autopar.inter_op.unit_costs``).
+
+Generated scripts carry this module's functions as they are (``inspect.getsource``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+ATTENTION_NAMES = ("attn", "self_attn", "attention")
+
+
+def _saved_by_op_checkpointing() -> tuple[set, set]:
+    """(products, attention kernels) whose outputs per-op checkpointing keeps."""
+    aten = torch.ops.aten
+    products = {aten.mm.default, aten.addmm.default, aten.bmm.default}
+    attention = {getattr(aten, name).default for name in (
+        "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+        if hasattr(aten, name)}
+    return products, attention
+
+
+def op_checkpoint_context():
+    """Contexts for ``torch.utils.checkpoint``: keep every other product's output and attention's."""
+    products, attention = _saved_by_op_checkpointing()
+    counts = {"forward": 0, "recompute": 0}
+
+    def policy(ctx, func, *args, **kwargs):
+        if func in products:
+            key = "recompute" if ctx.is_recompute else "forward"
+            counts[key] += 1
+            return CheckpointPolicy.MUST_SAVE if counts[key] % 2 == 1 else CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if func in attention else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def _op_checkpointed(block: nn.Module) -> nn.Module:
+    return checkpoint_wrapper(block, context_fn=op_checkpoint_context)
+
+
+def _is_attention(name: str, child: nn.Module) -> bool:
+    return "attention" in type(child).__name__.lower() or name in ATTENTION_NAMES
+
+
+def apply_recompute(module: nn.Module, container: str | None, mode: str) -> None:
+    """Checkpoint the blocks of ``module``'s stack ``container`` per ``mode`` (none/selective/op/full)."""
+    if mode == "none" or not container:
+        return
+    blocks = module.get_submodule(container)
+    for key, block in list(blocks.named_children()):
+        if mode == "full":
+            blocks.register_module(key, checkpoint_wrapper(block))
+        elif mode == "op":
+            blocks.register_module(key, _op_checkpointed(block))
+        else:  # selective: the attention of every block
+            for name, child in list(block.named_children()):
+                if _is_attention(name, child):
+                    block.register_module(name, checkpoint_wrapper(child))
+
+
+__all__ = ["apply_recompute", "op_checkpoint_context"]

@@ -1,0 +1,181 @@
+"""The estimate's runtime physics, each on its own: what overlaps, ZeRO-3 collective granularity, per-op
+checkpointing, loss transients, allocator fragmentation, uneven interleaving, framework profiles."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+from autopar.passes import PassContext
+
+from autopar.cluster import load_cluster
+from autopar.errors import AutoparError
+from autopar.framework import FRAMEWORKS, FrameworkSpecError, load_framework
+from autopar.frontend import trace_model
+from autopar.inter_op.layout import parse_fix
+from autopar.inter_op.search import search
+from autopar.inter_op.to_plan import interleaved_chunks
+
+GPT = {"layers": 8, "hidden": 1024, "heads": 16, "vocab": 8192, "seq_len": 1024}
+A100 = load_cluster("a100-80gb").with_overrides(gpus=256)
+TORCH = load_framework("torch")
+
+
+def _ctx(framework=TORCH, cluster=A100, attention="flash"):
+    return PassContext(cluster=cluster, attention=attention, framework=framework)
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    return trace_model("gpt", GPT, ctx=_ctx()).graph
+
+
+def _estimate(graph, fix: str, framework=TORCH, cluster=A100, batch: int = 512):
+    res = search(graph, cluster, _ctx(framework, cluster), batch, parse_fix(fix), cluster.usable_memory_bytes)
+    return res.best.estimate
+
+
+def test_presets_load_and_bad_values_are_named(tmp_path):
+    for name in FRAMEWORKS:
+        assert load_framework(name).name == name
+    bad = tmp_path / "fw.toml"
+    bad.write_text('base = "torch"\nzero3_unit = "tensor"\n')
+    with pytest.raises(FrameworkSpecError, match="zero3_unit must be one of"):
+        load_framework(str(bad))
+    bad.write_text('base = "torch"\noverlap_grad_reduce = 1\n')
+    with pytest.raises(FrameworkSpecError, match="overlap_grad_reduce must be true or false"):
+        load_framework(str(bad))
+    with pytest.raises(FrameworkSpecError, match="unknown framework"):
+        load_framework("jax")
+
+
+def test_bucketed_gradient_reduction_hides_under_backward(gpt):
+    fix = "dp=256,tp=1,pp=1,mbs=2,recompute=none,zero=0"
+    after = _estimate(gpt, fix, TORCH.with_overrides(overlap_grad_reduce=False))
+    during = _estimate(gpt, fix, TORCH)
+    assert after.breakdown["dp_comm_exposed_s"] > 3 * during.breakdown["dp_comm_exposed_s"]
+    assert after.breakdown["compute_s"] == pytest.approx(during.breakdown["compute_s"])
+
+
+def test_zero3_per_parameter_collectives_cost_ring_latency_at_scale(gpt):
+    fix = "dp=256,tp=1,pp=1,mbs=2,recompute=none,zero=3"
+    block = _estimate(gpt, fix, TORCH)
+    per_param = _estimate(gpt, fix, TORCH.with_overrides(zero3_unit="parameter"))
+    waited = _estimate(gpt, fix, TORCH.with_overrides(zero3_unit="parameter", zero3_prefetch=False,
+                                                       list_collectives=True))
+    assert block.breakdown["dp_comm_exposed_s"] < per_param.breakdown["dp_comm_exposed_s"]
+    assert waited.iteration_time_s > 1.5 * block.iteration_time_s
+
+
+def test_tp_comm_overlap_hides_sequence_parallel_collectives():
+    cluster = A100.with_overrides(gpus=8)
+    g = trace_model("gpt", {**GPT, "hidden": 8192, "heads": 64, "layers": 4}, ctx=_ctx(cluster=cluster)).graph
+    fix = "dp=1,tp=8,pp=1,mbs=2,recompute=none,sp=on"
+    plain = _estimate(g, fix, TORCH, cluster, 8)
+    hidden = _estimate(g, fix, TORCH.with_overrides(tp_comm_overlap=True), cluster, 8)
+    assert hidden.breakdown["tp_comm_s"] < 0.5 * plain.breakdown["tp_comm_s"]
+
+
+def test_pipeline_p2p_overlap_and_scatter_gather():
+    cluster = A100.with_overrides(gpus=32)
+    g = trace_model("gpt", {**GPT, "hidden": 4096, "heads": 32}, ctx=_ctx(cluster=cluster)).graph
+    fix = "dp=1,tp=8,pp=4,mbs=1,recompute=none,sp=off,schedule=1f1b"
+    blocking = _estimate(g, fix, TORCH, cluster, 32)
+    split = _estimate(g, fix, TORCH.with_overrides(pp_scatter_gather=True), cluster, 32)
+    hidden = _estimate(g, fix, TORCH.with_overrides(pp_p2p_overlap=True), cluster, 32)
+    assert split.breakdown["pp_p2p_s"] < 0.5 * blocking.breakdown["pp_p2p_s"]  # 1/tp of the bytes cross nodes
+    assert hidden.breakdown["pp_p2p_s"] < 0.2 * blocking.breakdown["pp_p2p_s"]
+
+
+def test_op_checkpointing_sits_between_none_and_full(gpt):
+    base = "dp=16,tp=1,pp=1,mbs=4,zero=1"
+    cluster = A100.with_overrides(gpus=16)
+    est = {mode: _estimate(gpt, f"{base},recompute={mode}", TORCH, cluster, 64) for mode in ("none", "op", "full")}
+    assert est["none"].breakdown["recompute_s"] == 0
+    assert 0 < est["op"].breakdown["recompute_s"] < est["full"].breakdown["recompute_s"]
+    assert est["full"].peak_memory_bytes < est["op"].peak_memory_bytes < est["none"].peak_memory_bytes
+
+
+def test_unfused_loss_holds_fp32_logits_a_fused_one_does_not():
+    cluster = A100.with_overrides(gpus=8)
+    big_vocab = {**GPT, "vocab": 65536}
+    unfused = trace_model("gpt", big_vocab, ctx=_ctx(cluster=cluster)).graph
+    fused_fw = TORCH.with_overrides(fused_cross_entropy=True)
+    fused = trace_model("gpt", big_vocab, ctx=_ctx(fused_fw, cluster)).graph
+    fix = "dp=8,tp=1,pp=1,mbs=4,recompute=full,zero=3"
+    a = _estimate(unfused, fix, TORCH, cluster, 32)
+    b = _estimate(fused, fix, fused_fw, cluster, 32)
+    logits = 4 * 1024 * 65536
+    # fp32 log-probabilities (4 B) and 8 B of fp32 transients, against the 16-bit logits kept by a fused loss
+    assert a.peak_memory_bytes - b.peak_memory_bytes == pytest.approx(logits * (4 + 8 - 2), rel=0.02)
+    assert a.iteration_time_s > b.iteration_time_s
+
+
+def test_fragmentation_and_reserve_shrink_the_usable_memory():
+    c = load_cluster("a100-80gb")
+    assert c.usable_memory_bytes == pytest.approx((c.hbm_bytes - c.memory_reserve_bytes)
+                                                  / (1 + c.allocator_fragmentation))
+    assert dataclasses.replace(c, allocator_fragmentation=0.0).usable_memory_bytes > c.usable_memory_bytes
+
+
+def test_interleaving_layers_that_do_not_divide_the_chunks():
+    cluster = A100.with_overrides(gpus=16)
+    g = trace_model("gpt", {**GPT, "layers": 30}, ctx=_ctx(cluster=cluster)).graph  # 30 layers, 16 chunks of ~2
+    est = _estimate(g, "dp=1,tp=1,pp=8,mbs=1,schedule=interleaved,v=2,recompute=full,zero=0",
+                    TORCH, cluster.with_overrides(gpus=8), 24)
+    assert est.layout.schedule == "interleaved" and est.layout.v == 2
+    # m = 24 is not a multiple of pp = 8 ... but 24 // 8 = 3 rounds of 8: torch runs it
+    assert est.layout.num_microbatches == 24
+    one = _estimate(g, "dp=1,tp=1,pp=8,mbs=1,schedule=1f1b,recompute=full,zero=0", TORCH,
+                    cluster.with_overrides(gpus=8), 24)
+    assert est.breakdown["pp_bubble_s"] < 0.7 * one.breakdown["pp_bubble_s"]
+
+
+def test_interleaved_chunks_balance_the_ends():
+    # Llama 3: 126 layers on 16 stages; the first and last stage hold one layer fewer
+    counts = [7] + [8] * 14 + [7]
+    chunks = interleaved_chunks(counts, 4)
+    assert len(chunks) == 64 and chunks[0][0] == 0 and chunks[-1][1] == 126
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(chunks))  # contiguous, in pipeline order
+    size = lambda c: c[1] - c[0]
+    assert size(chunks[0]) == 1 and size(chunks[-1]) == 1  # the embedding's and the head's chunks are short
+    for stage, n in enumerate(counts):
+        assert sum(size(chunks[r * 16 + stage]) for r in range(4)) == n
+
+
+def test_torch_refuses_what_the_search_refuses(gpt):
+    with pytest.raises(AutoparError, match="multiple of max"):
+        search(gpt, A100.with_overrides(gpus=2), _ctx(cluster=A100.with_overrides(gpus=2)), 5,
+               parse_fix("pp=2,dp=1,tp=1,mbs=1,schedule=interleaved,v=2"), A100.usable_memory_bytes)
+
+
+def test_framework_limits_the_search(gpt):
+    cluster = A100.with_overrides(gpus=16)
+    res = search(gpt, cluster, _ctx(load_framework("deepspeed"), cluster), 64, parse_fix("pp=2,tp=1"),
+                 cluster.usable_memory_bytes, top_k=50)
+    seen = {(c.estimate.layout.schedule, c.estimate.layout.zero) for c in res.candidates}
+    assert {s for s, _ in seen} == {"1f1b"} and {z for _, z in seen} <= {0, 1}
+
+
+def test_priced_recomputation_is_what_torch_reruns():
+    """The products the cost model re-runs per recompute mode are the ones tests/test_recompute.py counts."""
+    from autopar.inter_op.search import UnitCostCache
+    from autopar.inter_op.unit_costs import unit_sequence
+
+    cfg = {"layers": 4, "hidden": 64, "heads": 4, "vocab": 128, "seq_len": 32}
+    h, s = cfg["hidden"], cfg["seq_len"]
+    square, wide = 2 * s * h * h, 2 * s * h * 4 * h  # forward FLOPs of a h x h and of a h x 4h product
+
+    def layer(framework):
+        ctx = _ctx(framework, A100.with_overrides(gpus=1))
+        g = trace_model("gpt", cfg, ctx=ctx).graph
+        costs, _ = UnitCostCache(g, ctx.cluster, ctx, "cbc", 60).get(1, 1, False, "fast")
+        return costs[unit_sequence(g)[1]]
+
+    torch_layer, megatron_layer = layer(TORCH), layer(load_framework("megatron-lm"))
+    assert torch_layer.op_recompute_flops == pytest.approx(2 * square)  # k and o
+    assert torch_layer.full_recompute_flops == pytest.approx(torch_layer.fwd_flops - wide)  # all but proj
+    assert megatron_layer.full_recompute_flops == pytest.approx(megatron_layer.fwd_flops)  # reentrant: all
+    attention = torch_layer.attention_fwd_flops
+    assert torch_layer.attention_module_recompute_flops == pytest.approx(3 * square + attention)  # q, k, v, core

@@ -1,0 +1,68 @@
+"""The kernel time model: GEMM tile and wave quantization, split-K, pipeline fill; flash attention."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from autopar.cluster import load_cluster
+from autopar.kernels import flash_attention_s, gemm_efficiency, gemm_s
+
+A100 = load_cluster("a100-80gb")
+H100 = load_cluster("h100-80gb")
+
+
+def test_a_large_gemm_runs_near_the_main_loop_efficiency():
+    eff = gemm_efficiency(A100, 8192, 8192, 8192)
+    k_fill = 8192 / (8192 + A100.gemm_k_overhead)
+    assert eff == pytest.approx(A100.gemm_efficiency * k_fill, rel=0.02)  # 256x128 tiles fill 32 x 64 / 108 waves
+
+
+def test_wave_quantization():
+    # 108 tiles of 128x128 fill one wave of A100's 108 SMs; 109 need a second, nearly empty one
+    full = gemm_efficiency(A100, 128 * 12, 128 * 9, 4096)
+    over = gemm_efficiency(A100, 128 * 12 + 1, 128 * 9, 4096)
+    assert over < 0.7 * full
+    # time barely changes when the output grows by one row: the extra wave costs a whole tile's time
+    assert gemm_s(A100, 128 * 12 + 1, 128 * 9, 4096) > 1.4 * gemm_s(A100, 128 * 12, 128 * 9, 4096)
+
+
+def test_tile_quantization_and_small_gemms():
+    # an output one element past a tile edge wastes most of the extra tile row
+    assert gemm_efficiency(A100, 4097, 4096, 4096) < gemm_efficiency(A100, 4096, 4096, 4096)
+    # tiny and skinny products are far from peak
+    assert gemm_efficiency(A100, 512, 512, 512) < 0.4
+    assert gemm_efficiency(A100, 16, 4096, 4096) < 0.2
+    assert gemm_efficiency(A100, 8192, 8192, 64) < 0.3  # attention's k = head_dim products
+
+
+def test_split_k_fills_the_machine_for_few_output_tiles():
+    # 4 tiles of output, a long reduction: splitting k beats running 4 of 108 SMs
+    m = n = 256
+    k = 65536
+    no_split = 4 / 108 * k / (k + A100.gemm_k_overhead) * A100.gemm_efficiency
+    assert gemm_efficiency(A100, m, n, k) > 3 * no_split
+
+
+def test_reduction_length_efficiency_grows_with_k():
+    effs = [gemm_efficiency(H100, 16384, 16384, k) for k in (256, 1024, 4096, 16384)]
+    assert effs == sorted(effs) and effs[0] < 0.6 * effs[-1]
+
+
+def test_batched_products_fill_waves_together():
+    # 108 heads of a 128x128 output fill one wave; a single one runs on a few SMs even split along k
+    assert gemm_efficiency(A100, 128, 128, 4096, batch=108) > 3 * gemm_efficiency(A100, 128, 128, 4096, batch=1)
+
+
+def test_cpu_has_no_quantization():
+    cpu = load_cluster("cpu")
+    assert gemm_efficiency(cpu, 1000, 1000, 1000) == pytest.approx(cpu.gemm_efficiency)
+
+
+def test_flash_attention_versions():
+    flops = 1e13
+    t1, t2, t3 = (flash_attention_s(H100, flops, v) for v in (1, 2, 3))
+    assert t1 > t2 > t3  # FlashAttention-2 is twice v1; v3 uses Hopper's wgmma
+    assert t2 == pytest.approx(flops / (H100.peak_flops * H100.attention_efficiency))
+    assert math.isclose(flash_attention_s(A100, flops, 3), flash_attention_s(A100, flops, 2))  # no v3 on Ampere
