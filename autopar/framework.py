@@ -80,6 +80,12 @@ class Framework:
     recompute_early_stop: bool
     """Checkpointing is non-reentrant and stops recomputing once backward has what it needs; ``False``:
     reentrant checkpointing re-runs the whole checkpointed forward."""
+    pipeline_split: Literal["balanced", "uniform"]
+    """How layers are dealt to pipeline stages: ``balanced`` by the stage DP (the plan's split, which the
+    runtime follows), or ``uniform`` (the same number per stage, embedding and head on the end stages)."""
+    grad_accumulation_fused: bool
+    """Gradient accumulation over micro-batches happens inside the weight-gradient GEMM (Megatron's
+    ``gradient_accumulation_fusion``); ``False``: a separate add per micro-batch (autograd)."""
     schedules: tuple[str, ...]
     """Pipeline schedules the framework implements (the search offers only these)."""
     zero_levels: tuple[int, ...]
@@ -103,6 +109,8 @@ class Framework:
             levels = getattr(self, key)
             if not levels or any(z not in (0, 1, 2, 3) for z in levels):
                 raise FrameworkSpecError(f"framework {self.name}: {key} must list ZeRO levels 0-3")
+        if self.pipeline_split not in ("balanced", "uniform"):
+            raise FrameworkSpecError(f"framework {self.name}: pipeline_split must be balanced or uniform")
         if self.selective_recompute not in ("attention_core", "attention_module"):
             raise FrameworkSpecError(f"framework {self.name}: selective_recompute must be attention_core or "
                                      "attention_module")

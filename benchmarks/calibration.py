@@ -21,6 +21,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from autopar.passes import PassContext
 from reference_runs import CALIBRATION, ReferenceRun, load_calibration, reference_run
 from rich.console import Console
 from rich.table import Table
@@ -37,23 +38,46 @@ PER_LAYER_VARIANTS = (("baseline_no_recompute", False, "none"), ("sequence_paral
 
 
 class TraceCache:
-    """One trace per (model, config, attention): rows of the same model share it."""
+    """One trace per (model, config, attention, framework) and one set of unit costs per tensor-parallel
+    fabric on top: rows of the same model share the trace and the intra-op solves."""
 
     def __init__(self) -> None:
         self._traces: dict[tuple, TracedModel] = {}
+        self._units: dict[tuple, UnitCostCache] = {}
+
+    def _key(self, run: ReferenceRun) -> tuple:
+        return (*run.model_key, run.framework, tuple(sorted(run.framework_overrides.items())))
 
     def get(self, run: ReferenceRun) -> TracedModel:
-        if run.model_key not in self._traces:
-            self._traces[run.model_key] = trace_model(run.model_ref, run.config, ctx=run.context())
-        return self._traces[run.model_key]
+        key = self._key(run)
+        if key not in self._traces:
+            self._traces[key] = trace_model(run.model_ref, run.config, ctx=run.context())
+        return self._traces[key]
+
+    def unit_costs(self, run: ReferenceRun, ctx: PassContext) -> UnitCostCache:
+        """Unit costs depend on the tp group's links, which only the node size and its fabric decide."""
+        c = run.cluster
+        key = (self._key(run), c.name, c.gpus_per_node, c.intra_node_bandwidth_bytes_per_s)
+        if key not in self._units:
+            self._units[key] = UnitCostCache(self.get(run).graph, c, ctx, "cbc", 60.0)
+        return self._units[key]
+
+
+def search_run(run: ReferenceRun, traces: TraceCache):
+    """The search for a row's published layout, sharing traces and unit costs with the other rows."""
+    traced = traces.get(run)
+    ctx = run.context()
+    cache = traces.unit_costs(run, ctx)
+    if cache.ctx != ctx:  # same fabric, other cluster size: the unit costs still apply
+        cache.ctx = ctx
+    return search(traced.graph, run.cluster, ctx, run.global_batch, run.fixed, run.cluster.usable_memory_bytes,
+                  cache=cache)
 
 
 def estimate_run(run: ReferenceRun, traces: TraceCache) -> dict[str, Any]:
     """The estimate of one whole-run row, with its error against the measurement."""
     t0 = time.perf_counter()
-    traced = traces.get(run)
-    ctx = run.context()
-    res = search(traced.graph, run.cluster, ctx, run.global_batch, run.fixed, run.cluster.usable_memory_bytes)
+    res = search_run(run, traces)
     if res.best is None:
         return {"case_id": run.case_id, "framework": run.framework, "gpus": run.cluster.gpus, "fixed": run.fixed,
                 "error": None, "fits": False, "note": "no layout of the search space matches the published one"}

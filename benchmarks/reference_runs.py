@@ -296,6 +296,21 @@ def reference_run(case: dict[str, Any]) -> ReferenceRun:
         per_layer_ms=case.get("measured_per_layer_ms", {}))
 
 
+#: A sweep run's "kernel" field -> (attention kernel, RMSNorm implementation).  "fused" is Megatron-LM's
+#: fused scale-mask-softmax around unfused products, "torch" plain PyTorch ops; the "RMS kernel" is a
+#: fused RMSNorm, the other runs compute RMSNorm op by op.
+def kernels_of(kernel: str) -> tuple[str, str]:
+    k = kernel.lower()
+    norm = "fused" if "rms kernel" in k else "eager"
+    if "flash_attention2" in k or "flash-attention-2" in k or "flash_attn2" in k:
+        return "flash", norm
+    if "flash" in k:
+        return "flash1", norm
+    if "fused" in k:
+        return "math", norm
+    return "eager", norm
+
+
 def sweep_runs(name: str, sweep: dict[str, Any]) -> list[ReferenceRun]:
     """Every run of a measured layout sweep as planner inputs."""
     base = {"source": sweep.get("about", name), "case_id": name, "model": sweep["model"],
@@ -305,10 +320,10 @@ def sweep_runs(name: str, sweep: dict[str, Any]) -> list[ReferenceRun]:
         lay = {k: r[k] for k in ("tp", "pp", "dp", "micro_batch", "recompute", "sequence_parallel") if k in r}
         case = {**base, "layout": lay, "measured": {"iteration_time_s": r["step_time_s"]}}
         run = reference_run(case)
-        kernel = str(r.get("kernel", ""))
-        attention = "flash" if "flash" in kernel else "math"
+        attention, norm = kernels_of(str(r.get("kernel", "")))
+        config = {**run.config, "rms_norm": norm} if run.model_ref == "llama" else run.config
         runs.append(ReferenceRun(
-            case_id=f"{name} #{i}", source=run.source, model_ref=run.model_ref, config=run.config,
+            case_id=f"{name} #{i}", source=run.source, model_ref=run.model_ref, config=config,
             cluster=run.cluster, framework=run.framework, framework_overrides=run.framework_overrides,
             attention=attention, global_batch=run.global_batch,
             fixed=run.fixed, measured_s=run.measured_s, searched=run.searched))

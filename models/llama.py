@@ -26,6 +26,7 @@ class LlamaConfig:
     seq_len: int = 4096
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    rms_norm: str = "fused"  # "fused": torch's RMSNorm kernel; "eager": the same formula in separate ops
 
     def __post_init__(self) -> None:
         if self.kv_heads is None:
@@ -34,6 +35,26 @@ class LlamaConfig:
             raise ValueError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads})")
         if self.heads % self.kv_heads:
             raise ValueError(f"heads ({self.heads}) must be divisible by kv_heads ({self.kv_heads})")
+        if self.rms_norm not in ("fused", "eager"):
+            raise ValueError(f"rms_norm must be 'fused' or 'eager', got {self.rms_norm!r}")
+
+
+class EagerRMSNorm(nn.Module):
+    """RMSNorm written out op by op (``x * rsqrt(mean(x^2) + eps) * weight``), as implementations without a
+    fused kernel run it: one kernel per op."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rms_norm(cfg: LlamaConfig) -> nn.Module:
+    return nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps) if cfg.rms_norm == "fused" else EagerRMSNorm(cfg.hidden,
+                                                                                                  cfg.norm_eps)
 
 
 def rope_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,9 +104,9 @@ class FeedForward(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
-        self.attn_norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
+        self.attn_norm = rms_norm(cfg)
         self.attn = Attention(cfg)
-        self.ffn_norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
+        self.ffn_norm = rms_norm(cfg)
         self.ffn = FeedForward(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -99,7 +120,7 @@ class Llama(nn.Module):
         self.cfg = cfg
         self.tok = nn.Embedding(cfg.vocab, cfg.hidden)
         self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.layers)})
-        self.norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
+        self.norm = rms_norm(cfg)
         self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
         cos, sin = rope_tables(cfg.hidden // cfg.heads, cfg.seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -131,5 +152,5 @@ class Llama(nn.Module):
 
 
 def build_model(**config) -> Llama:
-    """Build a Llama from config keys ``layers, hidden, heads, kv_heads, ffn, vocab, seq_len``."""
+    """Build a Llama from config keys ``layers, hidden, heads, kv_heads, ffn, vocab, seq_len, rms_norm``."""
     return Llama(LlamaConfig(**config))

@@ -58,7 +58,7 @@ def test_sequence_parallel_splits_the_stream_between_the_pairs(tmp_path):
 
 def test_a_single_block_stage_enters_and_leaves_the_split_stream(tmp_path):
     cfg = ["--config", "layers=2,hidden=512,heads=8,vocab=256,seq_len=16", "--cluster", "cpu", "--global-batch", "8"]
-    plan, _ = _specs(tmp_path, "llama", cfg, "pp=2,tp=2,sp=on")
+    plan, _ = _specs(tmp_path, "llama", cfg, "pp=2,tp=2,sp=on,schedule=1f1b")
     specs = tp_style_specs(plan, prune_to_stage(model_on_meta(plan), plan, 0))
     assert specs["blocks.0"] == ("PrepareActivation", {"input_layouts": "Replicate()",
                                                        "desired_input_layouts": "Shard(1)",

@@ -217,12 +217,13 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
     loads = [by_key[k] for k in keys]
     in_flight = [in_flight_microbatches(layout.schedule, i, p, m, v) for i in range(p)]
     tie_bytes = _tied_state_bytes(costs, layout, ctx) if p == 1 else 0.0
-    split = _split(keys, by_key, loads, in_flight, memory_budget_bytes + tie_bytes)
+    uniform = ctx.framework.pipeline_split == "uniform"
+    split = _split(keys, by_key, loads, in_flight, memory_budget_bytes + tie_bytes, uniform)
     fits = split is not None
     if split is None and not allow_spill:
         return None
     if split is None:  # report the best split ignoring memory, marked as not fitting
-        split = _split(keys, by_key, loads, in_flight, float("inf"))
+        split = _split(keys, by_key, loads, in_flight, float("inf"), uniform)
         if split is None:
             return None
     if v > 1 and not _chunks_fit(split, p, v, len(keys)):
@@ -239,12 +240,14 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
         # one transfer each way per neighbour and micro-batch, for every chunk with interleaving
         p2p = neighbours * _p2p_s(boundary, layout, pp_link, tp_link, ctx) * v if p > 1 else 0.0
         p2p_cost = cluster.overlap_slowdown * p2p if fw.pp_p2p_overlap else p2p
+        local = sum(costs[key].params_local for key in keys[a:b])
+        accumulate = _grad_accumulation_s(local, layout, cluster, ctx)
         t = sum(x.time_s for x in units) + p2p_cost
         stage_times.append(t)
-        local = sum(costs[key].params_local for key in keys[a:b])
         dp_exposed = max(dp_exposed, _dp_sync_exposed(local, sum(x.bwd_s for x in units), sum(x.fwd_s for x in units),
                                                       layout, dp_link, cluster, ctx))
-        per_stage.append({"compute": sum(x.compute_s for x in units), "tp": sum(x.tp_s for x in units),
+        per_stage.append({"compute": sum(x.compute_s for x in units), "accumulate": accumulate,
+                          "tp": sum(x.tp_s for x in units),
                           "recompute": sum(x.recompute_s for x in units), "p2p": p2p_cost,
                           "zero3": sum(x.zero3_exposed_s for x in units), "local": local})
         layer_idx = [i - 1 for i in range(a, b) if 0 < i < len(keys) - 1]
@@ -252,12 +255,13 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
         stages.append(StageEstimate(k, (a, b), layers, t, split.stage_memory_bytes[k] - tie_bytes))
     bottleneck = max(range(p), key=lambda k: stage_times[k])
     bn = per_stage[bottleneck]
+    accumulation_s = max(s["accumulate"] for s in per_stage)
     local_opt = max(s["local"] for s in per_stage) / (layout.dp if layout.zero >= 1 else 1)
     optimizer_s = memory_s(cluster, local_opt * ADAM_BYTES_PER_PARAM)
     tp_sync = max(sum(costs[key].tp_sync_s for key in keys[s.units[0]:s.units[1]]) for s in stages)
     bubble = bubble_s(stage_times, v)
     breakdown = {
-        "compute_s": m * bn["compute"] + optimizer_s,
+        "compute_s": m * bn["compute"] + optimizer_s + accumulation_s,
         "tp_comm_s": m * bn["tp"] + tp_sync,
         "recompute_s": m * bn["recompute"],
         "pp_p2p_s": m * bn["p2p"],
@@ -278,6 +282,18 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
         fits=fits and peak <= memory_budget_bytes, breakdown=breakdown, stages=tuple(stages), framework=fw.name)
 
 
+def _grad_accumulation_s(local_params: float, layout: Layout, cluster: Cluster, ctx: PassContext) -> float:
+    """Adding every micro-batch's gradients after the first into the gradient buffer: autograd's
+    ``AccumulateGrad`` reads the buffer and the new gradient and writes the sum (3 passes over the gradient
+    bytes one device holds; ZeRO-2/3 accumulate their shard).  Megatron fuses it into the weight-gradient
+    GEMM (``Framework.grad_accumulation_fused``)."""
+    fw = ctx.framework
+    if layout.num_microbatches <= 1 or fw.grad_accumulation_fused:
+        return 0.0
+    shard = layout.dp if layout.zero >= 2 and layout.dp > 1 else 1
+    return (layout.num_microbatches - 1) * memory_s(cluster, 3 * local_params * fw.main_grad_bytes / shard)
+
+
 def _chunks_fit(split: StageSplit, p: int, v: int, num_units: int) -> bool:
     """Interleaving cuts every stage into ``v`` chunks: a stage needs ``v`` layers, one fewer at either end
     of the pipeline, whose first (last) chunk may hold only the embedding (head), as in Llama 3."""
@@ -289,9 +305,34 @@ def _chunks_fit(split: StageSplit, p: int, v: int, num_units: int) -> bool:
     return True
 
 
+def _uniform_split(loads: list[_UnitLoad], in_flight: list[float], budget: float) -> StageSplit | None:
+    """Layers dealt out evenly (earlier stages one more), embedding on the first stage and head on the last,
+    as Megatron-LM and DeepSpeed's ``type:transformer`` partition do; ``None`` if a stage does not fit."""
+    p, n = len(in_flight), len(loads) - 2
+    if p > n:
+        return None
+    base, extra = divmod(n, p)
+    bounds = [0]
+    for k in range(p):
+        bounds.append(bounds[-1] + base + (1 if k < extra else 0) + (1 if k == 0 else 0))
+    bounds[-1] += 1  # the head
+    times, mems = [], []
+    for k in range(p):
+        units = loads[bounds[k]:bounds[k + 1]]
+        times.append(sum(u.time_s for u in units))
+        mems.append(sum(u.state_bytes for u in units) + in_flight[k] * sum(u.activation_bytes for u in units)
+                    + max(u.extra_bytes for u in units))
+    if max(mems) > budget:
+        return None
+    return StageSplit(tuple(bounds), tuple(times), tuple(mems))
+
+
 def _split(keys: list[str], by_key: dict[str, _UnitLoad], loads: list[_UnitLoad], in_flight: list[float],
-           budget: float) -> StageSplit | None:
-    """The stage DP; the closed form when every layer is alike (the common case)."""
+           budget: float, uniform: bool = False) -> StageSplit | None:
+    """The stage DP (the closed form when every layer is alike, the common case), or the framework's own
+    uniform split."""
+    if uniform and len(in_flight) > 1:
+        return _uniform_split(loads, in_flight, budget)
     layer_keys = set(keys[1:-1])
     if len(layer_keys) == 1:
         pre, layer, post = (_as_solver_load(by_key[k]) for k in (keys[0], keys[1], keys[-1]))

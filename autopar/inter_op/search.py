@@ -220,11 +220,16 @@ def _lower_bound(costs: dict[str, UnitCost], sequence: list[str], layout: Layout
 
 def search(graph: OpGraph, cluster: Cluster, ctx: PassContext, global_batch: int, fixed: dict[str, Any],
            memory_budget_bytes: float, backend: Backend = "cbc", time_limit_s: float = 60.0, top_k: int = 1,
-           progress: Callable[[int], None] | None = None) -> SearchResult:
-    """The ``top_k`` fastest layouts that fit (or, if none fits, the closest ones marked ``fits=False``)."""
+           progress: Callable[[int], None] | None = None, cache: UnitCostCache | None = None) -> SearchResult:
+    """The ``top_k`` fastest layouts that fit (or, if none fits, the closest ones marked ``fits=False``).
+
+    ``cache``: unit costs (and the intra-op solves behind them) to reuse across searches of the same graph,
+    tensor-parallel fabric and context; its solves are counted from zero here either way."""
     t0 = time.perf_counter()
     check_fixed(graph, cluster, global_batch, fixed)
-    cache = UnitCostCache(graph, cluster, ctx, backend, time_limit_s)
+    if cache is None or cache.graph is not graph or cache.ctx != ctx:
+        cache = UnitCostCache(graph, cluster, ctx, backend, time_limit_s)
+    solves_before = cache.solves
     sequence = unit_sequence(graph)
     flops = ModelFlops.of(graph)
     fitting: list[Candidate] = []
@@ -249,7 +254,7 @@ def search(graph: OpGraph, cluster: Cluster, ctx: PassContext, global_batch: int
             del bucket[max(top_k, 1) * 4:]
     chosen = _distinct(fitting, top_k) if fitting else _distinct(sorted(spill, key=_spill_rank), top_k)
     status = "feasible" if cache.statuses - {"optimal"} else "optimal"
-    return SearchResult(chosen, evaluated, cache.solves, time.perf_counter() - t0, status)
+    return SearchResult(chosen, evaluated, cache.solves - solves_before, time.perf_counter() - t0, status)
 
 
 def _layout_key(layout: Layout) -> tuple:
