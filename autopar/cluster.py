@@ -190,6 +190,15 @@ class Cluster:
         except TypeError as exc:
             raise ClusterSpecError(str(exc)) from exc
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Cluster:
+        """The inverse of ``to_dict`` (a plan's ``cluster``): JSON lists back to tuples."""
+        values = dict(data)
+        for key in _TRIPLES:
+            values[key] = tuple(values[key])
+        values["gemm_tiles"] = tuple(tuple(t) for t in values["gemm_tiles"])
+        return cls(**values)
+
     def to_dict(self) -> dict[str, Any]:
         out = {}
         for f in fields(self):

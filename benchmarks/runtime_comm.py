@@ -94,7 +94,7 @@ def measure(plan_path: Path) -> dict:
             trainer.step(inputs)
     finally:
         dist.destroy_process_group()
-    cluster = Cluster(**plan.cluster)  # the cluster the plan was made for, overrides included
+    cluster = Cluster.from_dict(plan.cluster)  # the cluster the plan was made for, overrides included
     shape = tuple(plan.layout[a] for a in ("pp", "dp", "tp"))
     tp_link = mesh_links(cluster, shape)[2]
     by_kind: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
