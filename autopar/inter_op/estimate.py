@@ -30,6 +30,7 @@ breakdown adds up to it.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -101,6 +102,11 @@ class _UnitLoad:
     state_bytes: float
     activation_bytes: float
     extra_bytes: float
+
+
+@functools.lru_cache(maxsize=4096)
+def _axis_link(cluster: Cluster, size: int, stride: int) -> AxisLink:
+    return axis_link(cluster, size, stride)
 
 
 def _exposed(comm_s: float, compute_s: float, cluster: Cluster) -> float:
@@ -205,16 +211,20 @@ def _p2p_s(boundary_bytes: float, layout: Layout, pp_link: AxisLink, tp_link: Ax
 
 def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, global_batch: int,
                     cluster: Cluster, ctx: PassContext, memory_budget_bytes: float,
-                    flops: ModelFlops | None = None, allow_spill: bool = True) -> Estimate | None:
+                    flops: ModelFlops | None = None, allow_spill: bool = True,
+                    prune_above_s: float | None = None) -> Estimate | None:
     """Estimate ``layout``.  When no stage split fits ``memory_budget_bytes``: the best split ignoring
-    memory, marked ``fits=False``, if ``allow_spill``, else ``None``."""
+    memory, marked ``fits=False``, if ``allow_spill``, else ``None``.  ``prune_above_s``: return ``None`` as
+    soon as a perfectly balanced pipeline of these units would already be slower (the search's cut-off)."""
     keys = unit_sequence(graph)
     p, m, v = layout.pp, layout.num_microbatches, layout.v
-    dp_link = axis_link(cluster, layout.dp, layout.tp)
-    tp_link = axis_link(cluster, layout.tp, 1)
-    pp_link = axis_link(cluster, p, layout.dp * layout.tp)
-    by_key = {k: _unit_load(costs[k], k not in (PRE, POST), layout, dp_link, cluster, ctx) for k in set(keys)}
+    dp_link = _axis_link(cluster, layout.dp, layout.tp)
+    tp_link = _axis_link(cluster, layout.tp, 1)
+    pp_link = _axis_link(cluster, p, layout.dp * layout.tp)
+    by_key = {k: _unit_load(costs[k], k not in (PRE, POST), layout, dp_link, cluster, ctx) for k in dict.fromkeys(keys)}
     loads = [by_key[k] for k in keys]
+    if prune_above_s is not None and m * sum(x.time_s for x in loads) / p >= prune_above_s:
+        return None
     in_flight = [in_flight_microbatches(layout.schedule, i, p, m, v) for i in range(p)]
     tie_bytes = _tied_state_bytes(costs, layout, ctx) if p == 1 else 0.0
     uniform = ctx.framework.pipeline_split == "uniform"

@@ -213,8 +213,11 @@ def _schedules(pp: int, m: int, layers: int, fixed: dict[str, Any], fw: Framewor
 def _lower_bound(costs: dict[str, UnitCost], sequence: list[str], layout: Layout, ctx: PassContext) -> float:
     """Iteration time if every stage were perfectly balanced and nothing else cost anything."""
     hidden_tp = ctx.framework.tp_comm_overlap and layout.sp
-    total = sum(costs[k].fwd_s + costs[k].bwd_s + (0.0 if hidden_tp else costs[k].tp_fwd_s + costs[k].tp_bwd_s)
-                for k in sequence)
+    counts: dict[str, int] = {}
+    for k in sequence:
+        counts[k] = counts.get(k, 0) + 1
+    total = sum(n * (costs[k].fwd_s + costs[k].bwd_s + (0.0 if hidden_tp else costs[k].tp_fwd_s + costs[k].tp_bwd_s))
+                for k, n in counts.items())
     return layout.num_microbatches * total / layout.pp
 
 
@@ -238,11 +241,11 @@ def search(graph: OpGraph, cluster: Cluster, ctx: PassContext, global_batch: int
     for layout in layouts(graph, cluster, global_batch, fixed, ctx.framework):
         for variant in VARIANTS if layout.tp > 1 else VARIANTS[:1]:
             costs, strategies = cache.get(layout.tp, layout.mbs, layout.sp, variant)
-            bound = _lower_bound(costs, sequence, layout, ctx)
-            if len(fitting) >= top_k and bound >= fitting[top_k - 1].estimate.iteration_time_s:
+            cutoff = fitting[top_k - 1].estimate.iteration_time_s if len(fitting) >= top_k else None
+            if cutoff is not None and _lower_bound(costs, sequence, layout, ctx) >= cutoff:
                 continue
             est = estimate_layout(graph, costs, layout, global_batch, cluster, ctx, memory_budget_bytes, flops,
-                                  allow_spill=not fitting)
+                                  allow_spill=not fitting, prune_above_s=cutoff)
             evaluated += 1
             if progress is not None:
                 progress(evaluated)
