@@ -62,6 +62,9 @@ class Framework:
     """ZeRO-3 gathers the next unit while the current one computes; ``False``: it waits for each gather."""
     zero3_reshard_after_forward: bool
     """ZeRO-3 frees gathered weights after forward and gathers them again for backward."""
+    zero3_copy_bytes_per_param: float
+    """HBM bytes per gathered parameter and micro-batch that ZeRO-3 spends copying into and out of its
+    collective buffers and casting gradients to the reduce dtype (on the compute's critical path)."""
     list_collectives: bool
     """ZeRO-3 uses ``torch.distributed``'s list-of-tensors collectives, which copy every rank's part with a
     kernel of its own."""

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -43,6 +45,30 @@ def build_fake(module: ModuleType, config: dict[str, Any], ref: str,
         return modelfile.build(module, config, ref), config
 
 
+#: Models are traced in the 16-bit precision they train in, so that the fp32 upcasts their code makes
+#: (an fp32 RMSNorm, rotary tables, a loss on ``logits.float()``) show as 4-byte tensors.
+TRACE_DTYPE = torch.bfloat16
+
+
+def _to_trace_dtype(model: nn.Module) -> nn.Module:
+    """Cast a fake model's floating parameters and buffers to ``TRACE_DTYPE`` in place, in its own fake mode.
+    (``Module.to`` would swap fake tensors, which their mode's weak references forbid.)  Tied parameters
+    stay tied."""
+    fake = next((t.fake_mode for t in [*model.parameters(), *model.buffers()] if hasattr(t, "fake_mode")), None)
+    cast: dict[int, nn.Parameter] = {}
+    with fake if fake is not None else contextlib.nullcontext():
+        for module in model.modules():
+            for name, p in list(module._parameters.items()):
+                if p is not None and p.is_floating_point():
+                    if id(p) not in cast:
+                        cast[id(p)] = nn.Parameter(p.detach().to(TRACE_DTYPE), requires_grad=p.requires_grad)
+                    module._parameters[name] = cast[id(p)]
+            for name, b in list(module._buffers.items()):
+                if b is not None and b.is_floating_point():
+                    module._buffers[name] = b.to(TRACE_DTYPE)
+    return model
+
+
 def trace_model(ref: str, config: dict[str, Any] | None = None, seq_len: int | None = None,
                 ctx: PassContext | None = None, every_layer: bool = False) -> TracedModel:
     """Load ``ref``, build it on fake tensors, trace one sample and run the default pass pipeline.
@@ -52,6 +78,7 @@ def trace_model(ref: str, config: dict[str, Any] | None = None, seq_len: int | N
     config = dict(config or {})
     module = modelfile.load_module(ref)
     model, config = build_fake(module, config, ref, seq_len)
+    model = _to_trace_dtype(model)
     seq = seq_len if seq_len is not None else modelfile.infer_seq_len(model, config)
     if seq < 1:
         raise ModelFileError(f"sequence length must be >= 1, got {seq}")

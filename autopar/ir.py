@@ -212,6 +212,20 @@ class OpGraph:
     def num_parameters(self) -> int:
         return sum(p.numel for p in self.params.values())
 
+    @property
+    def compute_itemsize(self) -> int:
+        """Bytes per element of the floating parameters: the precision the model computes in.  A floating
+        tensor wider than that is an explicit upcast in the model's code (``x.float()``)."""
+        sizes = [DTYPE_BYTES.get(p.dtype, 4) for p in self.params.values() if is_floating(p.dtype)]
+        return min(sizes) if sizes else 4
+
+    def width(self, t: TensorInfo, activation_bytes: int) -> int:
+        """Bytes per element a tensor moves: integers their own size; floating tensors the precision policy's
+        activation width, unless the model upcasts them beyond its compute precision."""
+        if not t.is_floating:
+            return t.itemsize
+        return t.itemsize if t.itemsize > self.compute_itemsize else activation_bytes
+
     def layer_types(self) -> dict[str, list[int]]:
         """Structural hash -> indices of the layers with that structure (identical layers share a hash)."""
         types: dict[str, list[int]] = {}

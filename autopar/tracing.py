@@ -56,6 +56,10 @@ VIEW_IF_CONTIGUOUS_OPS = frozenset({
     "aten.reshape.default", "aten.flatten.using_ints", "aten.contiguous.default", "aten.view_as.default",
 })
 
+#: Dtype conversions, which return their input unchanged when it already has the target dtype.
+CONVERSION_OPS = frozenset({"aten.to.dtype", "aten.to.dtype_layout", "aten.to.device", "aten.type_as.default",
+                            "aten._to_copy.default"})
+
 #: Blocks exported when the stack is repeated (the last is the template, the one before it checks its wiring).
 TRACED_LAYERS = 3
 
@@ -350,6 +354,10 @@ def _alias_source(fx_node: torch.fx.Node) -> str | None:
     val = src.meta.get("val")
     if op in VIEW_IF_CONTIGUOUS_OPS and isinstance(val, torch.Tensor) and val.is_contiguous():
         return src.name
+    out = fx_node.meta.get("val")
+    if (op in CONVERSION_OPS and isinstance(val, torch.Tensor) and isinstance(out, torch.Tensor)
+            and out.dtype == val.dtype and out.shape == val.shape and out.device == val.device):
+        return src.name  # a conversion to the dtype it already has returns its input
     return None
 
 

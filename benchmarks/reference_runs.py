@@ -4,7 +4,8 @@ Each row of ``calibration.json`` (and each run of a sweep in ``sweeps.json``) na
 global batch, parallel layout and what was measured.  This module turns a row into what ``autopar plan``
 takes, from the row's own published facts only:
 
-- **model**: Llama rows use the zoo's ``llama`` (RMSNorm, RoPE, SwiGLU, GQA); every other row the zoo's
+- **model**: Llama rows use the zoo's ``llama`` (RMSNorm, RoPE, SwiGLU, GQA; RoPE in fp32 and RMSNorm fused or
+  in fp32 as torchtitan's configs ran them); every other row the zoo's
   ``gpt`` (learned positions, LayerNorm, GeLU, biases, tied embeddings: GPT-2/3 and MPT, whose benchmark
   configs keep learned positions and biases).  Rows that ran Megatron-LM's 2021-22 argument defaults keep
   its dropout of 0.1 (``--attention-dropout`` and ``--hidden-dropout`` default to 0.1 and the published
@@ -116,7 +117,9 @@ def framework_overrides_of(case: dict[str, Any]) -> dict[str, Any]:
     if str(lay.get("ddp_impl", "")).lower() == "torch":
         out["overlap_grad_reduce"] = True  # PyTorch DDP's bucketed all-reduce from autograd hooks
     if str(lay.get("mp_mode", "")).upper() == "PURE":
-        out["grad_reduce_bytes"] = 2  # FSDP mixed precision PURE reduces in bf16
+        out["grad_reduce_bytes"] = 2  # FSDP mixed precision PURE reduces in bf16 ...
+        if framework_of(case) == "llm-foundry":
+            out["zero3_copy_bytes_per_param"] = 0  # ... so nothing is cast (and FSDP1 copies nothing)
     precision = _lower(lay.get("precision"))
     if "bf16" in precision and framework_of(case) == "megatron-lm":
         out["grad_reduce_bytes"] = 4  # bf16 forces fp32 gradient accumulation and all-reduce
@@ -149,9 +152,15 @@ def model_of(case: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """Zoo model and config of a row."""
     m = case["model"]
     if "llama" in m["name"].lower():
-        return "llama", {"layers": m["layers"], "hidden": m["hidden"], "heads": m["heads"],
-                         "kv_heads": m.get("kv_heads") or m["heads"], "ffn": m["ffn"], "vocab": m["vocab"],
-                         "seq_len": m["seq_len"]}
+        cfg = {"layers": m["layers"], "hidden": m["hidden"], "heads": m["heads"],
+               "kv_heads": m.get("kv_heads") or m["heads"], "ffn": m["ffn"], "vocab": m["vocab"],
+               "seq_len": m["seq_len"]}
+        if "torchtitan" in _lower(case.get("source")):
+            # torchtitan's (and Meta's reference) Llama rotates q and k on xq.float() (models/llama/model.py);
+            # its train_configs of the performance.md commit (2024-04, aea510d) set norm_type fused_rmsnorm
+            # (a Triton kernel) for the 7B/8B/13B models and rmsnorm (on x.float()) for the 70B ones
+            cfg.update(rope="fp32", rms_norm="fp32" if m["hidden"] >= 8192 else "fused")
+        return "llama", cfg
     cfg: dict[str, Any] = {"layers": m["layers"], "hidden": m["hidden"], "heads": m["heads"], "vocab": m["vocab"],
                            "seq_len": m["seq_len"]}
     if m.get("ffn"):

@@ -26,7 +26,8 @@ class LlamaConfig:
     seq_len: int = 4096
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
-    rms_norm: str = "fused"  # "fused": torch's RMSNorm kernel; "eager": the same formula in separate ops
+    rms_norm: str = "fused"  # "fused": torch's RMSNorm kernel; "eager": op by op; "fp32": op by op in fp32
+    rope: str = "model"  # "model": rotate in the model's precision; "fp32": in fp32, as Meta's reference does
 
     def __post_init__(self) -> None:
         if self.kv_heads is None:
@@ -35,26 +36,32 @@ class LlamaConfig:
             raise ValueError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads})")
         if self.heads % self.kv_heads:
             raise ValueError(f"heads ({self.heads}) must be divisible by kv_heads ({self.kv_heads})")
-        if self.rms_norm not in ("fused", "eager"):
-            raise ValueError(f"rms_norm must be 'fused' or 'eager', got {self.rms_norm!r}")
+        if self.rms_norm not in ("fused", "eager", "fp32"):
+            raise ValueError(f"rms_norm must be 'fused', 'eager' or 'fp32', got {self.rms_norm!r}")
+        if self.rope not in ("model", "fp32"):
+            raise ValueError(f"rope must be 'model' or 'fp32', got {self.rope!r}")
 
 
 class EagerRMSNorm(nn.Module):
     """RMSNorm written out op by op (``x * rsqrt(mean(x^2) + eps) * weight``), as implementations without a
-    fused kernel run it: one kernel per op."""
+    fused kernel run it: one kernel per op.  ``fp32``: on an fp32 copy of ``x``, cast back before the weight,
+    as Meta's reference implementation and torchtitan do (``self._norm(x.float()).type_as(x) * weight``)."""
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, fp32: bool = False) -> None:
         super().__init__()
-        self.eps = eps
+        self.eps, self.fp32 = eps, fp32
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        y = x.float() if self.fp32 else x
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return y.type_as(x) * self.weight
 
 
 def rms_norm(cfg: LlamaConfig) -> nn.Module:
-    return nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps) if cfg.rms_norm == "fused" else EagerRMSNorm(cfg.hidden,
-                                                                                                  cfg.norm_eps)
+    if cfg.rms_norm == "fused":
+        return nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
+    return EagerRMSNorm(cfg.hidden, cfg.norm_eps, fp32=cfg.rms_norm == "fp32")
 
 
 def rope_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,10 +71,14 @@ def rope_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor
     return angles.cos(), angles.sin()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[..., :d/2], x[..., d/2:]) of ``x`` [b, heads, t, head_dim]."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fp32: bool = False) -> torch.Tensor:
+    """Rotate pairs (x[..., :d/2], x[..., d/2:]) of ``x`` [b, heads, t, head_dim]; ``fp32``: on an fp32 copy,
+    cast back after (the precision of Meta's reference rotary embedding)."""
+    y = x.float() if fp32 else x
+    if fp32:
+        cos, sin = cos.float(), sin.float()
+    x1, x2 = y.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).type_as(x)
 
 
 class Attention(nn.Module):
@@ -79,13 +90,14 @@ class Attention(nn.Module):
         self.v = nn.Linear(cfg.hidden, cfg.kv_heads * self.head_dim, bias=False)
         self.o = nn.Linear(cfg.heads * self.head_dim, cfg.hidden, bias=False)
         self.group = cfg.heads // cfg.kv_heads
+        self.rope_fp32 = cfg.rope == "fp32"
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.q(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # [b, heads, t, head_dim]
         k = self.k(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # [b, kv_heads, t, head_dim]
         v = self.v(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = apply_rope(q, cos, sin, self.rope_fp32), apply_rope(k, cos, sin, self.rope_fp32)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.group > 1)
         return self.o(y.transpose(1, 2).reshape(b, t, -1))
 
@@ -152,5 +164,5 @@ class Llama(nn.Module):
 
 
 def build_model(**config) -> Llama:
-    """Build a Llama from config keys ``layers, hidden, heads, kv_heads, ffn, vocab, seq_len, rms_norm``."""
+    """Build a Llama from config keys ``layers, hidden, heads, kv_heads, ffn, vocab, seq_len, rms_norm, rope``."""
     return Llama(LlamaConfig(**config))

@@ -110,7 +110,7 @@ class _Saver:
         if root.kind in ("param", "buffer", "constant"):
             return
         t = root.outputs[index] if index < len(root.outputs) else None
-        self.saved.setdefault(f"{name}:{index}", tensor_bytes(t, self.ctx))
+        self.saved.setdefault(f"{name}:{index}", tensor_bytes(t, self.ctx, self.graph))
 
     def output(self, index: int = 0) -> None:
         self.ref(Ref(self.node.name, index))

@@ -30,11 +30,15 @@ class NodeTraffic:
 NO_TRAFFIC = NodeTraffic(ZERO, ZERO, 0, 0)
 
 
-def tensor_bytes(t: TensorInfo | None, ctx: PassContext) -> BatchLinear:
-    """Bytes of a tensor under the precision policy, per sample when it carries the batch."""
+def tensor_bytes(t: TensorInfo | None, ctx: PassContext, graph: OpGraph | None = None) -> BatchLinear:
+    """Bytes of a tensor under the precision policy (``OpGraph.width``: explicit fp32 upcasts of a
+    16-bit model keep their 4 bytes), per sample when it carries the batch."""
     if t is None:
         return ZERO
-    width = ctx.precision.activation_bytes if t.is_floating else t.itemsize
+    if graph is not None:
+        width = graph.width(t, ctx.precision.activation_bytes)
+    else:
+        width = ctx.precision.activation_bytes if t.is_floating else t.itemsize
     n = t.numel_at(1) * width
     return BatchLinear(n, 0.0) if t.batch_dim is not None else BatchLinear(0.0, n)
 
@@ -125,9 +129,9 @@ def node_traffic(graph: OpGraph, node: Node, ctx: PassContext) -> NodeTraffic:
     if node.op in LOSS_OPS:
         return loss_traffic(graph, node, ctx)
     inputs = [graph.tensor(r) for r in dict.fromkeys(iter_refs((node.args, node.kwargs)))]
-    in_bytes = sum((tensor_bytes(t, ctx) for t in inputs), ZERO)
-    grad_in = sum((tensor_bytes(t, ctx) for t in inputs if t is not None and t.requires_grad), ZERO)
-    out_bytes = sum((tensor_bytes(t, ctx) for t in node.outputs), ZERO)
+    in_bytes = sum((tensor_bytes(t, ctx, graph) for t in inputs), ZERO)
+    grad_in = sum((tensor_bytes(t, ctx, graph) for t in inputs if t is not None and t.requires_grad), ZERO)
+    out_bytes = sum((tensor_bytes(t, ctx, graph) for t in node.outputs), ZERO)
     fwd = in_bytes + out_bytes
     needs_backward = any(t is not None and t.requires_grad for t in node.outputs)
     bwd = out_bytes + in_bytes + grad_in if needs_backward else ZERO

@@ -102,3 +102,24 @@ def test_tensor_bytes_use_activation_width():
     assert tensor_bytes(t, ctx).at(3) == 3 * 32 * 2
     ids = TensorInfo((1, 8), "int64", batch_dim=0)
     assert tensor_bytes(ids, ctx).at(2) == 2 * 8 * 8
+
+
+def test_models_trace_in_bf16_and_their_fp32_upcasts_cost_four_bytes():
+    cfg = {"layers": 2, "hidden": 128, "heads": 4, "ffn": 256, "vocab": 128, "seq_len": 2048}
+    plain = trace_model("llama", cfg).graph
+    upcast = trace_model("llama", {**cfg, "rms_norm": "fp32", "rope": "fp32"}).graph
+    assert plain.compute_itemsize == 2 and {p.dtype for p in plain.params.values()} == {"bfloat16"}
+    fp32_ops = [n for n in upcast.ops() if n.out is not None and n.out.dtype == "float32" and n.alias_of is None]
+    assert fp32_ops and all(upcast.width(n.out, 2) == 4 for n in fp32_ops)
+    assert not any(n.out is not None and n.out.dtype == "float32" for n in plain.ops())
+
+    def layer_bytes(g):
+        return sum(n.annotations["traffic"].fwd_bytes.at(1) for n in g.ops() if n.layer == 1)
+
+    assert layer_bytes(upcast) > 1.2 * layer_bytes(plain)
+
+
+def test_a_conversion_to_the_same_dtype_is_free():
+    g = trace_model("llama", {"layers": 2, "hidden": 64, "heads": 4, "vocab": 128, "seq_len": 32}).graph
+    same = [n for n in g.ops() if n.op == "aten.type_as.default"]
+    assert same and all(n.alias_of is not None and n.annotations["traffic"].fwd_kernels == 0 for n in same)

@@ -158,6 +158,7 @@ def _unit_load(u: UnitCost, is_layer: bool, layout: Layout, dp_link: AxisLink, c
             gathers += 1  # per-module runtimes release after every forward, the recomputed one too
         comm = gathers * gather + scatter
         zero3 = _exposed(comm, compute + recompute, cluster) if fw.zero3_prefetch else comm
+        zero3 += memory_s(cluster, u.params_local * fw.zero3_copy_bytes_per_param)
         # the gathered weights of this unit and the prefetched next one, and one unsharded gradient
         extra += 2 * gathered * pol.weight_bytes + gathered * fw.grad_reduce_bytes
     time = compute + tp_exposed + recompute + zero3

@@ -224,7 +224,7 @@ def _unit_cost(graph: OpGraph, names: list[str], strategies: dict[str, Strategy]
             attn_module_s += f
             attn_module_flops += flops
         if _op_checkpoint_saves(node.op, products):
-            op_saved += sum(o.numel_at(mbs) * (ctx.precision.activation_bytes if o.is_floating else o.itemsize)
+            op_saved += sum(o.numel_at(mbs) * graph.width(o, ctx.precision.activation_bytes)
                             / shard_factor(tuple(ax.outputs[j] for ax in strat), mesh)
                             for j, o in enumerate(node.outputs) if o is not None)
         elif reruns:

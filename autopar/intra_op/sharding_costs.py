@@ -53,9 +53,8 @@ def shard_factor(placements: Placements, mesh: MeshSpec) -> int:
     return math.prod(n for p, n in zip(placements, mesh.shape) if p and shard_dim(p) is not None)
 
 
-def _tensor_bytes(t: TensorInfo, batch: int, ctx: PassContext) -> float:
-    width = ctx.precision.activation_bytes if t.is_floating else t.itemsize
-    return t.numel_at(batch) * width
+def _tensor_bytes(t: TensorInfo, batch: int, ctx: PassContext, graph: OpGraph) -> float:
+    return t.numel_at(batch) * graph.width(t, ctx.precision.activation_bytes)
 
 
 @lru_cache(maxsize=200_000)
@@ -185,11 +184,11 @@ def _local_bytes(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec,
     in_bytes = grad_in = 0.0
     for i, r in enumerate(refs):
         t = graph.tensor(r)
-        b = _tensor_bytes(t, batch, ctx) / shard_factor(tuple(s.inputs[i] for s in strategy), mesh)
+        b = _tensor_bytes(t, batch, ctx, graph) / shard_factor(tuple(s.inputs[i] for s in strategy), mesh)
         in_bytes += b
         if t.requires_grad:
             grad_in += b
-    out_bytes = sum(_tensor_bytes(t, batch, ctx) / shard_factor(tuple(s.outputs[i] for s in strategy), mesh)
+    out_bytes = sum(_tensor_bytes(t, batch, ctx, graph) / shard_factor(tuple(s.outputs[i] for s in strategy), mesh)
                     for i, t in enumerate(node.outputs) if t is not None)
     fwd = in_bytes + out_bytes
     needs_bwd = any(t is not None and t.requires_grad for t in node.outputs)
