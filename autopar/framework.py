@@ -91,6 +91,8 @@ class Framework:
     ``gradient_accumulation_fusion``); ``False``: a separate add per micro-batch (autograd)."""
     schedules: tuple[str, ...]
     """Pipeline schedules the framework implements (the search offers only these)."""
+    sequence_parallel: bool
+    """Whether it implements Megatron-style sequence parallelism (the search offers it only then)."""
     zero_levels: tuple[int, ...]
     """ZeRO levels it implements without pipeline parallelism."""
     zero_levels_with_pp: tuple[int, ...]

@@ -24,8 +24,8 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 #: Today's accuracy, as guards (benchmarks/results and docs/accuracy.md show the figures).
 GUARD_MAX_ABS_ERROR = 0.40
-GUARD_MEDIAN_ABS_ERROR = 0.11
-GUARD_SPEARMAN = 0.80
+GUARD_MEDIAN_ABS_ERROR = 0.105
+GUARD_SPEARMAN = 0.84
 KNOWN_REFUSED = {"llama3_405b_8192_cp1"}  # Llama 3's own flexible-N schedule keeps fewer micro-batches in flight
 #: Issue 9's acceptance.
 TARGET_MAX_ABS_ERROR = 0.20
@@ -94,8 +94,8 @@ def test_sweep_ranking_spearman(results):
         assert not s["refused"], s["refused"]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 9 target not reached: modern flash/FSDP runs (llm-foundry, "
-                                      "Megatron-Core on H100) estimate 20-39 % fast")
+@pytest.mark.xfail(strict=True, reason="issue 9 target not reached: H100 runs (Megatron-Core, llm-foundry) and "
+                                      "llm-foundry's A100 runs estimate 21-39 % fast, MT-NLG 21 %")
 def test_target_every_row_within_20_percent(results):
     rows, _ = results
     errors = _errors(rows)

@@ -173,7 +173,7 @@ def layouts(graph: OpGraph, cluster: Cluster, global_batch: int, fixed: dict[str
                 if global_batch % (dp * mbs):
                     continue
                 m = global_batch // (dp * mbs)
-                for sp in allowed("sp", [False, True] if tp > 1 else [False]):
+                for sp in allowed("sp", [False, True] if tp > 1 and fw.sequence_parallel else [False]):
                     for schedule, v in _schedules(pp, m, layers, fixed, fw):
                         for recompute in allowed("recompute", list(RECOMPUTE)):
                             zeros = [z for z in (0, 1, 2, 3) if fw.zero_allowed(z, pp)] if dp > 1 else [0]
