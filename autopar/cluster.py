@@ -18,19 +18,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import sys
 from dataclasses import dataclass, fields
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from autopar.errors import ClusterSpecError
+from autopar.spec_files import read_spec
 from autopar.units import GiB
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 PRESETS = ("a100-40gb", "a100-80gb", "h100-80gb", "h100-80gb-roce", "h200", "cpu")
 
@@ -326,21 +321,9 @@ def load_cluster(spec: str) -> Cluster:
 
 
 def _from_toml(text: str, default_name: str, origin: str) -> Cluster:
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ClusterSpecError(f"{origin}: invalid TOML: {exc}") from exc
-    base = data.pop("base", None)
-    values: dict[str, Any] = {}
-    if base is not None:
-        if base not in PRESETS:
-            raise ClusterSpecError(f"{origin}: unknown base preset {base!r} (presets: {', '.join(PRESETS)})")
-        values = load_cluster(base).to_dict()
-        values["name"] = default_name
-    unknown = sorted(set(data) - _FIELD_NAMES)
-    if unknown:
-        raise ClusterSpecError(f"{origin}: unknown key {unknown[0]!r} (known keys: {', '.join(sorted(_FIELD_NAMES))})")
-    values.update(data)
+    values = read_spec(text, origin, presets=PRESETS, base_values=lambda b: {**load_cluster(b).to_dict(),
+                                                                             "name": default_name},
+                       fields=_FIELD_NAMES, error=ClusterSpecError)
     values.setdefault("name", default_name)
     missing = sorted(_FIELD_NAMES - set(values))
     if missing:

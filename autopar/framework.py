@@ -17,18 +17,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import sys
 from dataclasses import dataclass, fields
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
 from autopar.errors import AutoparError
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
+from autopar.spec_files import read_spec
 
 FRAMEWORKS = ("torch", "torchtitan", "megatron-lm", "megatron-core", "deepspeed", "llm-foundry")
 ZeroUnit = Literal["block", "module", "parameter"]
@@ -151,21 +146,10 @@ def load_framework(spec: str) -> Framework:
 
 
 def _from_toml(text: str, default_name: str, origin: str) -> Framework:
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise FrameworkSpecError(f"{origin}: invalid TOML: {exc}") from exc
-    base = data.pop("base", None)
-    values: dict[str, Any] = {}
-    if base is not None:
-        if base not in FRAMEWORKS:
-            raise FrameworkSpecError(f"{origin}: unknown base framework {base!r} (presets: {', '.join(FRAMEWORKS)})")
-        values = load_framework(base).to_dict()
-    unknown = sorted(set(data) - _FIELDS)
-    if unknown:
-        raise FrameworkSpecError(f"{origin}: unknown key {unknown[0]!r} (known keys: {', '.join(sorted(_FIELDS))})")
-    values.update(data)
-    values["name"] = data.get("name", default_name)
+    values = read_spec(text, origin, presets=FRAMEWORKS,
+                       base_values=lambda b: {**load_framework(b).to_dict(), "name": default_name},
+                       fields=_FIELDS, error=FrameworkSpecError)
+    values.setdefault("name", default_name)
     for key in ("schedules", "zero_levels", "zero_levels_with_pp"):
         if isinstance(values.get(key), list):
             values[key] = tuple(values[key])

@@ -18,21 +18,20 @@ FLASH_KERNELS = ("flash", "flash1", "flash3")
 class PrecisionPolicy:
     """Bytes per parameter of mixed-precision Adam training (ZeRO paper, Rajbhandari et al. 2020, sec. 3.1).
 
-    16-bit weights and gradients, and fp32 optimizer state: master weights, Adam momentum and variance
-    (4 + 4 + 4 bytes).  16 bytes per parameter in all.  Activations are 16-bit.
+    16-bit weights, and fp32 optimizer state: master weights, Adam momentum and variance (4 + 4 + 4 bytes).
+    The gradient buffer is the framework's (``Framework.main_grad_bytes``: 2 for 16-bit gradients, which makes
+    16 bytes per parameter in all; Megatron keeps fp32 main gradients).  Activations are 16-bit.
     """
 
     weight_bytes: int = 2
     """Working copy of the weights used by forward and backward (bf16/fp16)."""
-    grad_bytes: int = 2
-    """Gradients (bf16/fp16)."""
     optimizer_bytes: int = 12
     """fp32 master weights + Adam first and second moments."""
     activation_bytes: int = 2
     """Floating-point activations (bf16/fp16)."""
 
     def __post_init__(self) -> None:
-        for name in ("weight_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes"):
+        for name in ("weight_bytes", "optimizer_bytes", "activation_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
 

@@ -1,7 +1,8 @@
 """Parameter, gradient and optimizer-state bytes (the model state), per layer and in total.
 
-Byte counts per parameter come from ``PrecisionPolicy`` (default: mixed-precision Adam, 2 + 2 + 12 = 16
-bytes per parameter).  Tied parameters count once.  Annotation ``state_memory`` on the graph.
+Byte counts per parameter come from ``PrecisionPolicy`` and the framework's gradient buffer (default:
+mixed-precision Adam, 2 + 2 + 12 = 16 bytes per parameter).  Tied parameters count once.  Annotation
+``state_memory`` on the graph.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ class StateMemory:
 
     def bytes_for(self, num_params: float, ctx: PassContext) -> StateBytes:
         p = ctx.precision
-        return StateBytes(num_params * p.weight_bytes, num_params * p.grad_bytes, num_params * p.optimizer_bytes)
+        return StateBytes(num_params * p.weight_bytes, num_params * ctx.framework.main_grad_bytes,
+                          num_params * p.optimizer_bytes)
 
 
 def annotate_state_memory_pass(graph: OpGraph, ctx: PassContext) -> OpGraph:
@@ -51,6 +53,6 @@ def annotate_state_memory_pass(graph: OpGraph, ctx: PassContext) -> OpGraph:
         parameters=n,
         per_layer_parameters=dict(sorted(per_layer.items())),
         outside_layer_parameters=outside,
-        total=StateBytes(n * pol.weight_bytes, n * pol.grad_bytes, n * pol.optimizer_bytes),
+        total=StateBytes(n * pol.weight_bytes, n * ctx.framework.main_grad_bytes, n * pol.optimizer_bytes),
     )
     return graph

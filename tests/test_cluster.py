@@ -58,3 +58,31 @@ def test_cli_overrides():
     assert cluster_from_args("a100-80gb", gpus=4).gpus_per_node == 4  # fewer GPUs than a node
     with pytest.raises(ClusterSpecError, match="multiple of gpus_per_node"):
         cluster_from_args("a100-80gb", gpus=12)
+
+
+def test_new_presets_carry_their_fabric():
+    small = load_cluster("a100-40gb")
+    assert small.hbm_bytes == 40 * 2**30 and small.hbm_bandwidth_bytes_per_s == 1.555e12
+    llama3 = load_cluster("h100-80gb-roce")
+    assert llama3.inter_node_fabric == "roce" and llama3.pod_gpus == 3072 and llama3.pod_oversubscription == 7.0
+    assert llama3.nics_per_node == 8 and llama3.inter_node_bandwidth_bytes_per_s == 50e9
+
+
+def test_per_protocol_keys_and_fabric_are_validated(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text('base = "a100-80gb"\ninter_node_latency_s = [1e-6, 2e-6]\n')
+    with pytest.raises(ClusterSpecError, match="inter_node_latency_s must be a list of 3"):
+        load_cluster(str(p))
+    p.write_text('base = "a100-80gb"\ninter_node_fabric = "carrier pigeon"\n')
+    with pytest.raises(ClusterSpecError, match="inter_node_fabric must be one of"):
+        load_cluster(str(p))
+    p.write_text('base = "a100-80gb"\npod_oversubscription = 0.5\n')
+    with pytest.raises(ClusterSpecError, match="pod_oversubscription must be >= 1"):
+        load_cluster(str(p))
+
+
+def test_a_plan_cluster_round_trips():
+    from autopar.cluster import Cluster
+
+    c = load_cluster("h100-80gb-roce").with_overrides(gpus=64)
+    assert Cluster.from_dict(c.to_dict()) == c
