@@ -26,6 +26,7 @@ from reference_runs import CALIBRATION, ReferenceRun, load_calibration, referenc
 from rich.console import Console
 from rich.table import Table
 
+from autopar.errors import AutoparError
 from autopar.frontend import TracedModel, trace_model
 from autopar.inter_op.search import UnitCostCache, search
 from autopar.inter_op.unit_costs import unit_sequence
@@ -120,15 +121,19 @@ def estimate_per_layer(run: ReferenceRun, traces: TraceCache) -> dict[str, Any]:
             "measured_s": meas_total / 1e3, "error": est_total / meas_total - 1, "wall_s": time.perf_counter() - t0}
 
 
+def estimate_case(case: dict[str, Any], traces: TraceCache) -> dict[str, Any]:
+    """The row's estimate; a row autopar cannot plan (a layout it has no knob for) is reported, not raised."""
+    try:
+        run = reference_run(case)
+        return estimate_per_layer(run, traces) if run.per_layer_ms else estimate_run(run, traces)
+    except (AutoparError, KeyError, ValueError) as exc:
+        return {"case_id": case.get("case_id", "?"), "framework": "", "gpus": case.get("cluster", {}).get("n_gpus"),
+                "fixed": {}, "error": None, "fits": False, "note": f"not planned: {exc}"}
+
+
 def run_all(cases: list[dict[str, Any]], only: str | None = None) -> list[dict[str, Any]]:
     traces = TraceCache()
-    rows = []
-    for case in cases:
-        if only and case["case_id"] != only:
-            continue
-        run = reference_run(case)
-        rows.append(estimate_per_layer(run, traces) if run.per_layer_ms else estimate_run(run, traces))
-    return rows
+    return [estimate_case(case, traces) for case in cases if not only or case["case_id"] == only]
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from typing import Any
 from autopar.passes import PassContext
 
 from autopar.cluster import Cluster, load_cluster
+from autopar.errors import AutoparError
 from autopar.framework import load_framework
 from autopar.inter_op.layout import normalize_fix
 
@@ -245,6 +246,9 @@ def schedule_of(lay: dict[str, Any]) -> tuple[str | None, int | None]:
 
 def fix_of(lay: dict[str, Any]) -> tuple[dict[str, Any], tuple[str, ...]]:
     """``--fix`` keys of the published layout and the knobs left to the search."""
+    for axis, what in (("cp", "context"), ("ep", "expert")):
+        if (lay.get(axis) or 1) > 1:
+            raise AutoparError(f"{what} parallelism ({axis}={lay[axis]}) is not in autopar's layouts yet")
     fix: dict[str, Any] = {"tp": lay["tp"], "pp": lay["pp"], "dp": lay["dp"]}
     searched = []
     if isinstance(lay.get("micro_batch"), int):

@@ -43,11 +43,7 @@ def results():
         ranking = importlib.import_module("ranking")
         reference_runs = importlib.import_module("reference_runs")
         traces = calibration.TraceCache()
-        rows = []
-        for case in reference_runs.load_calibration():
-            run = reference_runs.reference_run(case)
-            rows.append(calibration.estimate_per_layer(run, traces) if run.per_layer_ms
-                        else calibration.estimate_run(run, traces))
+        rows = [calibration.estimate_case(case, traces) for case in reference_runs.load_calibration()]
         sweeps = [ranking.rank_sweep(name, sweep, traces) for name, sweep in reference_runs.load_sweeps().items()]
     finally:
         sys.path.remove(str(BENCHMARKS))
