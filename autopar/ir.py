@@ -175,6 +175,7 @@ class OpGraph:
     backward: str = "derived-per-op"
     annotations: dict[str, Any] = field(default_factory=dict)
     _index: dict[str, Node] = field(default_factory=dict, repr=False)
+    _compute_itemsize: int = field(default=0, repr=False)
 
     def __post_init__(self) -> None:
         self._index = {n.name: n for n in self.nodes}
@@ -216,8 +217,10 @@ class OpGraph:
     def compute_itemsize(self) -> int:
         """Bytes per element of the floating parameters: the precision the model computes in.  A floating
         tensor wider than that is an explicit upcast in the model's code (``x.float()``)."""
-        sizes = [DTYPE_BYTES.get(p.dtype, 4) for p in self.params.values() if is_floating(p.dtype)]
-        return min(sizes) if sizes else 4
+        if not self._compute_itemsize:
+            sizes = [DTYPE_BYTES.get(p.dtype, 4) for p in self.params.values() if is_floating(p.dtype)]
+            self._compute_itemsize = min(sizes) if sizes else 4
+        return self._compute_itemsize
 
     def width(self, t: TensorInfo, activation_bytes: int) -> int:
         """Bytes per element a tensor moves: integers their own size; floating tensors the precision policy's
