@@ -77,8 +77,8 @@ def render_plan(result: dict[str, Any], console: Console) -> None:
     table.add_row("mesh", f"pp={lay['pp']} x dp={lay['dp']} x tp={lay['tp']} = {lay['pp'] * lay['dp'] * lay['tp']}"
                           " devices")
     table.add_row("iteration", f"{human_time(est['iteration_time_s'])}  ({est['tokens_per_s']:,.0f} tokens/s)")
-    table.add_row("throughput", f"{est['tflops_per_gpu']:.1f} TFLOP/s per GPU, MFU {est['mfu']:.1%}, "
-                                f"HFU {est['hfu']:.1%}")
+    table.add_row("throughput", f"{est['tflops_per_gpu']:.1f} TFLOP/s per GPU, MFU {est['mfu']:.1%} (model FLOPs, "
+                                f"attention in full), HFU {est['hfu']:.1%} (executed, recompute included)")
     table.add_row("peak memory", f"{human_bytes(est['peak_memory_bytes'])} per device"
                                  f" ({'fits' if est['fits'] else 'DOES NOT FIT'})")
     for key, value in est["breakdown"].items():
