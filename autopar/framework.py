@@ -88,6 +88,9 @@ class Framework:
     """Pipeline schedules the framework implements (the search offers only these)."""
     sequence_parallel: bool
     """Whether it implements Megatron-style sequence parallelism (the search offers it only then)."""
+    sp_saves_sharded_input: bool
+    """Under sequence parallelism a column-parallel Linear saves its sequence-sharded input and all-gathers
+    it again in backward (Megatron-LM); ``False``: autograd saves the all-gathered input (DTensor)."""
     zero_levels: tuple[int, ...]
     """ZeRO levels it implements without pipeline parallelism."""
     zero_levels_with_pp: tuple[int, ...]

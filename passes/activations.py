@@ -93,6 +93,15 @@ def _arg(graph: OpGraph, node: Node, i: int) -> tuple[Ref | None, TensorInfo | N
     return None, None
 
 
+def storage_key(graph: OpGraph, ref: Ref) -> str:
+    """``"node:output"`` of the storage ``ref`` views (aliases followed to their base): the key a saved
+    tensor has in ``annotations["saved"]``."""
+    name, index = ref.name, ref.index
+    while (src := graph[name]).alias_of is not None:
+        name, index = src.alias_of, 0
+    return f"{name}:{index}"
+
+
 class _Saver:
     """Collects the saved tensors of one node, keyed by storage root."""
 
@@ -103,14 +112,13 @@ class _Saver:
     def ref(self, ref: Ref | None) -> None:
         if ref is None:
             return
-        name, index = ref.name, ref.index
-        while (src := self.graph[name]).alias_of is not None:
-            name, index = src.alias_of, 0
+        key = storage_key(self.graph, ref)
+        name, index = key.rsplit(":", 1)
         root = self.graph[name]
         if root.kind in ("param", "buffer", "constant"):
             return
-        t = root.outputs[index] if index < len(root.outputs) else None
-        self.saved.setdefault(f"{name}:{index}", tensor_bytes(t, self.ctx, self.graph))
+        t = root.outputs[int(index)] if int(index) < len(root.outputs) else None
+        self.saved.setdefault(key, tensor_bytes(t, self.ctx, self.graph))
 
     def output(self, index: int = 0) -> None:
         self.ref(Ref(self.node.name, index))

@@ -123,3 +123,32 @@ def test_a_conversion_to_the_same_dtype_is_free():
     g = trace_model("llama", {"layers": 2, "hidden": 64, "heads": 4, "vocab": 128, "seq_len": 32}).graph
     same = [n for n in g.ops() if n.op == "aten.type_as.default"]
     assert same and all(n.alias_of is not None and n.annotations["traffic"].fwd_kernels == 0 for n in same)
+
+
+def test_saved_input_counts_as_the_op_consumes_it():
+    """A column-parallel Linear fed a sequence-sharded stream runs on (and autograd saves) the all-gathered
+    input; Megatron-LM's Linear saves the sharded one and gathers it again in backward."""
+    from autopar.cluster import MeshSpec, load_cluster
+    from autopar.framework import load_framework
+    from autopar.intra_op.sharding_costs import saved_bytes
+    from autopar.intra_op.strategies import AxisStrategy
+
+    cfg = {"layers": 2, "hidden": 256, "heads": 4, "vocab": 128, "seq_len": 64}
+    g = trace_model("gpt", cfg).graph
+    mesh = MeshSpec.on_cluster(load_cluster("a100-80gb"), ("tp",), (8,))
+    linear = next(n for n in g.ops() if n.op == "aten.linear.default" and n.layer == 1)
+    saved = list(linear.annotations["saved"])
+    (x,) = saved  # the input X, for dW = dY^T X
+    whole = x.nbytes.at(2)
+    colwise = (AxisStrategy(outputs=("S(2)",), inputs=("R", "S(0)", "S(0)")),)
+    seq_sharded = {x.key: ("S(1)",)}
+    assert saved_bytes(g, linear, colwise, mesh, 2, saved) == [whole]
+    assert saved_bytes(g, linear, colwise, mesh, 2, saved, produced=seq_sharded) == [whole / 8]
+    assert load_framework("megatron-lm").sp_saves_sharded_input
+    assert not load_framework("torchtitan").sp_saves_sharded_input
+
+    # an input consumed sharded counts sharded (GELU on the column-parallel Linear's output)
+    gelu = next(n for n in g.ops() if n.op == "aten.gelu.default" and n.layer == 1)
+    (y,) = gelu.annotations["saved"]
+    assert saved_bytes(g, gelu, (AxisStrategy(outputs=("S(2)",), inputs=("S(2)",)),), mesh, 2, [y]) == [
+        y.nbytes.at(2) / 8]

@@ -22,10 +22,12 @@ from autopar.intra_op.sharding_costs import (
     compute_s,
     edge_costs_s,
     param_cost,
+    saved_bytes,
     shard_factor,
 )
 from autopar.intra_op.strategies import AxisStrategy, R, Strategy, tensor_refs
 from autopar.ir import OpGraph
+from autopar.passes.activations import storage_key
 from autopar.passes.context import PassContext
 from autopar.solvers.ilp import Backend
 
@@ -231,6 +233,7 @@ def _unit_cost(graph: OpGraph, names: list[str], strategies: dict[str, Strategy]
             op_recompute += f
             op_recompute_flops += flops
         refs = tensor_refs(node)
+        produced_of: dict[str, tuple] | None = {} if ctx.framework.sp_saves_sharded_input else None
         if node.op in LOSS_OPS and not ctx.framework.fused_cross_entropy:
             logits = graph.tensor(refs[0])
             transient += (logits.numel_at(mbs) * LOSS_TRANSIENT_BYTES_PER_LOGIT
@@ -253,17 +256,15 @@ def _unit_cost(graph: OpGraph, names: list[str], strategies: dict[str, Strategy]
             produced = tuple(ax.outputs[r.index] if r.index < len(ax.outputs) else R for ax in strategies[r.name])
             ef, eb = edge_costs_s(t, produced, required, strat, mesh, mbs, ctx)
             tp_fwd, tp_bwd = tp_fwd + ef, tp_bwd + eb
+            if produced_of is not None:
+                produced_of.setdefault(storage_key(graph, r), produced)
             if r.name not in members and graph[r.name].kind == "op" and t.is_floating:
                 input_bytes = max(input_bytes, t.numel_at(mbs) * ctx.precision.activation_bytes
                                   / shard_factor(produced, mesh))
         saved = [t for t in node.annotations.get("saved", ()) if t.key not in seen]
         seen.update(t.key for t in saved)
         if saved:
-            factor = max([shard_factor(tuple(ax.outputs[j] for ax in strat), mesh) for j in range(len(node.outputs))]
-                         + [shard_factor(tuple(ax.inputs[j] for ax in strat), mesh) for j, r in enumerate(refs)
-                            if graph[r.name].kind not in ("param", "buffer", "constant")])
-            for t in saved:
-                b_ = t.nbytes.at(mbs) / factor
+            for t, b_ in zip(saved, saved_bytes(graph, node, strat, mesh, mbs, saved, produced_of), strict=True):
                 act += b_
                 if t.key.rsplit(":", 1)[-1] in ATTENTION_CORE_KEYS:
                     attn_bytes += b_

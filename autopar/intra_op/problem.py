@@ -31,7 +31,7 @@ from autopar.intra_op.sharding_costs import (
     compute_s,
     edge_cost_s,
     param_cost,
-    shard_factor,
+    saved_bytes,
 )
 from autopar.intra_op.strategies import AxisStrategy, R, Strategy, divides, mesh_strategies, shard, tensor_refs
 from autopar.ir import Node, OpGraph, Ref, TensorInfo
@@ -276,11 +276,9 @@ def _group_costs(graph: OpGraph, nodes: list[Node], rep_of: dict[str, str], grou
                     total += pc.per_microbatch_s + cfg.grad_sync_weight * pc.per_iteration_s
                     if (i, p) in new_params:
                         mem += pc.state_bytes
-                factor = max([shard_factor(tuple(ax.outputs[j] for ax in strat), mesh)
-                              for j in range(len(node.outputs))] +
-                             [shard_factor(tuple(ax.inputs[j] for ax in strat), mesh)
-                              for j, r in enumerate(refs) if graph[r.name].kind not in ("param", "buffer")])
-                mem += sum(t.nbytes.at(cfg.batch) for t in saved) / factor * cfg.activation_multiplier
+                # Saved inputs count as the op consumes them: the producer's placement is an edge's choice,
+                # so Megatron's sharded saving under sequence parallelism is left to the unit costs.
+                mem += sum(saved_bytes(graph, node, strat, mesh, cfg.batch, saved)) * cfg.activation_multiplier
                 cost[gi][s] += m * total
                 memory[gi][s] += m * mem
     return cost, memory

@@ -36,6 +36,7 @@ from autopar.collectives import all_gather_s, all_reduce_s, all_to_all_s, reduce
 from autopar.intra_op.strategies import PARTIAL, R, Strategy, shard_dim, tensor_refs
 from autopar.ir import Node, OpGraph, TensorInfo
 from autopar.kernels import flash_attention_s, gemm_s, memory_s
+from autopar.passes.activations import SavedTensor, storage_key
 from autopar.passes.context import PassContext
 from autopar.passes.flops import NodeFlops
 from autopar.passes.traffic import NodeTraffic, softmax_passes_bytes
@@ -51,6 +52,40 @@ ATTENTION_OPS = frozenset({"aten.scaled_dot_product_attention.default"})
 def shard_factor(placements: Placements, mesh: MeshSpec) -> int:
     """How many pieces ``placements`` cut a tensor into."""
     return math.prod(n for p, n in zip(placements, mesh.shape) if p and shard_dim(p) is not None)
+
+
+def saved_bytes(graph: OpGraph, node: Node, strat: Strategy, mesh: MeshSpec, batch: int,
+                saved: list[SavedTensor], produced: dict[str, Placements] | None = None) -> list[float]:
+    """Per-device bytes of each of ``saved`` (tensors ``node`` keeps for backward) under ``strat``.
+
+    A saved input counts as the op consumes it: autograd saves the tensor the op ran on, after any
+    redistribution, so under DTensor sequence parallelism the all-gathered input of a column-parallel Linear
+    is whole on every rank.  ``produced`` (storage key -> the producer's placements) counts the finer of
+    the two for matrix products instead, as Megatron-LM's Linear saves its sequence-sharded input and
+    all-gathers it again in backward (Korthikanti et al. 2022, sec. 4.2.2).  A saved output counts as
+    produced; a kernel's own tensors (norm statistics, dropout masks, attention statistics) at the op's
+    finest sharding.
+    """
+    refs = tensor_refs(node)
+    inputs: dict[str, int] = {}
+    for k, r in enumerate(refs):
+        inputs.setdefault(storage_key(graph, r), k)
+    finest = max([shard_factor(tuple(ax.outputs[j] for ax in strat), mesh) for j in range(len(node.outputs))]
+                 + [shard_factor(tuple(ax.inputs[j] for ax in strat), mesh) for j, r in enumerate(refs)
+                    if graph[r.name].kind not in ("param", "buffer", "constant")])
+    out = []
+    for t in saved:
+        name, _, index = t.key.rpartition(":")
+        if t.key in inputs:
+            factor = shard_factor(tuple(ax.inputs[inputs[t.key]] for ax in strat), mesh)
+            if produced is not None and t.key in produced and node.op in PRODUCT_OPS:
+                factor = max(factor, shard_factor(produced[t.key], mesh))
+        elif name == node.name and index.isdigit() and int(index) < len(node.outputs):
+            factor = shard_factor(tuple(ax.outputs[int(index)] for ax in strat), mesh)
+        else:
+            factor = finest
+        out.append(t.nbytes.at(batch) / factor)
+    return out
 
 
 def _tensor_bytes(t: TensorInfo, batch: int, ctx: PassContext, graph: OpGraph) -> float:
