@@ -24,6 +24,7 @@ from autopar.inter_op.search import search
 from autopar.inter_op.to_plan import build_plan
 from autopar.modelfile import parse_config
 from autopar.passes import PassContext
+from autopar.passes.context import ATTENTION_KERNELS
 from autopar.report import human_bytes, render_model_summary, render_plan
 from autopar.summary import model_summary
 
@@ -43,7 +44,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="model file (.py defining build_model) or zoo name: gpt, llama, mlp, moe")
     p.add_argument("--config", metavar="K=V,...", help="model config overrides passed to build_model")
     p.add_argument("--seq-len", type=int, metavar="S", help="sequence length (default: the model's)")
-    p.add_argument("--attention", choices=("flash", "flash1", "flash3", "math", "eager"), default="flash",
+    p.add_argument("--attention", choices=ATTENTION_KERNELS, default="flash",
                    help="attention kernel to cost: flash (FlashAttention-2, default), flash1, flash3 "
                         "(FlashAttention-3 / cuDNN on Hopper), math (unfused, fused softmax) or eager (unfused)")
     p.add_argument("--trace-every-layer", action="store_true",

@@ -19,12 +19,10 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, fields
-from importlib import resources
-from pathlib import Path
 from typing import Any
 
 from autopar.errors import ClusterSpecError
-from autopar.spec_files import read_spec
+from autopar.spec_files import load_spec
 from autopar.units import GiB
 
 PRESETS = ("a100-40gb", "a100-80gb", "h100-80gb", "h100-80gb-roce", "h200", "cpu")
@@ -231,7 +229,7 @@ class AxisLink:
     inter_latency_s: tuple[float, float, float]
     protocol_fraction: tuple[float, float, float]
     tree_fraction: float
-    launch_s: float = 0.0  # fixed cost of issuing one collective (a kernel launch)
+    launch_s: float  # fixed cost of issuing one collective (a kernel launch)
 
     @property
     def crosses_nodes(self) -> bool:
@@ -311,23 +309,8 @@ _FIELD_NAMES = {f.name for f in fields(Cluster)}
 
 def load_cluster(spec: str) -> Cluster:
     """A preset name (``a100-80gb``) or a path to a TOML file."""
-    if spec in PRESETS:
-        text = resources.files("autopar").joinpath("clusters", f"{spec}.toml").read_text()
-        return _from_toml(text, default_name=spec, origin=f"preset {spec}")
-    path = Path(spec)
-    if not path.is_file():
-        raise ClusterSpecError(f"unknown cluster {spec!r}: not a preset ({', '.join(PRESETS)}) nor a TOML file")
-    return _from_toml(path.read_text(), default_name=path.stem, origin=str(path))
-
-
-def _from_toml(text: str, default_name: str, origin: str) -> Cluster:
-    values = read_spec(text, origin, presets=PRESETS, base_values=lambda b: {**load_cluster(b).to_dict(),
-                                                                             "name": default_name},
-                       fields=_FIELD_NAMES, error=ClusterSpecError)
-    values.setdefault("name", default_name)
-    missing = sorted(_FIELD_NAMES - set(values))
-    if missing:
-        raise ClusterSpecError(f"{origin}: missing key {missing[0]!r}")
+    values, origin = load_spec(spec, what="cluster", folder="clusters", presets=PRESETS, fields=_FIELD_NAMES,
+                               base_values=lambda b: load_cluster(b).to_dict(), error=ClusterSpecError)
     for key in _INTEGERS:
         if isinstance(values[key], float) and values[key].is_integer():
             values[key] = int(values[key])

@@ -34,11 +34,11 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from autopar.cluster import AxisLink
+from autopar.cluster import PROTOCOLS, AxisLink
 
 Collective = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all"]
 
-SIMPLE = 2  # index of the Simple protocol in the per-protocol link values
+SIMPLE = PROTOCOLS.index("Simple")  # the per-protocol link values are in PROTOCOLS order
 
 
 def _ring_s(nbytes: float, link: AxisLink, rounds: int) -> float:
@@ -47,14 +47,16 @@ def _ring_s(nbytes: float, link: AxisLink, rounds: int) -> float:
     steps, inter = rounds * (n - 1), rounds * (link.nodes - 1)
     volume = rounds * (n - 1) / n * nbytes
     return min(link.base_latency_s[p] + (steps - inter) * link.intra_latency_s[p] + inter * link.inter_latency_s[p]
-               + volume / (link.bus_bandwidth_bytes_per_s * link.protocol_fraction[p]) for p in range(3))
+               + volume / (link.bus_bandwidth_bytes_per_s * link.protocol_fraction[p]) for p in range(len(PROTOCOLS)))
 
 
 def _tree_s(nbytes: float, link: AxisLink) -> float:
+    """NCCL's tree all-reduce (double binary tree across nodes, a chain inside each), cheapest protocol.  The
+    step latencies are the ring's: NCCL's own tree values are equal for Simple, which large messages use."""
     intra_hops, inter_hops = 2 * (link.ranks_per_node - 1), 2 * math.ceil(math.log2(link.nodes))
     bw = link.bus_bandwidth_bytes_per_s * link.tree_fraction
     return min(link.base_latency_s[p] + intra_hops * link.intra_latency_s[p] + inter_hops * link.inter_latency_s[p]
-               + 2 * nbytes / (bw * link.protocol_fraction[p]) for p in range(3))
+               + 2 * nbytes / (bw * link.protocol_fraction[p]) for p in range(len(PROTOCOLS)))
 
 
 def all_reduce_s(nbytes: float, link: AxisLink) -> float:

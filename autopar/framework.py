@@ -18,12 +18,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass, fields
-from importlib import resources
-from pathlib import Path
 from typing import Any, Literal
 
 from autopar.errors import AutoparError
-from autopar.spec_files import read_spec
+from autopar.spec_files import load_spec
 
 FRAMEWORKS = ("torch", "torchtitan", "megatron-lm", "megatron-core", "deepspeed", "llm-foundry")
 ZeroUnit = Literal["block", "module", "parameter"]
@@ -139,26 +137,11 @@ _FIELDS = {f.name for f in fields(Framework)}
 @functools.lru_cache(maxsize=64)
 def load_framework(spec: str) -> Framework:
     """A preset name (``torch``, ``megatron-core``, ...) or a path to a TOML file."""
-    if spec in FRAMEWORKS:
-        text = resources.files("autopar").joinpath("frameworks", f"{spec}.toml").read_text()
-        return _from_toml(text, spec, f"framework preset {spec}")
-    path = Path(spec)
-    if not path.is_file():
-        raise FrameworkSpecError(f"unknown framework {spec!r}: not a preset ({', '.join(FRAMEWORKS)}) nor a TOML file")
-    return _from_toml(path.read_text(), path.stem, str(path))
-
-
-def _from_toml(text: str, default_name: str, origin: str) -> Framework:
-    values = read_spec(text, origin, presets=FRAMEWORKS,
-                       base_values=lambda b: {**load_framework(b).to_dict(), "name": default_name},
-                       fields=_FIELDS, error=FrameworkSpecError)
-    values.setdefault("name", default_name)
+    values, origin = load_spec(spec, what="framework", folder="frameworks", presets=FRAMEWORKS, fields=_FIELDS,
+                               base_values=lambda b: load_framework(b).to_dict(), error=FrameworkSpecError)
     for key in ("schedules", "zero_levels", "zero_levels_with_pp"):
         if isinstance(values.get(key), list):
             values[key] = tuple(values[key])
-    missing = sorted(_FIELDS - set(values))
-    if missing:
-        raise FrameworkSpecError(f"{origin}: missing key {missing[0]!r}")
     for f in fields(Framework):
         if f.type == "bool" and not isinstance(values[f.name], bool):
             raise FrameworkSpecError(f"{origin}: {f.name} must be true or false")

@@ -29,8 +29,14 @@ import math
 
 from autopar.cluster import Cluster
 
-#: Split-K factors cuBLAS considers for a product that does not fill one wave.
+#: Split-K factors considered for a product that does not fill the SMs: powers of two up to 16, as CUTLASS's
+#: split-K kernels and cuBLASLt's ``CUBLASLT_ALGO_CONFIG_SPLITK_NUM`` offer them.  A split is taken only while
+#: its blocks fit in two waves (beyond that it adds a reduction without filling more SMs) and each slice of
+#: ``k`` is at least twice the pipeline fill (else the fill dominates); both bounds are this model's
+#: reasoning about cuBLAS's heuristic, which is not published, not measurements.
 SPLIT_K = (1, 2, 4, 8, 16)
+#: FlashAttention version -> the cluster key of its efficiency.
+_FLASH_EFFICIENCY = {1: "flash1_attention_efficiency", 2: "attention_efficiency", 3: "flash3_attention_efficiency"}
 
 
 def gemm_efficiency(cluster: Cluster, m: float, n: float, k: float, batch: float = 1) -> float:
@@ -67,9 +73,7 @@ def gemm_s(cluster: Cluster, m: float, n: float, k: float, batch: float = 1) -> 
 
 def flash_attention_s(cluster: Cluster, flops: float, version: int = 2) -> float:
     """Compute time of a flash-attention kernel (FlashAttention ``version`` 1, 2 or 3) executing ``flops``."""
-    eff = {1: cluster.flash1_attention_efficiency, 2: cluster.attention_efficiency,
-           3: cluster.flash3_attention_efficiency}[version]
-    return flops / (cluster.peak_flops * eff)
+    return flops / (cluster.peak_flops * getattr(cluster, _FLASH_EFFICIENCY[version]))
 
 
 def memory_s(cluster: Cluster, nbytes: float) -> float:

@@ -4,12 +4,36 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Collection
+from importlib import resources
+from pathlib import Path
 from typing import Any
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
+
+
+def load_spec(spec: str, *, what: str, folder: str, presets: Collection[str], fields: Collection[str],
+              base_values: Callable[[str], dict[str, Any]], error: type[Exception]) -> tuple[dict[str, Any], str]:
+    """Every value of ``spec``, a preset name (a TOML file in ``autopar/<folder>``) or a path to a TOML file,
+    and the origin errors name.  ``base_values(name)`` gives a preset's values for files that start from one;
+    ``name`` defaults to the preset's or the file's stem."""
+    if spec in presets:
+        text, name, origin = (resources.files("autopar").joinpath(folder, f"{spec}.toml").read_text(), spec,
+                              f"{what} preset {spec}")
+    else:
+        path = Path(spec)
+        if not path.is_file():
+            raise error(f"unknown {what} {spec!r}: not a preset ({', '.join(presets)}) nor a TOML file")
+        text, name, origin = path.read_text(), path.stem, str(path)
+    values = read_spec(text, origin, presets=presets, base_values=lambda b: {**base_values(b), "name": name},
+                       fields=fields, error=error)
+    values.setdefault("name", name)
+    missing = sorted(set(fields) - set(values))
+    if missing:
+        raise error(f"{origin}: missing key {missing[0]!r}")
+    return values, origin
 
 
 def read_spec(text: str, origin: str, *, presets: Collection[str], base_values: Callable[[str], dict[str, Any]],

@@ -13,6 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from autopar.inter_op.layout import Layout
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 DOCS = ROOT / "docs"
@@ -28,11 +30,7 @@ def _load(name: str) -> dict[str, Any]:
 def _layout(r: dict[str, Any]) -> str:
     if "per_layer" in r:
         return f"one layer, tp{r['fixed']['tp']} mbs{r['fixed']['mbs']}"
-    lay = r["layout"]
-    text = f"tp{lay['tp']} pp{lay['pp']} dp{lay['dp']} mbs{lay['mbs']}"
-    if lay["pp"] > 1:
-        text += f" {lay['schedule']}" + (f" v{lay['v']}" if lay["v"] > 1 else "")
-    return text + f" rc={lay['recompute']} z{lay['zero']}" + (" sp" if lay["sp"] else "")
+    return Layout(**r["layout"]).describe()
 
 
 def _scatter(calib: dict[str, Any], ranking: dict[str, Any], path: Path) -> None:

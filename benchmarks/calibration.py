@@ -28,6 +28,8 @@ from rich.table import Table
 
 from autopar.errors import AutoparError
 from autopar.frontend import TracedModel, trace_model
+from autopar.inter_op.estimate import layer_recompute
+from autopar.inter_op.layout import Layout
 from autopar.inter_op.search import UnitCostCache, search
 from autopar.inter_op.unit_costs import unit_sequence
 
@@ -69,8 +71,6 @@ def search_run(run: ReferenceRun, traces: TraceCache):
     traced = traces.get(run)
     ctx = run.context()
     cache = traces.unit_costs(run, ctx)
-    if cache.ctx != ctx:  # same fabric, other cluster size: the unit costs still apply
-        cache.ctx = ctx
     return search(traced.graph, run.cluster, ctx, run.global_batch, run.fixed, run.cluster.usable_memory_bytes,
                   cache=cache)
 
@@ -96,7 +96,7 @@ def estimate_per_layer(run: ReferenceRun, traces: TraceCache) -> dict[str, Any]:
     t0 = time.perf_counter()
     traced = traces.get(run)
     ctx = run.context()
-    cache = UnitCostCache(traced.graph, run.cluster, ctx, "cbc", 60)
+    cache = traces.unit_costs(run, ctx)
     tp, mbs = run.fixed["tp"], run.fixed["mbs"]
     variants = {}
     est_total = meas_total = 0.0
@@ -106,11 +106,7 @@ def estimate_per_layer(run: ReferenceRun, traces: TraceCache) -> dict[str, Any]:
         costs, _ = cache.get(tp, mbs, sp, "fast")
         layer = costs[unit_sequence(traced.graph)[1]]
         fwd = layer.fwd_s + layer.tp_fwd_s
-        bwd = layer.bwd_s + layer.tp_bwd_s
-        if recompute == "full":
-            bwd += fwd
-        elif recompute == "selective":
-            bwd += layer.attention_fwd_s
+        bwd = layer.bwd_s + layer.tp_bwd_s + layer_recompute(layer, recompute, ctx.framework).time_s
         meas = run.per_layer_ms[name]
         variants[name] = {"fwd_ms": fwd * 1e3, "bwd_ms": bwd * 1e3, "measured_fwd_ms": meas["forward"],
                           "measured_bwd_ms": meas["backward"], "error": (fwd + bwd) * 1e3 / meas["total"] - 1}
@@ -161,12 +157,8 @@ def render(rows: list[dict[str, Any]], summary: dict[str, Any], console: Console
         if r["error"] is None:
             table.add_row(r["case_id"], str(r["gpus"]), r["framework"], r["note"], "", "", "", "", "REFUSED")
             continue
-        lay = r["layout"]
-        text = (f"tp{lay['tp']} pp{lay['pp']} dp{lay['dp']} mbs{lay['mbs']} {lay['schedule']}"
-                f"{'' if lay['v'] == 1 else ' v' + str(lay['v'])} rc={lay['recompute']} z{lay['zero']}"
-                f"{' sp' if lay['sp'] else ''}")
-        table.add_row(r["case_id"], str(r["gpus"]), r["framework"], text, f"{r['estimate_s']:.2f} s",
-                      f"{r['measured_s']:.2f} s", f"{r['error']:+.1%}", f"{r['mfu']:.1%}",
+        table.add_row(r["case_id"], str(r["gpus"]), r["framework"], Layout(**r["layout"]).describe(),
+                      f"{r['estimate_s']:.2f} s", f"{r['measured_s']:.2f} s", f"{r['error']:+.1%}", f"{r['mfu']:.1%}",
                       f"{r['peak_memory_gib']:.0f} GiB" + ("" if r["fits"] else " REFUSED"))
     console.print(table)
     console.print(f"{summary['rows']} rows: median |error| {summary['median_abs_error']:.1%}, "

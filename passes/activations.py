@@ -21,13 +21,18 @@ import logging
 from dataclasses import dataclass, field
 
 from autopar.passes.context import PassContext
-from autopar.passes.traffic import attention_dropout, tensor_bytes
+from autopar.passes.traffic import (
+    DROPOUT_OPS,
+    FP32_BYTES,
+    LOSS_OPS,
+    attention_dropout,
+    dropout_is_identity,
+    tensor_bytes,
+)
 
 from autopar.ir import BatchLinear, Node, OpGraph, Ref, TensorInfo
 
 log = logging.getLogger(__name__)
-
-FP32_BYTES = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,14 +168,12 @@ def saved_tensors(graph: OpGraph, node: Node, ctx: PassContext, unknown: set[str
         s.ref(x_ref)
         normalized = len(node.args[1]) if len(node.args) > 1 and isinstance(node.args[1], (list, tuple)) else 1
         s.synthetic("stats", _rows(x, normalized) * (FP32_BYTES * _NORMS[op]))
-    elif op in ("aten.dropout.default", "aten.native_dropout.default", "aten.feature_dropout.default"):
-        p = node.args[1] if len(node.args) > 1 else 0.0
-        train = node.args[2] if len(node.args) > 2 else True
-        if p and train:
+    elif op in DROPOUT_OPS:
+        if not dropout_is_identity(node):
             out = node.out
             per = out.numel_at(1)  # one byte (bool mask) per element
             s.synthetic("mask", BatchLinear(per, 0.0) if out.batch_dim is not None else BatchLinear(0.0, per))
-    elif op == "aten.cross_entropy_loss.default":
+    elif op in LOSS_OPS:
         # log-softmax of the logits kept in fp32 (autocast runs cross-entropy in fp32) plus the targets; a fused
         # loss keeps the 16-bit logits (and one fp32 log-sum-exp per row) to rewrite them in backward.
         (x_ref, x), (t_ref, _) = _arg(graph, node, 0), _arg(graph, node, 1)

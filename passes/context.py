@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 from autopar.cluster import Cluster
 from autopar.framework import DEFAULT_FRAMEWORK, Framework, load_framework
 
 Attention = Literal["flash", "flash1", "flash3", "math", "eager"]
-ATTENTION_KERNELS: tuple[Attention, ...] = ("flash", "flash1", "flash3", "math", "eager")
-#: Kernels that never materialize the s x s scores.
-FLASH_KERNELS = ("flash", "flash1", "flash3")
+ATTENTION_KERNELS: tuple[Attention, ...] = get_args(Attention)
+#: Kernels that never materialize the s x s scores, and their FlashAttention version.
+FLASH_VERSION: dict[str, int] = {"flash": 2, "flash1": 1, "flash3": 3}
+FLASH_KERNELS = tuple(FLASH_VERSION)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -80,3 +81,8 @@ class PassContext:
     def flash(self) -> bool:
         """Whether the attention kernel is a flash kernel (no s x s tensors, causal blocks skipped)."""
         return self.attention in FLASH_KERNELS
+
+    @property
+    def flash_version(self) -> int:
+        """FlashAttention version of a flash kernel (``flash`` is FlashAttention-2)."""
+        return FLASH_VERSION[self.attention]

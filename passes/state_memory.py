@@ -32,11 +32,6 @@ class StateMemory:
     outside_layer_parameters: int
     total: StateBytes
 
-    def bytes_for(self, num_params: float, ctx: PassContext) -> StateBytes:
-        p = ctx.precision
-        return StateBytes(num_params * p.weight_bytes, num_params * ctx.framework.main_grad_bytes,
-                          num_params * p.optimizer_bytes)
-
 
 def annotate_state_memory_pass(graph: OpGraph, ctx: PassContext) -> OpGraph:
     """Set ``annotations["state_memory"]`` on the graph."""

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from autopar.passes import PassContext
 from autopar.passes.flops import causal_block_fraction, total_flops
 from autopar.passes.traffic import tensor_bytes
 
+from autopar.cluster import MeshSpec, load_cluster
+from autopar.framework import load_framework
 from autopar.frontend import trace_model
+from autopar.inter_op.unit_costs import solve_tp, unit_costs, unit_sequence
+from autopar.intra_op.sharding_costs import saved_bytes
+from autopar.intra_op.strategies import AxisStrategy
 
 GPT3 = {"layers": 96, "hidden": 12288, "heads": 96, "vocab": 51200, "seq_len": 2048}
 
@@ -128,11 +135,6 @@ def test_a_conversion_to_the_same_dtype_is_free():
 def test_saved_input_counts_as_the_op_consumes_it():
     """A column-parallel Linear fed a sequence-sharded stream runs on (and autograd saves) the all-gathered
     input; Megatron-LM's Linear saves the sharded one and gathers it again in backward."""
-    from autopar.cluster import MeshSpec, load_cluster
-    from autopar.framework import load_framework
-    from autopar.intra_op.sharding_costs import saved_bytes
-    from autopar.intra_op.strategies import AxisStrategy
-
     cfg = {"layers": 2, "hidden": 256, "heads": 4, "vocab": 128, "seq_len": 64}
     g = trace_model("gpt", cfg).graph
     mesh = MeshSpec.on_cluster(load_cluster("a100-80gb"), ("tp",), (8,))
@@ -152,3 +154,25 @@ def test_saved_input_counts_as_the_op_consumes_it():
     (y,) = gelu.annotations["saved"]
     assert saved_bytes(g, gelu, (AxisStrategy(outputs=("S(2)",), inputs=("S(2)",)),), mesh, 2, [y]) == [
         y.nbytes.at(2) / 8]
+
+
+def test_megatron_keeps_sequence_parallel_linear_inputs_sharded():
+    """A sequence-parallel layer whose MLP is column-parallel on the sequence-sharded stream: DTensor's layer
+    keeps the all-gathered input of the first Linear, Megatron-LM's the sharded one (7/8 less at tp=8)."""
+    cluster = load_cluster("a100-80gb")
+    torch_ctx = PassContext(cluster=cluster, framework=load_framework("torch"))
+    megatron_ctx = dataclasses.replace(torch_ctx, framework=load_framework("megatron-lm"))
+    cfg = {"layers": 3, "hidden": 512, "heads": 8, "vocab": 512, "seq_len": 256}
+    g = trace_model("gpt", cfg, ctx=torch_ctx).graph
+    mesh, strategies, _ = solve_tp(g, cluster, torch_ctx, 8, 1, True)
+    fc1 = [n for n in g.ops() if n.layer == 1 and n.op == "aten.linear.default"][4]  # q, k, v, out, fc1
+    norm = g[fc1.args[0].name]
+    assert norm.op == "aten.layer_norm.default"
+    placed = {**strategies,
+              norm.name: (AxisStrategy(outputs=("S(1)",), inputs=strategies[norm.name][0].inputs),),
+              fc1.name: (AxisStrategy(outputs=("S(2)",), inputs=("R", "S(0)", "S(0)")),)}
+    layer = unit_sequence(g)[2]
+    dtensor = unit_costs(g, placed, mesh, 1, cluster, torch_ctx)[layer].activation_bytes
+    megatron = unit_costs(g, placed, mesh, 1, cluster, megatron_ctx)[layer].activation_bytes
+    whole = g.tensor(fc1.args[0]).numel_at(1) * 2
+    assert dtensor - megatron == pytest.approx(whole * 7 / 8)

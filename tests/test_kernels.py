@@ -23,8 +23,9 @@ def test_wave_quantization():
     # 108 tiles of 128x128 fill one wave of A100's 108 SMs; 109 need a second, nearly empty one
     full = gemm_efficiency(A100, 128 * 12, 128 * 9, 4096)
     over = gemm_efficiency(A100, 128 * 12 + 1, 128 * 9, 4096)
-    assert over < 0.7 * full
-    # time barely changes when the output grows by one row: the extra wave costs a whole tile's time
+    # the extra row at worst doubles the waves of the 128x128 tiles, so more than half the efficiency stays
+    assert 0.5 * full < over < 0.7 * full
+    # one more row of output costs a whole extra (nearly empty) wave of time
     assert gemm_s(A100, 128 * 12 + 1, 128 * 9, 4096) > 1.4 * gemm_s(A100, 128 * 12, 128 * 9, 4096)
 
 
@@ -51,7 +52,10 @@ def test_reduction_length_efficiency_grows_with_k():
 
 
 def test_batched_products_fill_waves_together():
-    # 108 heads of a 128x128 output fill one wave; a single one runs on a few SMs even split along k
+    # 108 heads of a 128x128 output fill one wave of whole tiles: only the pipeline fill is lost
+    assert gemm_efficiency(A100, 128, 128, 4096, batch=108) == pytest.approx(
+        A100.gemm_efficiency * 4096 / (4096 + A100.gemm_k_overhead))
+    # a single one runs on a few SMs even split along k
     assert gemm_efficiency(A100, 128, 128, 4096, batch=108) > 3 * gemm_efficiency(A100, 128, 128, 4096, batch=1)
 
 
@@ -63,6 +67,7 @@ def test_cpu_has_no_quantization():
 def test_flash_attention_versions():
     flops = 1e13
     t1, t2, t3 = (flash_attention_s(H100, flops, v) for v in (1, 2, 3))
-    assert t1 > t2 > t3  # FlashAttention-2 is twice v1; v3 uses Hopper's wgmma
+    assert t1 > t2 > t3  # v3 uses Hopper's wgmma
+    assert t1 / t2 == pytest.approx(2, rel=0.05)  # FlashAttention-2 is about twice v1 (Dao 2023)
     assert t2 == pytest.approx(flops / (H100.peak_flops * H100.attention_efficiency))
     assert math.isclose(flash_attention_s(A100, flops, 3), flash_attention_s(A100, flops, 2))  # no v3 on Ampere

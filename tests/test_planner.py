@@ -55,6 +55,7 @@ def test_interleaving_divides_the_bubble(gpt):
     for est, v in ((base, 1), (inter, 2)):  # warm-up and cool-down of the stage times, over v
         times = [s.time_s for s in est.stages]
         assert est.breakdown["pp_bubble_s"] == pytest.approx((sum(times) - max(times)) / v)
+    # half the bubble of stage times that grow by each chunk's own transfers (about 12 % here)
     assert inter.breakdown["pp_bubble_s"] < 0.6 * base.breakdown["pp_bubble_s"]
 
 
@@ -75,8 +76,9 @@ def test_breakdown_adds_up(gpt):
     est = _estimate(gpt, "")
     assert sum(est.breakdown.values()) == pytest.approx(est.iteration_time_s)
     assert est.fits and 0 < est.mfu < 1 and 0 < est.hfu < 1
-    # causal flash attention executes fewer FLOPs than the MFU convention counts
-    assert est.hfu / est.mfu == pytest.approx(est.hardware_flops_per_iter / est.model_flops_per_iter)
+    # without recomputation, causal flash attention executes fewer FLOPs than the MFU convention counts
+    plain = _estimate(gpt, "recompute=none")
+    assert plain.hardware_flops_per_iter < plain.model_flops_per_iter and plain.hfu < plain.mfu
 
 
 def test_fixed_layout_that_does_not_divide_heads():

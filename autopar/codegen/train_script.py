@@ -13,7 +13,7 @@ import inspect
 import pprint
 from pathlib import Path
 
-from autopar import __version__, modelfile
+from autopar import __version__, modelfile, recompute_policy
 from autopar.codegen.script_body import BODY
 from autopar.plan import Plan
 from autopar.runtime import recompute, stages
@@ -34,12 +34,15 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.tensor import Replicate, Shard
+"""
+
+# Only for plans that recompute activations (``autopar.runtime.recompute``).
+RECOMPUTE_IMPORTS = """from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 """
 
@@ -65,10 +68,12 @@ def _pipeline_source(hf_kind: str | None) -> str:
 
 def _recompute_source() -> str:
     """The runtime's activation checkpointing (``autopar.runtime.recompute``), copied."""
-    parts = [recompute._saved_by_op_checkpointing, recompute.op_checkpoint_context, recompute._op_checkpointed,
-             recompute._is_attention, recompute.apply_recompute]
-    return f"ATTENTION_NAMES = {recompute.ATTENTION_NAMES!r}\n\n\n" + "\n\n".join(
-        inspect.getsource(f) for f in parts) + "\n\n"
+    parts = [recompute_policy.is_attention_module, recompute_policy.product_is_saved,
+             recompute._saved_by_op_checkpointing, recompute.op_checkpoint_context, recompute._op_checkpointed,
+             recompute.apply_recompute]
+    constants = (f"ATTENTION_NAMES = {recompute_policy.ATTENTION_NAMES!r}\n"
+                 f"SAVE_EVERY = {recompute_policy.SAVE_EVERY!r}\n\n\n")
+    return constants + "\n\n".join(inspect.getsource(f) for f in parts) + "\n\n"
 
 
 def _custom_styles_source(kinds: set[str]) -> str:
@@ -126,9 +131,11 @@ def generate_train_script(plan: Plan, script_name: str = "train.py") -> str:
     kinds = {kind for kind, _ in (specs or {}).values()}
     torch_kinds = sorted(kinds - {"PlacedParameters", "PrepareActivation"})
     names = ", ".join([*torch_kinds, "parallelize_module"])
-    imports = IMPORTS + f"from torch.distributed.tensor.parallel import {names}\n"
+    recomputes = lay["recompute"] != "none"
+    imports = (IMPORTS + (RECOMPUTE_IMPORTS if recomputes else "")
+               + f"from torch.distributed.tensor.parallel import {names}\n")
     helpers = (_custom_styles_source(kinds) + (_pipeline_source(hf_kind) if pp > 1 else "")
-               + (_recompute_source() if lay["recompute"] != "none" else ""))
+               + (_recompute_source() if recomputes else ""))
     return header + imports + "\n" + helpers + literals + BODY
 
 

@@ -37,6 +37,7 @@ from typing import Any
 
 from autopar.cluster import AxisLink, Cluster, axis_link
 from autopar.collectives import all_gather_s, all_reduce_s, reduce_scatter_s, send_recv_s
+from autopar.framework import Framework
 from autopar.inter_op.layout import Layout
 from autopar.inter_op.unit_costs import POST, PRE, UnitCost, unit_sequence
 from autopar.ir import OpGraph
@@ -78,7 +79,7 @@ class Estimate:
     fits: bool
     breakdown: dict[str, float]
     stages: tuple[StageEstimate, ...]
-    framework: str = "torch"
+    framework: str
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -125,26 +126,41 @@ def _zero3_collectives(u: UnitCost, ctx: PassContext) -> tuple[int, float]:
     return max(1, count), u.largest_module_params
 
 
+@dataclass(frozen=True, slots=True)
+class LayerRecompute:
+    """What a recomputation mode does to one layer, per micro-batch."""
+
+    time_s: float  # forward re-run in backward (with its tensor-parallel collectives for ``full``)
+    flops: float  # hardware FLOPs of that re-run
+    saved_bytes: float  # activations kept from forward to backward
+    transient_bytes: float  # alive only while the layer's recomputation and backward run
+
+
+def layer_recompute(u: UnitCost, mode: str, fw: Framework) -> LayerRecompute:
+    """``mode`` (none/selective/op/full) on layer ``u``, as ``fw`` runs it."""
+    if mode == "full":
+        return LayerRecompute(u.full_recompute_s + u.tp_fwd_s, u.full_recompute_flops, u.input_bytes,
+                              u.activation_bytes)
+    if mode == "selective" and fw.selective_recompute == "attention_module":
+        return LayerRecompute(u.attention_module_recompute_s, u.attention_module_recompute_flops,
+                              u.activation_bytes - u.attention_module_saved_bytes, u.attention_module_saved_bytes)
+    if mode == "selective":
+        return LayerRecompute(u.attention_fwd_s, u.attention_fwd_flops, u.activation_bytes - u.attention_saved_bytes,
+                              0.0)
+    if mode == "op":
+        return LayerRecompute(u.op_recompute_s, u.op_recompute_flops, min(u.op_saved_bytes, u.activation_bytes),
+                              u.activation_bytes)
+    return LayerRecompute(0.0, 0.0, u.activation_bytes, 0.0)
+
+
 def _unit_load(u: UnitCost, is_layer: bool, layout: Layout, dp_link: AxisLink, cluster: Cluster,
                ctx: PassContext) -> _UnitLoad:
     fw, pol = ctx.framework, ctx.precision
     compute = u.fwd_s + u.bwd_s
     tp = u.tp_fwd_s + u.tp_bwd_s
     tp_exposed = _exposed(tp, compute, cluster) if fw.tp_comm_overlap and layout.sp else tp
-    act, extra, recompute = u.activation_bytes, u.transient_bytes, 0.0
-    if is_layer and layout.recompute == "full":
-        recompute = u.full_recompute_s + u.tp_fwd_s
-        act, extra = u.input_bytes, max(extra, u.activation_bytes)
-    elif is_layer and layout.recompute == "selective" and fw.selective_recompute == "attention_module":
-        recompute = u.attention_module_recompute_s
-        act = u.activation_bytes - u.attention_module_saved_bytes
-        extra = max(extra, u.attention_module_saved_bytes)
-    elif is_layer and layout.recompute == "selective":
-        recompute = u.attention_fwd_s
-        act = u.activation_bytes - u.attention_saved_bytes
-    elif is_layer and layout.recompute == "op":
-        recompute = u.op_recompute_s
-        act, extra = min(u.op_saved_bytes, u.activation_bytes), max(extra, u.activation_bytes)
+    rc = layer_recompute(u, layout.recompute if is_layer else "none", fw)
+    act, extra, recompute = rc.saved_bytes, max(u.transient_bytes, rc.transient_bytes), rc.time_s
     dp, z = layout.dp, layout.zero
     state = ctx.state_bytes(u.params_local, dp, z)
     zero3 = 0.0
@@ -367,13 +383,5 @@ def _tied_state_bytes(costs: dict[str, UnitCost], layout: Layout, ctx: PassConte
 def _recompute_flops(costs: dict[str, UnitCost], keys: list[str], layout: Layout, global_batch: int,
                      ctx: PassContext) -> float:
     micro = global_batch / max(1, layout.mbs)  # micro-batches over all dp ranks
-    layers = [costs[k] for k in keys if k not in (PRE, POST)]
-    if layout.recompute == "full":
-        return micro * sum(u.full_recompute_flops for u in layers)
-    if layout.recompute == "selective" and ctx.framework.selective_recompute == "attention_module":
-        return micro * sum(u.attention_module_recompute_flops for u in layers)
-    if layout.recompute == "selective":
-        return micro * sum(u.attention_fwd_flops for u in layers)
-    if layout.recompute == "op":
-        return micro * sum(u.op_recompute_flops for u in layers)
-    return 0.0
+    return micro * sum(layer_recompute(costs[k], layout.recompute, ctx.framework).flops
+                       for k in keys if k not in (PRE, POST))

@@ -33,6 +33,13 @@ class Layout:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def describe(self) -> str:
+        """One line: ``tp8 pp8 dp4 mbs3 interleaved v6 rc=none z1 sp``."""
+        text = f"tp{self.tp} pp{self.pp} dp{self.dp} mbs{self.mbs}"
+        if self.pp > 1:
+            text += f" {self.schedule}" + (f" v{self.v}" if self.v > 1 else "")
+        return text + f" rc={self.recompute} z{self.zero}" + (" sp" if self.sp else "")
+
     @property
     def devices(self) -> int:
         return self.dp * self.tp * self.pp

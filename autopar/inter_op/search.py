@@ -20,6 +20,7 @@ whose perfectly balanced lower bound cannot beat the K-th best so far skip the D
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -93,6 +94,16 @@ class UnitCostCache:
         self._solved: dict[tuple, tuple[MeshSpec, dict[str, Strategy]]] = {}
         self.solves = 0
         self.statuses: set[str] = set()
+
+    def serves(self, graph: OpGraph, cluster: Cluster, ctx: PassContext) -> bool:
+        """Whether these unit costs hold for ``graph`` on ``cluster`` under ``ctx``: the same graph and context
+        on a cluster that differs at most in its size (a tp group's links depend on its nodes, not on how
+        many there are)."""
+        def sized(c: Cluster | None) -> Cluster | None:
+            return None if c is None else dataclasses.replace(c, gpus=self.cluster.gpus)
+
+        return (graph is self.graph and sized(cluster) == self.cluster
+                and dataclasses.replace(ctx, cluster=sized(ctx.cluster)) == self.ctx)
 
     def strategies(self, tp: int, mbs: int, sp: bool, variant: str) -> tuple[MeshSpec, dict[str, Strategy]]:
         """The ILP's strategies, solved at the reference micro-batch nearest ``mbs``."""
@@ -230,7 +241,7 @@ def search(graph: OpGraph, cluster: Cluster, ctx: PassContext, global_batch: int
     tensor-parallel fabric and context; its solves are counted from zero here either way."""
     t0 = time.perf_counter()
     check_fixed(graph, cluster, global_batch, fixed)
-    if cache is None or cache.graph is not graph or cache.ctx != ctx:
+    if cache is None or not cache.serves(graph, cluster, ctx):
         cache = UnitCostCache(graph, cluster, ctx, backend, time_limit_s)
     solves_before = cache.solves
     sequence = unit_sequence(graph)

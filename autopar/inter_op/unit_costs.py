@@ -12,7 +12,7 @@ recomputation drops).  Data parallelism is applied analytically on top (``autopa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from autopar.cluster import Cluster, MeshSpec
 from autopar.intra_op.problem import IntraOpConfig, IntraOpSolution, solve_intra_op
@@ -29,6 +29,8 @@ from autopar.intra_op.strategies import AxisStrategy, R, Strategy, tensor_refs
 from autopar.ir import OpGraph
 from autopar.passes.activations import storage_key
 from autopar.passes.context import PassContext
+from autopar.passes.traffic import FP32_BYTES, LOSS_OPS
+from autopar.recompute_policy import is_attention_module, product_is_saved
 from autopar.solvers.ilp import Backend
 
 PRE, POST = "pre", "post"
@@ -44,7 +46,6 @@ class UnitCost:
     tp_fwd_s: float
     tp_bwd_s: float
     tp_sync_s: float  # per iteration: gradients of parameters replicated on tp but computed split (SP norms)
-    params: int  # parameters of the unit (whole model view)
     param_local: dict[str, float]  # FQN -> elements one device holds (after tensor parallelism)
     activation_bytes: float  # saved for backward, per micro-batch
     input_bytes: float  # the unit's input activation on one device (pipeline send, full-recompute checkpoint)
@@ -63,10 +64,10 @@ class UnitCost:
     transient_bytes: float = 0.0  # memory alive only while the unit runs (fp32 logits and loss gradients)
     param_modules: int = 0  # modules holding parameters (one ZeRO-3 collective each for per-module runtimes)
     largest_module_params: float = 0.0  # elements one device holds of the largest of them
+    params_local: float = field(init=False)  # elements one device holds of all of them (read per layout)
 
-    @property
-    def params_local(self) -> float:
-        return sum(self.param_local.values())
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "params_local", sum(self.param_local.values()))
 
     @property
     def param_tensors(self) -> int:
@@ -130,24 +131,18 @@ def unit_costs(graph: OpGraph, strategies: dict[str, Strategy], mesh: MeshSpec, 
     return out
 
 
-#: Per-op selective checkpointing (torchtitan's ``recompute=op``, built on
-#: ``torch.utils.checkpoint.create_selective_checkpoint_contexts``) keeps the outputs of matrix products,
-#: except every second one, and of attention, and recomputes everything else in backward
-#: (torchtitan ``_save_list``: aten.mm and the SDPA kernels; "save every other mm").
-OP_CHECKPOINT_SAVES_EVERY = 2
 #: Under bf16 autocast the loss runs in fp32 (``log_softmax`` is on autocast's fp32 list): beyond the fp32
 #: log-probabilities it saves, the fp32 copy of the logits in forward and the fp32 gradient of the
 #: log-probabilities in backward are alive while the loss runs: 8 bytes per logit (none for a fused loss,
 #: which rewrites the 16-bit logits in place).
-LOSS_TRANSIENT_BYTES_PER_LOGIT = 8
-LOSS_OPS = frozenset({"aten.cross_entropy_loss.default", "aten.cross_entropy.default"})
+LOSS_TRANSIENT_BYTES_PER_LOGIT = 2 * FP32_BYTES
 
 
 def _op_checkpoint_saves(node_op: str, product_index: int) -> bool:
     """Whether per-op checkpointing keeps this op's output (``product_index``: 1 for a unit's first product)."""
     if node_op in ATTENTION_OPS:
         return True
-    return node_op in PRODUCT_OPS and product_index % OP_CHECKPOINT_SAVES_EVERY == 1
+    return node_op in PRODUCT_OPS and product_is_saved(product_index)
 
 
 def _recompute_stop(graph: OpGraph, names: list[str], early_stop: bool) -> int:
@@ -158,9 +153,6 @@ def _recompute_stop(graph: OpGraph, names: list[str], early_stop: bool) -> int:
         return len(names) - 1
     producers = {t.key.split(":", 1)[0] for name in names for t in graph[name].annotations.get("saved", ())}
     return max((i for i, name in enumerate(names) if name in producers), default=len(names) - 1)
-
-
-ATTENTION_MODULE_NAMES = ("attn", "self_attn", "attention")  # as ``autopar.runtime.recompute`` finds it
 
 
 def _attention_module_nodes(graph: OpGraph, names: list[str]) -> list[str]:
@@ -181,7 +173,7 @@ def _attention_module_nodes(graph: OpGraph, names: list[str]) -> list[str]:
         if n.layer is None or not n.module.startswith(prefix[n.layer] + "."):
             continue
         child = n.module[len(prefix[n.layer]) + 1:].split(".", 1)[0]
-        if child in ATTENTION_MODULE_NAMES or "attention" in child_type.get(child, "").lower():
+        if is_attention_module(child, child_type.get(child, "")):
             out.append(name)
     return out
 
@@ -203,7 +195,6 @@ def _unit_cost(graph: OpGraph, names: list[str], strategies: dict[str, Strategy]
     act = 0.0
     input_bytes = 0.0
     params: dict[str, float] = {}
-    params_global: dict[str, int] = {}
     fwd_flops = attn_flops = 0.0
     seen: set[str] = set()
     for i, name in enumerate(names):
@@ -246,7 +237,6 @@ def _unit_cost(graph: OpGraph, names: list[str], strategies: dict[str, Strategy]
                 tp_sync += pc.per_iteration_s
                 if src.target not in params:
                     params[src.target] = src.out.numel_at(1) / shard_factor(required, mesh)
-                    params_global[src.target] = src.out.numel_at(1)
                     owner = src.target.rsplit(".", 1)[0] if "." in src.target else ""
                     modules[owner] = modules.get(owner, 0.0) + params[src.target]
                 continue
@@ -270,7 +260,7 @@ def _unit_cost(graph: OpGraph, names: list[str], strategies: dict[str, Strategy]
                     attn_bytes += b_
                 if name in attn_members and t.key.split(":", 1)[0] in attn_members:
                     attn_module_bytes += b_  # made inside the module: freed when it is checkpointed
-    return UnitCost(fwd, bwd, tp_fwd, tp_bwd, tp_sync, sum(params_global.values()), params, act,
+    return UnitCost(fwd, bwd, tp_fwd, tp_bwd, tp_sync, params, act,
                     input_bytes, attn_s, attn_bytes, fwd_flops, attn_flops,
                     attention_module_recompute_s=attn_module_s, attention_module_saved_bytes=attn_module_bytes,
                     attention_module_recompute_flops=attn_module_flops,

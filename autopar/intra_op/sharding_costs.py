@@ -66,6 +66,8 @@ def saved_bytes(graph: OpGraph, node: Node, strat: Strategy, mesh: MeshSpec, bat
     produced; a kernel's own tensors (norm statistics, dropout masks, attention statistics) at the op's
     finest sharding.
     """
+    if not saved:
+        return []
     refs = tensor_refs(node)
     inputs: dict[str, int] = {}
     for k, r in enumerate(refs):
@@ -122,11 +124,12 @@ def _redistribute_cached(nbytes: float, src: Placements, dst: Placements, mesh: 
 
 
 def redistribute_s(t: TensorInfo, src: Placements, dst: Placements, mesh: MeshSpec, batch: int,
-                   ctx: PassContext, width: int | None = None) -> float:
-    """Time to turn ``t`` from placements ``src`` into ``dst`` (one per mesh axis)."""
+                   ctx: PassContext) -> float:
+    """Time to turn ``t`` from placements ``src`` into ``dst`` (one per mesh axis).  Floating tensors are
+    priced at the activation width, not ``OpGraph.width``: an fp32 upcast resharded in fp32 is priced low."""
     if tuple(src) == tuple(dst):
         return 0.0
-    nbytes = t.numel_at(batch) * (width or (ctx.precision.activation_bytes if t.is_floating else t.itemsize))
+    nbytes = t.numel_at(batch) * (ctx.precision.activation_bytes if t.is_floating else t.itemsize)
     return _redistribute_cached(float(nbytes), tuple(src), tuple(dst), mesh)
 
 
@@ -302,7 +305,7 @@ def _attention_s(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec,
     launch_f = traffic.fwd_kernels * cluster.kernel_overhead_s
     launch_b = traffic.bwd_kernels * cluster.kernel_overhead_s
     if ctx.flash:
-        version = {"flash1": 1, "flash3": 3}.get(ctx.attention, 2)
+        version = ctx.flash_version
         fwd = max(flash_attention_s(cluster, flops.fwd_executed * scale / split, version), memory_s(cluster, fwd_bytes))
         bwd = max(flash_attention_s(cluster, flops.bwd * scale / split, version), memory_s(cluster, bwd_bytes))
         return fwd + launch_f, bwd + launch_b

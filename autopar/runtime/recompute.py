@@ -7,7 +7,8 @@
   kept, except every second one, and so are attention's; everything else is recomputed.  This is what the
   cost model prices as ``recompute=op`` (``autopar.inter_op.unit_costs``).
 
-Generated scripts carry this module's functions as they are (``inspect.getsource``).
+Which children and products each mode keeps is ``autopar.recompute_policy``'s.  Generated scripts carry
+this module's functions and the policy's as they are (``inspect.getsource``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-ATTENTION_NAMES = ("attn", "self_attn", "attention")
+from autopar.recompute_policy import is_attention_module, product_is_saved
 
 
 def _saved_by_op_checkpointing() -> tuple[set, set]:
@@ -40,7 +41,7 @@ def op_checkpoint_context():
         if func in products:
             key = "recompute" if ctx.is_recompute else "forward"
             counts[key] += 1
-            return CheckpointPolicy.MUST_SAVE if counts[key] % 2 == 1 else CheckpointPolicy.PREFER_RECOMPUTE
+            return CheckpointPolicy.MUST_SAVE if product_is_saved(counts[key]) else CheckpointPolicy.PREFER_RECOMPUTE
         return CheckpointPolicy.MUST_SAVE if func in attention else CheckpointPolicy.PREFER_RECOMPUTE
 
     return create_selective_checkpoint_contexts(policy)
@@ -48,10 +49,6 @@ def op_checkpoint_context():
 
 def _op_checkpointed(block: nn.Module) -> nn.Module:
     return checkpoint_wrapper(block, context_fn=op_checkpoint_context)
-
-
-def _is_attention(name: str, child: nn.Module) -> bool:
-    return "attention" in type(child).__name__.lower() or name in ATTENTION_NAMES
 
 
 def apply_recompute(module: nn.Module, container: str | None, mode: str) -> None:
@@ -66,7 +63,7 @@ def apply_recompute(module: nn.Module, container: str | None, mode: str) -> None
             blocks.register_module(key, _op_checkpointed(block))
         else:  # selective: the attention of every block
             for name, child in list(block.named_children()):
-                if _is_attention(name, child):
+                if is_attention_module(name, type(child).__name__):
                     block.register_module(name, checkpoint_wrapper(child))
 
 
