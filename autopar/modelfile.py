@@ -6,7 +6,12 @@ A model file defines
 - ``example_inputs(batch_size, seq_len, **config) -> tuple[Tensor, ...]`` (optional; default: one
   LongTensor of token ids ``[batch, seq]``);
 - ``loss_fn(output, *inputs) -> Tensor`` (optional; default: next-token cross-entropy on the logits,
-  also when the output is a HuggingFace ``ModelOutput``).
+  also when the output is a HuggingFace ``ModelOutput``);
+- ``batches(dp_rank, dp_size, batch_size, seq_len, **config)`` (optional): training data for generated
+  scripts, an iterator of input tuples (``autopar.runtime.data``).
+
+The model may define ``init_parameter(name, tensor)`` to initialize one parameter in place
+(``autopar.runtime.materialize``).
 
 ``MODEL`` is a path to such a file or the name of a zoo model (``gpt``, ``llama``, ``mlp``, ``moe``).
 """

@@ -1,5 +1,5 @@
 """What each ``recompute`` mode of a plan checkpoints: shared by the runtime that applies it
-(``autopar.runtime.recompute``, copied into generated scripts) and the cost model that prices it
+(``autopar.runtime.recompute``, which generated scripts run too) and the cost model that prices it
 (``autopar.inter_op.unit_costs``), so the two cannot drift apart.  No torch here.
 """
 

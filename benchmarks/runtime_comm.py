@@ -84,14 +84,15 @@ def measure(plan_path: Path) -> dict:
     n = plan.num_devices
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=n)
     try:
-        session = build_model(plan, seed=0)
-        trainer = apply(plan, session.model, session.loss_fn)
+        session = build_model(plan, None)  # structure only: the synthetic data's vocabulary
+        trainer = apply(plan, session.loss_fn)
         tp_group = trainer.mesh["tp"].get_group().group_name
         if trainer.mesh["tp"].size() != plan.layout["tp"]:
             raise SystemExit("the plan shards only the batch on tp: pick a larger model for this benchmark")
         inputs = batch_for_step(plan, session, 0, 0)
+        local = plan.global_batch // trainer.dp_size
         with CommBytes() as comm:
-            trainer.step(inputs)
+            trainer.step([x[:local] for x in inputs])
     finally:
         dist.destroy_process_group()
     cluster = Cluster.from_dict(plan.cluster)  # the cluster the plan was made for, overrides included

@@ -95,13 +95,19 @@ class GPT(nn.Module):
         self.init_weights()
 
     def init_weights(self) -> None:
-        """GPT-2 initialisation; residual projections scaled by 1/sqrt(2 * layers)."""
-        for name, p in self.named_parameters():
-            if p.dim() == 1:
-                nn.init.zeros_(p) if name.endswith("bias") else nn.init.ones_(p)
-            else:
-                std = 0.02 / math.sqrt(2 * self.cfg.layers) if name.endswith(("o.weight", "proj.weight")) else 0.02
-                nn.init.normal_(p, mean=0.0, std=std)
+        """GPT-2 initialisation of every parameter (``init_parameter``)."""
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                self.init_parameter(name, p)
+
+    def init_parameter(self, name: str, p: torch.Tensor) -> None:
+        """Initialize parameter ``name`` in place: normal(0, 0.02), residual projections scaled by
+        1/sqrt(2 * layers); zero biases, unit norm weights.  (autopar's runtime calls this per parameter.)"""
+        if p.dim() == 1:
+            nn.init.zeros_(p) if name.endswith("bias") else nn.init.ones_(p)
+        else:
+            std = 0.02 / math.sqrt(2 * self.cfg.layers) if name.endswith(("o.weight", "proj.weight")) else 0.02
+            nn.init.normal_(p, mean=0.0, std=std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: token ids [b, t] when the embedding is present, else hidden states [b, t, hidden]."""

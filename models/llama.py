@@ -140,13 +140,19 @@ class Llama(nn.Module):
         self.init_weights()
 
     def init_weights(self) -> None:
-        """Normal(0, 0.02) for matrices, scaled by 1/sqrt(2 * layers) on residual outputs; ones for norms."""
-        for name, p in self.named_parameters():
-            if p.dim() == 1:
-                nn.init.ones_(p)
-            else:
-                std = 0.02 / math.sqrt(2 * self.cfg.layers) if name.endswith(("o.weight", "down.weight")) else 0.02
-                nn.init.normal_(p, mean=0.0, std=std)
+        """Initialize every parameter (``init_parameter``)."""
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                self.init_parameter(name, p)
+
+    def init_parameter(self, name: str, p: torch.Tensor) -> None:
+        """Initialize parameter ``name`` in place: normal(0, 0.02) for matrices, scaled by 1/sqrt(2 * layers)
+        on residual outputs; ones for norms.  (autopar's runtime calls this per parameter.)"""
+        if p.dim() == 1:
+            nn.init.ones_(p)
+        else:
+            std = 0.02 / math.sqrt(2 * self.cfg.layers) if name.endswith(("o.weight", "down.weight")) else 0.02
+            nn.init.normal_(p, mean=0.0, std=std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: token ids [b, t] when the embedding is present, else hidden states [b, t, hidden]."""

@@ -82,12 +82,13 @@ def test_generated_scripts_compile_and_carry_their_styles(tmp_path):
     plan, _ = _specs(tmp_path, "moe", MOE, "dp=2,tp=2,sp=on")
     source = generate_train_script(plan)
     compile(source, "train.py", "exec")
-    assert "class PlacedParameters(ParallelStyle):" in source
-    assert "'blocks.1.ln2': SequenceParallel(use_local_output=True)," in source
+    assert "from autopar.runtime.styles import PlacedParameters" in source  # the runtime's own style, imported
+    assert "        'blocks.1.ln2': SequenceParallel(use_local_output=True)," in source  # chunk 0's styles
     plan, _ = _specs(tmp_path / "dp", "gpt", WIDE, "dp=4")
     source = generate_train_script(plan)
     compile(source, "train.py", "exec")
-    assert "PlacedParameters" not in source and "TP_PLAN = {\n}" in source
+    assert "PlacedParameters" not in source
+    assert "TP_PLAN = {  # pipeline chunk -> module -> parallelize_module style\n}" in source
 
 
 @pytest.mark.parametrize("source", ["__import__('os').system('true')", "Shard(dim=1)", "open('x')",

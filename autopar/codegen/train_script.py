@@ -1,115 +1,96 @@
-"""Write a standalone, readable training script for a plan (``autopar plan -o DIR`` writes ``DIR/train.py``).
+"""Write a readable training script for a plan (``autopar plan -o DIR`` writes ``DIR/train.py``).
 
-The script imports the user's model file and plain PyTorch only.  The plan's choices appear as literals
-at the top (mesh shape, the ``parallelize_module`` plan dict, the pipeline chunks, the schedule, the ZeRO
-level); the fixed body (``script_body.py``) applies them in torchtitan's order: pipeline split, TP,
-activation checkpointing, FSDP, then the schedule.  It trains ``--steps`` steps on synthetic data, logs
-the loss of each step, and saves (``--checkpoint``) or resumes (``--resume``) a DCP checkpoint.
+The plan's choices are literals at the top of the script (mesh shape, the ``parallelize_module`` styles
+of each pipeline chunk, the chunks' layers, the schedule, the ZeRO level, the recompute mode, the plan's
+estimate); the fixed body (``script_body.py``) passes them to autopar's runtime, which applies them in
+torchtitan's order on a meta-device model: pipeline split, TP, activation checkpointing, data parallelism,
+then this rank's shards are allocated and initialized.  The script therefore needs autopar installed, and
+runs the same code ``autopar verify`` checks.  It trains ``--steps`` steps (AdamW, bf16 mixed precision,
+warmup and cosine decay), on ``--data`` or the model file's ``batches`` or synthetic tokens; it prints the
+loss, tokens/s, MFU and peak memory of every step against the plan's estimate, then one JSON line.
 """
 
 from __future__ import annotations
 
-import inspect
 import pprint
 from pathlib import Path
 
-from autopar import __version__, modelfile, recompute_policy
+from autopar import __version__, modelfile
 from autopar.codegen.script_body import BODY
 from autopar.plan import Plan
-from autopar.runtime import recompute, stages
 from autopar.runtime.pipeline import tied_pairs
-from autopar.runtime.stages import hf_decoder_kind, stage_layer_ranges
-from autopar.runtime.styles import PlacedParameters, PrepareActivation, register_cpu_attention_rules, style_source
+from autopar.runtime.stages import prune_to_stage, stage_layer_ranges
+from autopar.runtime.styles import style_source
 from autopar.runtime.support import check_runnable, model_on_meta
+from autopar.runtime.tensor_parallel import runs_loss_parallel, tp_style_specs
 
 IMPORTS = """import argparse
-import copy
 import importlib.util
 import math
-import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-import torch.nn.functional as F
-from torch import nn
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-from torch.distributed.tensor import Replicate, Shard
+
+from autopar.modelfile import loss_fn_of
+from autopar.runtime import checkpoint
+from autopar.runtime.apply import device_for_rank
+from autopar.runtime.data import run_batches
+from autopar.runtime.materialize import build_on_meta
+from autopar.runtime.parallelize import parallelize
+from autopar.runtime.report import StepReport, return_freed_tensors_to_the_os
+from autopar.runtime.training import Trainer, TrainingConfig
 """
 
-# Only for plans that recompute activations (``autopar.runtime.recompute``).
-RECOMPUTE_IMPORTS = """from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-"""
-
-# Only for plans that use the runtime's own styles (stacked experts on tp, sequence parallelism).
-CUSTOM_STYLE_IMPORTS = """import functools
-import inspect
-from typing import Any
-
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, distribute_module, distribute_tensor
-from torch.distributed.tensor.experimental import implicit_replication
-from torch.distributed.tensor.parallel import ParallelStyle
-from torch.utils._pytree import tree_map"""
+#: The runtime's own styles (``autopar.runtime.styles``); the others are torch's.
+AUTOPAR_STYLES = ("PlacedParameters", "PrepareActivation")
 
 
-def _pipeline_source(hf_kind: str | None) -> str:
-    """The runtime's stage pruning (and HuggingFace stage forward with its mask helpers), copied."""
-    parts = [stages._drop_ends]
-    if hf_kind:
-        parts += [stages._hf_layer_masks, stages._hf_layer_type, stages.hf_stage_forward]
-    return "from collections.abc import Callable\n\n\n" + "\n\n".join(inspect.getsource(f) for f in parts) + "\n\n"
+def _tp_plans(plan: Plan) -> dict[int, dict[str, tuple[str, dict[str, str]]]]:
+    """The ``parallelize_module`` styles of every pipeline chunk (one chunk without pipelining); empty when
+    the runtime uses the tp axis for the batch."""
+    model = model_on_meta(plan)
+    if check_runnable(plan, model) is None:
+        return {}
+    if plan.layout["pp"] == 1:
+        return {0: tp_style_specs(plan, model) or {}}
+    return {c: tp_style_specs(plan, prune_to_stage(model, plan, c)) or {} for c in range(len(stage_layer_ranges(plan)))}
 
 
-def _recompute_source() -> str:
-    """The runtime's activation checkpointing (``autopar.runtime.recompute``), copied."""
-    parts = [recompute_policy.is_attention_module, recompute_policy.product_is_saved,
-             recompute._saved_by_op_checkpointing, recompute.op_checkpoint_context, recompute._op_checkpointed,
-             recompute.apply_recompute]
-    constants = (f"ATTENTION_NAMES = {recompute_policy.ATTENTION_NAMES!r}\n"
-                 f"SAVE_EVERY = {recompute_policy.SAVE_EVERY!r}\n\n\n")
-    return constants + "\n\n".join(inspect.getsource(f) for f in parts) + "\n\n"
-
-
-def _custom_styles_source(kinds: set[str]) -> str:
-    """The runtime's own styles the plan uses, copied so the script stays standalone."""
-    used = [cls for cls in (PlacedParameters, PrepareActivation) if cls.__name__ in kinds]
-    if not used:
-        return ""
-    if PlacedParameters in used:  # its DTensor region needs rules torch lacks on CPU
-        used.insert(0, register_cpu_attention_rules)
-    parts = [inspect.getsource(obj) for obj in used]
-    return CUSTOM_STYLE_IMPORTS + "\n\n" + "\n\n".join(parts) + "\n\n"
+def _tp_plan_source(plans: dict[int, dict[str, tuple[str, dict[str, str]]]]) -> str:
+    lines = ["TP_PLAN = {  # pipeline chunk -> module -> parallelize_module style"]
+    for chunk, specs in plans.items():
+        lines.append(f"    {chunk}: {{")
+        lines += [f"        {name!r}: {style_source(spec)}," for name, spec in specs.items()]
+        lines.append("    },")
+    return "\n".join(lines) + "\n}\n"
 
 
 def generate_train_script(plan: Plan, script_name: str = "train.py") -> str:
     """The source of a torchrun training script that applies ``plan``."""
-    model = model_on_meta(plan)
     lay = plan.layout
-    specs = check_runnable(plan, model)
-    hf_kind = hf_decoder_kind(model)
+    plans = _tp_plans(plan)
     pp, dp, tp, mbs = lay["pp"], lay["dp"], lay["tp"], lay["mbs"]
     note = ""
-    if lay["tp"] > 1 and specs is None:
+    if tp > 1 and not plans:
         dp, tp, mbs = dp * tp, 1, mbs // tp
         note = "# The plan shards only the batch on its tp axis, so that axis runs as data parallelism.\n"
     path = plan.model.get("path") or modelfile.resolve(plan.model["ref"]).resolve()
-    tied = tied_pairs(plan)
-    tp_lines = "".join(f"    {name!r}: {style_source(spec)},\n" for name, spec in (specs or {}).items())
     layout = ", ".join(f"{k}={v}" for k, v in sorted(lay.items()))
+    est = plan.estimate
+    estimate = {k: est[k] for k in ("iteration_time_s", "model_flops_per_iter", "mfu", "peak_memory_bytes",
+                                    "tokens_per_s")}
     header = (
         "#!/usr/bin/env python3\n"
         f'"""Training script generated by autopar {__version__} from a plan.\n\n'
         f"Layout: {layout}.\n"
-        f"Run: torchrun --nproc-per-node {plan.num_devices} {script_name} --steps 3 [--checkpoint DIR] "
-        "[--resume DIR]\n\n"
-        "Every choice of the plan is a literal below, applied with plain PyTorch calls; edit freely.\n"
-        f'Estimated iteration time on {plan.cluster["name"]}: {plan.estimate["iteration_time_s"]:.4g} s.\n"""\n\n'
+        f"Run: torchrun --nproc-per-node {plan.num_devices} {script_name} --steps 10 [--data TOKENS.bin] "
+        "[--checkpoint DIR] [--resume DIR]\n\n"
+        "Every choice of the plan is a literal below; autopar's runtime (the code `autopar verify` checks)\n"
+        "applies them. Edit freely.\n"
+        f'Estimated iteration time on {plan.cluster["name"]}: {est["iteration_time_s"]:.4g} s.\n"""\n\n'
     )
     literals = (
         f"MODEL_FILE = {str(path)!r}\n"
@@ -122,21 +103,27 @@ def generate_train_script(plan: Plan, script_name: str = "train.py") -> str:
         f"SCHEDULE = {lay['schedule']!r}  # gpipe | 1f1b | interleaved\n"
         f"STAGE_LAYERS = {[tuple(r) for r in stage_layer_ranges(plan)]!r}  # layers of each pipeline chunk\n"
         f"LAYER_CONTAINER = {plan.model['layer_container']!r}\n"
-        f"HUGGINGFACE_DECODER = {hf_kind!r}  # llama | gpt2: pipeline stages run hf_stage_forward\n"
         f"RECOMPUTE = {lay['recompute']!r}  # none | selective | op | full\n"
-        f"ZERO = {plan.zero}  # 0: all-reduce gradients; 1-3: FSDP2 fully_shard (3: reshard after forward)\n"
-        f"TIED = {tied!r}  # (parameter, alias) pairs\n"
-        f"TP_PLAN = {{\n{tp_lines}}}\n"
+        f"ZERO = {plan.zero}  # 0: replicate; 1, 2: fully_shard, kept gathered; 3: resharded after forward\n"
+        f"TIED = {tied_pairs(plan)!r}  # (parameter, alias) pairs\n"
+        f"{_tp_plan_source(plans)}"
+        f"LOSS_PARALLEL = {any(runs_loss_parallel(specs) for specs in plans.values())}"
+        "  # the head keeps its logits sharded on the vocabulary: the loss runs under loss_parallel\n"
+        f"ESTIMATE = {pprint.pformat(estimate, sort_dicts=True)}  # the plan's, on {plan.cluster['name']}\n"
+        f"PEAK_FLOPS = {plan.cluster['peak_flops']!r}  # per device of {plan.cluster['name']}: MFU is against it\n"
     )
-    kinds = {kind for kind, _ in (specs or {}).values()}
-    torch_kinds = sorted(kinds - {"PlacedParameters", "PrepareActivation"})
-    names = ", ".join([*torch_kinds, "parallelize_module"])
-    recomputes = lay["recompute"] != "none"
-    imports = (IMPORTS + (RECOMPUTE_IMPORTS if recomputes else "")
-               + f"from torch.distributed.tensor.parallel import {names}\n")
-    helpers = (_custom_styles_source(kinds) + (_pipeline_source(hf_kind) if pp > 1 else "")
-               + (_recompute_source() if recomputes else ""))
-    return header + imports + "\n" + helpers + literals + BODY
+    kinds = {kind for specs in plans.values() for kind, _ in specs.values()}
+    torch_styles = sorted(kinds - set(AUTOPAR_STYLES))
+    ours = sorted(kinds & set(AUTOPAR_STYLES))
+    imports = IMPORTS
+    placements = sorted(p for p in ("Replicate", "Shard") if f"{p}(" in literals)
+    if placements:
+        imports += f"from torch.distributed.tensor import {', '.join(placements)}\n"
+    if torch_styles:
+        imports += f"from torch.distributed.tensor.parallel import {', '.join(torch_styles)}\n"
+    if ours:
+        imports += f"from autopar.runtime.styles import {', '.join(ours)}\n"
+    return header + imports + "\n" + literals + BODY
 
 
 def write_train_script(plan: Plan, path: str | Path) -> Path:

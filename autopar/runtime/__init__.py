@@ -1,5 +1,6 @@
-"""Running a Plan: apply it to the user's model inside a torchrun process, and verify it locally."""
+"""Running a Plan: build the model on each torchrun rank as the plan lays it out, train it, verify it locally."""
 
-from autopar.runtime.apply import DistributedTrainer, apply
+from autopar.runtime.apply import apply
+from autopar.runtime.training import Trainer, TrainingConfig
 
-__all__ = ["DistributedTrainer", "apply"]
+__all__ = ["Trainer", "TrainingConfig", "apply"]

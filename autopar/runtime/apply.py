@@ -1,98 +1,58 @@
-"""``autopar.apply(plan, model)``: lay the plan onto the model in a torchrun process and train with it.
+"""``autopar.runtime.apply(plan)``: build the plan's model on this torchrun rank, parallelized as planned.
 
-Order as torchtitan applies it: pipeline split, then on every stage TP, activation checkpointing, FSDP.
+The steps are ``autopar.runtime.parallelize``'s, in torchtitan's order (pipeline split, TP, activation
+checkpointing, data parallelism, then allocation and initialization of this rank's shards), with the values
+the plan holds; generated ``train.py`` scripts call the same steps with the same values as literals.
 
-- pipeline parallelism on ``pp``: this rank's stages (``autopar.runtime.stages``) under the plan's
-  schedule (``autopar.runtime.pipeline``);
+- pipeline parallelism on ``pp``: this rank's chunks under the plan's schedule;
 - tensor parallelism on ``tp`` through ``parallelize_module`` styles derived from the plan's parameter
   placements (``autopar.runtime.tensor_parallel``); a plan that keeps every parameter replicated on
   ``tp`` uses that axis for the batch, and runs it as data parallelism;
 - activation checkpointing per the plan's recompute mode;
-- data parallelism on ``dp`` with the plan's ZeRO level (0: gradients all-reduced after the last
-  micro-batch; 1-3: FSDP2 ``fully_shard`` per block and on the root, resharded after forward at 3);
-- gradient accumulation over the plan's micro-batches.
+- data parallelism on ``dp`` at the plan's ZeRO level (``autopar.runtime.parallelize.apply_dp``);
+- gradient accumulation over the plan's micro-batches, AdamW and bf16 mixed precision
+  (``autopar.runtime.training``).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from autopar import modelfile
 from autopar.errors import AutoparError
 from autopar.plan import Plan
-from autopar.runtime.pipeline import PipelineRunner, clean_fqn, tied_pairs
-from autopar.runtime.tensor_parallel import tp_styles
+from autopar.runtime.materialize import build_on_meta
+from autopar.runtime.parallelize import parallelize
+from autopar.runtime.pipeline import tied_pairs
+from autopar.runtime.stages import stage_layer_ranges
+from autopar.runtime.tensor_parallel import runs_loss_parallel, tp_style_specs, tp_styles
+from autopar.runtime.training import Trainer, TrainingConfig
 
 
-@dataclass
-class DistributedTrainer:
-    """One rank's view of a plan: the (possibly sharded) model, its optimizer, and a training step."""
+@dataclass(frozen=True, slots=True)
+class RunShape:
+    """How a plan runs on the ranks: its mesh, and the micro-batch of one data-parallel rank."""
 
-    plan: Plan
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    loss_fn: Callable[..., torch.Tensor]
-    dp_rank: int
-    dp_size: int
+    pp: int
+    dp: int
+    tp: int
     micro_batch: int
-    """Samples of one micro-batch on this rank."""
-    dp_group: dist.ProcessGroup | None = None
-    """Group over which gradients are averaged when the model is not FSDP-sharded (ZeRO 0)."""
-    fsdp: bool = False
-    pipeline: PipelineRunner | None = None
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    mesh: DeviceMesh | None = None
-    """The (pp, dp, tp) device mesh the plan runs on."""
 
-    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        """This rank's parameters under their model FQNs."""
-        if self.pipeline is not None:
-            return self.pipeline.named_parameters()
-        return [(clean_fqn(n), p) for n, p in self.model.named_parameters()]
 
-    @property
-    def local_batch(self) -> int:
-        return self.plan.global_batch // self.dp_size
-
-    @property
-    def num_microbatches(self) -> int:
-        return self.plan.layout["num_microbatches"]
-
-    def step(self, global_inputs: Sequence[torch.Tensor]) -> float:
-        """One iteration on the global batch (every rank passes the same tensors; each takes its slice).
-
-        Returns the global mean loss (the same on every rank).
-        """
-        lo = self.dp_rank * self.local_batch
-        local = [x[lo:lo + self.local_batch].to(self.device) for x in global_inputs]
-        m, mbs = self.num_microbatches, self.micro_batch
-        self.optimizer.zero_grad(set_to_none=True)
-        total = torch.zeros((), device=self.device)
-        if self.pipeline is not None:
-            total = self.pipeline.step(local)
-        else:
-            for i in range(m):
-                micro = [x[i * mbs:(i + 1) * mbs] for x in local]
-                loss = self.loss_fn(self.model(*micro), *micro) / m
-                loss.backward()
-                total += loss.detach()
-        if not self.fsdp and self.dp_size > 1:
-            for _, p in self.named_parameters():
-                if p.grad is not None:
-                    g = p.grad._local_tensor if hasattr(p.grad, "_local_tensor") else p.grad
-                    dist.all_reduce(g, op=dist.ReduceOp.SUM, group=self.dp_group)
-                    g /= self.dp_size
-        self.optimizer.step()
-        if self.dp_size > 1:
-            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.dp_group)
-            total /= self.dp_size
-        return float(total)
+def run_shape(plan: Plan, model: nn.Module) -> RunShape:
+    """The plan's mesh; a plan that shards nothing on tp runs that axis as data parallelism."""
+    lay = plan.layout
+    pp, dp, tp, mbs = lay["pp"], lay["dp"], lay["tp"], lay["mbs"]
+    if tp > 1 and tp_style_specs(plan, model) is None:
+        dp, tp, mbs = dp * tp, 1, mbs // tp
+    return RunShape(pp, dp, tp, mbs)
 
 
 def _check_launch(plan: Plan, model: nn.Module) -> None:
@@ -109,7 +69,7 @@ def _check_launch(plan: Plan, model: nn.Module) -> None:
         raise AutoparError(f"the model does not match the plan (parameter {diff[0]} differs)")
 
 
-def _device() -> torch.device:
+def device_for_rank() -> torch.device:
     """This rank's device: ``AUTOPAR_DEVICE`` (``cpu`` / ``cuda``), else a GPU when torch sees one."""
     want = os.environ.get("AUTOPAR_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
     if want == "cpu":
@@ -124,84 +84,54 @@ def _device() -> torch.device:
     return torch.device("cuda", local)
 
 
-def _blocks(model: nn.Module, container: str | None) -> list[nn.Module]:
-    if not container:
-        return []
-    return list(model.get_submodule(container).children())
+def plan_builder(plan: Plan) -> Callable[[], nn.Module]:
+    """``build_model(**config)`` of the plan's model file."""
+    module = modelfile.load_module(plan.model.get("path") or plan.model["ref"])
+    config, ref = dict(plan.model["config"]), plan.model["ref"]
+    return lambda: modelfile.build(module, config, ref)
 
 
-def _retie(model: nn.Module, plan: Plan) -> None:
-    """``parallelize_module`` unties shared parameters: point every alias back at its canonical one."""
-    for fqn, alias in tied_pairs(plan):
-        owner, _, name = alias.rpartition(".")
-        src_owner, _, src_name = fqn.rpartition(".")
-        try:
-            dst, src = model.get_submodule(owner), model.get_submodule(src_owner)
-        except AttributeError:  # a pipeline stage holds only one of the two: it keeps its own copy
-            continue
-        if dst is not None and src is not None:
-            setattr(dst, name, getattr(src, src_name))
+def apply(plan: Plan, loss_fn: Callable[..., torch.Tensor] | None = None, *,
+          build: Callable[[], nn.Module] | None = None, config: TrainingConfig | None = None,
+          seed: int = 0, mesh: DeviceMesh | None = None, device: torch.device | None = None) -> Trainer:
+    """Build ``plan``'s model on this rank as the plan lays it out; returns its ``Trainer``.
 
-
-def _checkpoint(module: nn.Module, plan: Plan) -> None:
-    """Activation checkpointing per the plan (``autopar.runtime.recompute``)."""
-    from autopar.runtime.recompute import apply_recompute
-
-    apply_recompute(module, plan.model.get("layer_container"), plan.layout["recompute"])
-
-
-def _shard(module: nn.Module, plan: Plan, mesh: object, styles: dict | None) -> bool:
-    """TP, activation checkpointing, then FSDP on one module (the model, or one pipeline stage).
-
-    Returns whether FSDP was applied.
-    """
-    if styles:
-        from torch.distributed.tensor.parallel import parallelize_module
-
-        parallelize_module(module, mesh["tp"], styles)
-        _retie(module, plan)
-    _checkpoint(module, plan)
-    dp = mesh["dp"].size()
-    if plan.zero >= 1 and dp > 1:
-        from torch.distributed.fsdp import fully_shard
-
-        for block in _blocks(module, plan.model.get("layer_container")):
-            fully_shard(block, mesh=mesh["dp"], reshard_after_forward=plan.zero >= 3)
-        fully_shard(module, mesh=mesh["dp"], reshard_after_forward=plan.zero >= 3)
-        return True
-    return False
-
-
-def apply(plan: Plan, model: nn.Module, loss_fn: Callable[..., torch.Tensor], lr: float = 0.1) -> DistributedTrainer:
-    """Apply ``plan`` to ``model`` (same FQNs as when planned) on this rank; returns a trainer.
-
-    Order as torchtitan applies it: pipeline split, then TP, activation checkpointing, FSDP on each stage.
+    ``build`` makes the model (default: the plan's model file and config); it is called on the meta device,
+    once per pipeline chunk and once as the recipe of the initial weights (``seed``), so no rank allocates
+    more than its own shards.  ``loss_fn`` defaults to the model file's.  ``mesh``: a ``(pp, dp, tp)``
+    device mesh of the plan's shape to use instead of building one.  ``device``: where this rank's shards
+    live (default: its GPU, else the CPU; ``meta`` lays out the shards without allocating or initializing
+    them, to check what a rank would hold).
     """
     from torch.distributed.device_mesh import init_device_mesh
 
-    _check_launch(plan, model)
-    pp, dp, tp = plan.layout["pp"], plan.layout["dp"], plan.layout["tp"]
-    device = _device()
-    model.to(device)
-    styles = tp_styles(plan, model) if tp > 1 else None
-    micro_batch = plan.layout["mbs"]
-    if tp > 1 and styles is None:  # the plan shards only the batch on tp: run it as data parallelism
-        dp, tp, micro_batch = dp * tp, 1, micro_batch // tp
-    try:
-        mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
-    except (RuntimeError, ValueError) as exc:
-        raise AutoparError(f"the device mesh (pp, dp, tp) = ({pp}, {dp}, {tp}) cannot be built: "
-                           f"{str(exc).splitlines()[0]}") from exc
-    runner = None
-    if pp > 1:
-        runner = PipelineRunner(plan, model, loss_fn, mesh, device)
-        fsdp = False
-        for module in runner.modules:
-            fsdp = _shard(module, plan, mesh, tp_styles(plan, module) if styles else None) or fsdp
-        params = runner.parameters()
-    else:
-        fsdp = _shard(model, plan, mesh, styles)
-        params = list(model.parameters())
-    optimizer = torch.optim.SGD(params, lr=lr)
-    return DistributedTrainer(plan, model, optimizer, loss_fn, mesh.get_local_rank("dp"), dp, micro_batch,
-                              mesh["dp"].get_group(), fsdp, runner, device, mesh)
+    build = build or plan_builder(plan)
+    config = config or TrainingConfig()
+    if loss_fn is None:
+        loss_fn = modelfile.loss_fn_of(modelfile.load_module(plan.model.get("path") or plan.model["ref"]))
+    whole = build_on_meta(build).model
+    _check_launch(plan, whole)
+    shape = run_shape(plan, whole)
+    device = device or device_for_rank()
+    dims = (shape.pp, shape.dp, shape.tp)
+    if mesh is None:
+        try:
+            mesh = init_device_mesh(device.type, dims, mesh_dim_names=("pp", "dp", "tp"))
+        except (RuntimeError, ValueError) as exc:
+            raise AutoparError(f"the device mesh (pp, dp, tp) = {dims} cannot be built: "
+                               f"{str(exc).splitlines()[0]}") from exc
+    elif tuple(mesh.mesh.shape) != dims or mesh.mesh_dim_names != ("pp", "dp", "tp"):
+        raise AutoparError(f"the given device mesh is {tuple(mesh.mesh.shape)} over {mesh.mesh_dim_names}; the "
+                           f"plan runs on (pp, dp, tp) = {dims}")
+    ranges = [tuple(r) for r in stage_layer_ranges(plan)]
+    pp_rank = mesh.get_local_rank("pp")
+    chunks = list(range(pp_rank, len(ranges), shape.pp)) if shape.pp > 1 else [0]
+    tied = tied_pairs(plan)
+    parts = parallelize(build, mesh, device, seed, stage_layers=ranges, chunks=chunks,
+                        container=plan.model.get("layer_container"),
+                        tp_styles=lambda chunk, part: tp_styles(plan, part) or {}, tied=tied,
+                        recompute=plan.layout["recompute"], zero=plan.zero, precision=config.precision)
+    sharded_loss = shape.tp > 1 and runs_loss_parallel(tp_style_specs(plan, whole))
+    return Trainer(parts, mesh, loss_fn, chunks=chunks, num_chunks=len(ranges), schedule=plan.layout["schedule"],
+                   num_microbatches=plan.layout["num_microbatches"], micro_batch=shape.micro_batch, zero=plan.zero,
+                   tied=tied, config=config, device=device, loss_parallel=sharded_loss)

@@ -15,8 +15,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 
 def _modules(trainer: object) -> list[nn.Module]:
-    pipeline = getattr(trainer, "pipeline", None)
-    return list(pipeline.modules) if pipeline is not None else [trainer.model]
+    return list(trainer.parts)
 
 
 def save(trainer: object, path: str | Path) -> None:

@@ -13,12 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autopar.plan import Plan
-from autopar.runtime.stages import prune_to_stage
-
-
-def clean_fqn(name: str) -> str:
-    """The model FQN of a parameter seen through wrappers (activation checkpointing inserts a level)."""
-    return name.replace("_checkpoint_wrapped_module.", "")
+from autopar.runtime.materialize import clean_fqn
 
 
 def tied_pairs(plan: Plan) -> list[tuple[str, str]]:
@@ -27,37 +22,32 @@ def tied_pairs(plan: Plan) -> list[tuple[str, str]]:
 
 
 class PipelineRunner:
-    """This rank's stages and schedule; ``step`` runs one iteration's micro-batches."""
+    """This rank's stages (its chunks of the model, already parallelized) and the schedule that runs them;
+    ``step`` runs one iteration's micro-batches."""
 
-    def __init__(self, plan: Plan, model: nn.Module, loss_fn: Callable[..., torch.Tensor], mesh: object,
-                 device: torch.device) -> None:
+    def __init__(self, modules: list[nn.Module], chunks: list[int], num_chunks: int, schedule: str,
+                 num_microbatches: int, loss_fn: Callable[..., torch.Tensor], mesh: object, device: torch.device,
+                 tied: list[tuple[str, str]]) -> None:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-        lay = plan.layout
-        self.plan = plan
-        self.pp_rank = mesh.get_local_rank("pp")
-        self.pp = lay["pp"]
-        v = lay["v"]
-        chunks = [self.pp_rank + k * self.pp for k in range(v)]
-        self.modules = [prune_to_stage(model, plan, c) for c in chunks]
+        self.modules, self.mesh, self.device, self.tied = modules, mesh, device, tied
+        self.pp = mesh["pp"].size()
         group = mesh["pp"].get_group()
-        self.device = device
-        self.stages = [PipelineStage(m, c, self.pp * v, device, group=group) for m, c in zip(self.modules, chunks)]
+        self.stages = [PipelineStage(m, c, num_chunks, device, group=group) for m, c in zip(modules, chunks)]
         self.has_first = 0 in chunks
-        self.has_last = self.pp * v - 1 in chunks
-        n = lay["num_microbatches"]
-        if lay["schedule"] == "interleaved":
+        self.has_last = num_chunks - 1 in chunks
+        n = num_microbatches
+        if schedule == "interleaved":
             self.schedule = ScheduleInterleaved1F1B(self.stages, n_microbatches=n, loss_fn=loss_fn)
-        elif lay["schedule"] == "gpipe":
+        elif schedule == "gpipe":
             self.schedule = ScheduleGPipe(self.stages[0], n_microbatches=n, loss_fn=loss_fn)
         else:
             self.schedule = Schedule1F1B(self.stages[0], n_microbatches=n, loss_fn=loss_fn)
-        self.mesh = mesh
         self._tie_group = self._make_tie_group()
 
     def _make_tie_group(self) -> dist.ProcessGroup | None:
         """One group per (dp, tp) coordinate of the first and last pipeline ranks; every rank creates all."""
-        if not any(p.get("aliases") for p in self.plan.parameters.values()) or self.pp == 1:
+        if not self.tied or self.pp == 1:
             return None
         mine = None
         ranks = self.mesh.mesh  # [pp, dp, tp] tensor of global ranks
@@ -85,7 +75,8 @@ class PipelineRunner:
             self.schedule.step(target=ids, losses=losses)
         else:
             self.schedule.step()
-        loss = torch.stack(losses).mean().detach() if losses else torch.zeros((), device=self.device)
+        losses = [x.full_tensor() if hasattr(x, "full_tensor") else x for x in losses]  # under loss_parallel
+        loss = torch.stack(losses).mean().detach().float() if losses else torch.zeros((), device=self.device)
         pp_group = self.mesh["pp"].get_group()  # the last stage knows the loss: share it along the pipeline
         dist.broadcast(loss, src=dist.get_global_rank(pp_group, self.pp - 1), group=pp_group)
         self._sum_tied_grads()
@@ -95,7 +86,7 @@ class PipelineRunner:
         if self._tie_group is None:
             return
         names = dict(self.named_parameters())
-        for fqn, alias in tied_pairs(self.plan):
+        for fqn, alias in self.tied:
             p = names.get(fqn, names.get(alias))
             if p is None or p.grad is None:
                 continue

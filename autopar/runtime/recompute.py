@@ -7,8 +7,7 @@
   kept, except every second one, and so are attention's; everything else is recomputed.  This is what the
   cost model prices as ``recompute=op`` (``autopar.inter_op.unit_costs``).
 
-Which children and products each mode keeps is ``autopar.recompute_policy``'s.  Generated scripts carry
-this module's functions and the policy's as they are (``inspect.getsource``).
+Which children and products each mode keeps is ``autopar.recompute_policy``'s.
 """
 
 from __future__ import annotations

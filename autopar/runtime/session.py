@@ -1,4 +1,4 @@
-"""Building the model a plan names, its synthetic data, and a single-process reference run."""
+"""The plan's model for one process, its synthetic data, and a single-process reference run."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from torch import nn
 
 from autopar import modelfile
 from autopar.plan import Plan
+from autopar.runtime.materialize import build_on_meta, materialize
+from autopar.runtime.training import TrainingConfig, build_optimizer, lr_factor
 
 
 @dataclass
@@ -20,34 +22,49 @@ class ModelSession:
     loss_fn: Callable[..., torch.Tensor]
 
 
-def build_model(plan: Plan, seed: int) -> ModelSession:
-    """The plan's model with real weights, initialized from ``seed`` (the same on every rank)."""
+def build_model(plan: Plan, seed: int | None) -> ModelSession:
+    """The plan's whole model on the CPU, with the initial weights every layout starts from (``seed``);
+    ``seed=None``: its structure only, on the meta device (enough for the synthetic data)."""
     module = modelfile.load_module(plan.model.get("path") or plan.model["ref"])
-    torch.manual_seed(seed)
-    model = modelfile.build(module, dict(plan.model["config"]), plan.model["ref"])
+    config, ref = dict(plan.model["config"]), plan.model["ref"]
+    model = build_on_meta(lambda: modelfile.build(module, config, ref)).model
+    if seed is not None:
+        materialize(model, build_on_meta(lambda: modelfile.build(module, config, ref)), torch.device("cpu"), seed)
     model.train()
     return ModelSession(module, model, modelfile.loss_fn_of(module))
 
 
 def batch_for_step(plan: Plan, session: ModelSession, step: int, seed: int) -> tuple[torch.Tensor, ...]:
-    """The global batch of ``step``: deterministic, identical in every process."""
+    """The synthetic global batch of ``step``: deterministic, identical in every process."""
     torch.manual_seed(seed + 1000 + step)
     gen = torch.Generator().manual_seed(seed + 1000 + step)
     return modelfile.example_inputs(session.module, session.model, plan.global_batch, plan.seq_len,
                                     dict(plan.model["config"]), generator=gen)
 
 
-def reference_run(plan: Plan, steps: int, seed: int, lr: float) -> dict[str, object]:
-    """Single-process training on the full batch: losses, last-step gradients and final parameters."""
+def reference_run(plan: Plan, steps: int, seed: int, config: TrainingConfig) -> dict[str, object]:
+    """Single-process training on the full batch: losses, last-step gradients and final parameters.
+
+    Clipping and bf16 autocast are the distributed run's; with ``fp32`` and SGD the two agree to rounding.
+    """
+    from autopar.runtime.training import autocast, clip_grads, grad_norm
+
     s = build_model(plan, seed)
-    opt = torch.optim.SGD(s.model.parameters(), lr=lr)
+    device = torch.device("cpu")
+    opt = build_optimizer(list(s.model.parameters()), config, device)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: lr_factor(k, config))
     losses = []
     for step in range(steps):
         inputs = batch_for_step(plan, s, step, seed)
         opt.zero_grad(set_to_none=True)
-        loss = s.loss_fn(s.model(*inputs), *inputs)
+        with autocast(device, config.precision):
+            loss = s.loss_fn(s.model(*inputs), *inputs)
         loss.backward()
+        if config.max_grad_norm is not None:
+            named = list(s.model.named_parameters())
+            clip_grads(named, config.max_grad_norm, grad_norm(named, 1, set(), device, reduce=False))
         opt.step()
+        sched.step()
         losses.append(float(loss.detach()))
     grads = {n: p.grad.detach().clone() for n, p in s.model.named_parameters() if p.grad is not None}
     params = {n: p.detach().clone() for n, p in s.model.named_parameters()}

@@ -1,13 +1,13 @@
 """Pipeline stages from a plan: this rank's copy of the model, pruned to its layers, and how it runs.
 
-Stages are built the way torchtitan builds them: every rank holds the whole model (same seed), then
-drops what its stages do not own.  Blocks outside the stage's layer range leave the block stack (a
-``ModuleList`` becomes a ``ModuleDict`` keyed by the original indices, so parameter FQNs survive the
-split).  Along the path to the stack, modules with parameters registered before it (embeddings) stay on
-the first stage only, those after it (final norm, head) on the last only; parameter-free modules
-(dropout, rotary tables) stay everywhere.  With ``v`` virtual stages the layers are cut into
-``pp * v`` chunks dealt out round-robin (chunk ``j`` on pipeline rank ``j % pp``), as Megatron-LM
-interleaves them.
+Stages are built the way torchtitan builds them: every rank builds the whole model on the meta device
+(no memory), once per chunk it runs, and drops what the chunk does not own. Blocks outside the stage's
+layer range leave the block stack (a ``ModuleList`` becomes a ``ModuleDict`` keyed by the original
+indices, so parameter FQNs survive the split). Along the path to the stack, modules with parameters
+registered before it (embeddings) stay on the first stage only, those after it (final norm, head) on the
+last only; parameter-free modules (dropout, rotary tables) stay everywhere. With ``v`` virtual stages
+the layers are cut into ``pp * v`` chunks dealt out round-robin (chunk ``j`` on pipeline rank ``j %
+pp``), as Megatron-LM interleaves them.
 
 How a stage runs:
 
@@ -131,10 +131,7 @@ def _hf_layer_type(config: object, index: int) -> str:
 
 
 def hf_stage_forward(stage: nn.Module, kind: str, first: bool, last: bool) -> Callable[[torch.Tensor], torch.Tensor]:
-    """What the decoder's own ``forward`` does, on the pieces the stage holds (hidden states in and out).
-
-    Generated scripts carry this function's source, so it uses torch and the two mask helpers only.
-    """
+    """What the decoder's own ``forward`` does, on the pieces the stage holds (hidden states in and out)."""
     base = stage.model if kind == "llama" else stage.transformer
 
     def forward(x: torch.Tensor) -> torch.Tensor:
@@ -156,20 +153,24 @@ def hf_stage_forward(stage: nn.Module, kind: str, first: bool, last: bool) -> Ca
     return forward
 
 
-def prune_to_stage(model: nn.Module, plan: Plan, chunk: int) -> nn.Module:
-    """A copy of ``model`` holding only chunk ``chunk``'s layers (plus embeddings / head at the ends)."""
-    ranges = stage_layer_ranges(plan)
-    lo, hi = ranges[chunk]
-    first, last = chunk == 0, chunk == len(ranges) - 1
-    container = plan.model["layer_container"]
+def prune(model: nn.Module, lo: int, hi: int, first: bool, last: bool, container: str) -> nn.Module:
+    """``model`` itself, cut down to the layers ``[lo, hi)`` (plus the embeddings when ``first``, the head
+    when ``last``); HuggingFace decoders get a stage forward."""
     check_splittable(model)
-    stage = copy.deepcopy(model)
-    blocks = _block_dict(stage, container)
+    blocks = _block_dict(model, container)
     for key in list(blocks.keys()):
         if not lo <= int(key) < hi:
             del blocks[key]
-    _drop_ends(stage, container, first, last)
-    kind = hf_decoder_kind(stage)
+    _drop_ends(model, container, first, last)
+    kind = hf_decoder_kind(model)
     if kind is not None:
-        stage.forward = hf_stage_forward(stage, kind, first, last)
-    return stage
+        model.forward = hf_stage_forward(model, kind, first, last)
+    return model
+
+
+def prune_to_stage(model: nn.Module, plan: Plan, chunk: int) -> nn.Module:
+    """A pruned deep copy of ``model`` for chunk ``chunk`` of the plan (for inspecting the stages of a model
+    at hand; the runtime builds each chunk afresh on the meta device, ``autopar.runtime.parallelize.apply_pp``)."""
+    lo, hi = stage_layer_ranges(plan)[chunk]
+    last = len(stage_layer_ranges(plan)) - 1
+    return prune(copy.deepcopy(model), lo, hi, chunk == 0, chunk == last, plan.model["layer_container"])

@@ -9,7 +9,10 @@ A plan's parameter placements on ``tp`` map onto module styles when they follow 
   whole replicated activation (the head after the final norm), which it slices itself;
 - an Embedding whose weight is ``S(0)`` (vocabulary) is ``RowwiseParallel`` (vocab-parallel lookup);
   ``S(1)`` is ``ColwiseParallel`` with the hidden dim gathered;
-- the output head (a column-parallel Linear nobody consumes) gathers its logits for the loss.
+- the output head (a column-parallel Linear nobody consumes) keeps its logits sharded on the vocabulary
+  (a DTensor) for the model file's default loss, which then runs under ``loss_parallel``: the logits are
+  never gathered.  A model file's own ``loss_fn`` may do anything to the logits, so there the head gathers
+  them.
 
 Any other sharded parameter (stacked expert weights sharded on the expert dimension, say) makes its
 module a ``PlacedParameters`` region (``autopar.runtime.styles``): its parameters become DTensors with
@@ -29,6 +32,7 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from autopar import modelfile
 from autopar.errors import AutoparError
 from autopar.plan import Plan
 from autopar.runtime.styles import StyleSpec, make_style, placement_source
@@ -50,6 +54,21 @@ def tp_styles(plan: Plan, model: nn.Module) -> dict[str, ParallelStyle] | None:
     return None if specs is None else {name: make_style(spec) for name, spec in specs.items()}
 
 
+#: The head's style under ``loss_parallel``: its output stays a DTensor sharded on the vocabulary.
+LOSS_PARALLEL_HEAD: StyleSpec = ("ColwiseParallel", {"use_local_output": "False"})
+
+
+def runs_loss_parallel(specs: dict[str, StyleSpec] | None) -> bool:
+    """Whether the loss must run under ``torch.distributed.tensor.parallel.loss_parallel``."""
+    return bool(specs) and LOSS_PARALLEL_HEAD in specs.values()
+
+
+def default_loss(plan: Plan) -> bool:
+    """Whether the plan's model file trains with autopar's default loss (no ``loss_fn`` of its own)."""
+    module = modelfile.load_module(plan.model.get("path") or plan.model["ref"])
+    return getattr(module, "loss_fn", None) is None
+
+
 def tp_style_specs(plan: Plan, model: nn.Module) -> dict[str, StyleSpec] | None:
     """The styles as plain data (also what generated scripts print); ``None`` when all is replicated."""
     placement = {fqn: p["placements"].get("tp", "R") for fqn, p in plan.parameters.items()}
@@ -62,6 +81,7 @@ def tp_style_specs(plan: Plan, model: nn.Module) -> dict[str, StyleSpec] | None:
     handled: set[str] = set()
     linears = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.Linear)]
     last_linear = linears[-1][0] if linears else None
+    sharded_loss = default_loss(plan)
     for name, mod in model.named_modules():
         wname = f"{name}.weight" if name else "weight"
         w = placement.get(wname)
@@ -69,8 +89,12 @@ def tp_style_specs(plan: Plan, model: nn.Module) -> dict[str, StyleSpec] | None:
             continue
         if isinstance(mod, nn.Linear):
             if w == "S(0)":
-                gather = name == last_linear  # the head: the loss needs whole logits
-                styles[name] = ("ColwiseParallel", {"output_layouts": "Replicate()"} if gather else {})
+                if name != last_linear:
+                    styles[name] = ("ColwiseParallel", {})
+                elif sharded_loss:  # the head, for a loss that runs under loss_parallel
+                    styles[name] = LOSS_PARALLEL_HEAD
+                else:  # the head, for a loss of the model file's own: whole logits
+                    styles[name] = ("ColwiseParallel", {"output_layouts": "Replicate()"})
             elif w == "S(1)":
                 local = _fed_by_column_parallel(name, linears, placement)
                 styles[name] = ("RowwiseParallel", {} if local else {"input_layouts": "Replicate()"})

@@ -19,6 +19,7 @@ from autopar.plan import Plan
 from autopar.runtime import checkpoint
 from autopar.runtime.apply import apply
 from autopar.runtime.session import batch_for_step, build_model
+from autopar.runtime.training import NUMERICS, check_config
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -39,6 +40,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lr", type=float, default=0.1)
+    ap.add_argument("--numerics", choices=NUMERICS, default="fp32")
     ap.add_argument("--start-step", type=int, default=0, help="index of the first step (its data)")
     ap.add_argument("--resume", help="load the model state from this DCP checkpoint first")
     ap.add_argument("--checkpoint", help="save the model state to this DCP checkpoint at the end")
@@ -47,12 +49,15 @@ def main() -> int:
     rank = dist.get_rank()
     try:
         plan = Plan.load(args.plan)
-        session = build_model(plan, args.seed)
-        trainer = apply(plan, session.model, session.loss_fn, args.lr)
+        session = build_model(plan, None)  # structure only: the synthetic data's vocabulary
+        trainer = apply(plan, session.loss_fn, config=check_config(args.numerics, args.lr), seed=args.seed)
         if args.resume:
             checkpoint.load(trainer, args.resume)
         steps = range(args.start_step, args.start_step + args.steps)
-        losses = [trainer.step(batch_for_step(plan, session, step, args.seed)) for step in steps]
+        local = plan.global_batch // trainer.dp_size
+        lo = trainer.dp_rank * local
+        losses = [trainer.step([x[lo:lo + local] for x in batch_for_step(plan, session, step, args.seed)])
+                  for step in steps]
         if args.checkpoint:
             checkpoint.save(trainer, args.checkpoint)
         named = trainer.named_parameters()

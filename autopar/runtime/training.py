@@ -1,0 +1,203 @@
+"""Training as the plan prices it: AdamW, gradient clipping, warmup plus cosine decay, bf16 mixed precision,
+gradient accumulation over the plan's micro-batches, and a pipeline schedule when the plan has stages.
+
+``Trainer`` is what ``autopar.runtime.apply`` returns and what generated ``train.py`` scripts run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from autopar.runtime.materialize import clean_fqn
+from autopar.runtime.parallelize import set_micro_batch
+from autopar.runtime.pipeline import PipelineRunner
+
+
+@dataclass(frozen=True, slots=True)
+class TrainingConfig:
+    """Optimizer, schedule and precision of a run (defaults: the mixed-precision AdamW the plan prices)."""
+
+    optimizer: str = "adamw"
+    """``adamw`` (foreach; fused on CUDA) or ``sgd`` (what the exact fp32 check of ``autopar verify`` uses)."""
+    lr: float = 3e-4
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    warmup_steps: int = 0
+    decay_steps: int | None = None
+    """Steps of cosine decay after the warmup (down to ``min_lr_ratio * lr``); ``None``: constant."""
+    min_lr_ratio: float = 0.1
+    max_grad_norm: float | None = 1.0
+    precision: str = "bf16"
+    """``bf16`` (FSDP2 bf16 parameters with fp32 reduction where data parallel, bf16 autocast) or ``fp32``."""
+
+
+#: ``autopar verify --numerics``: the exact fp32 check (plain SGD, nothing clipped, fp32 everywhere, so
+#: that every layout agrees with one process to rounding) and the bf16 check (what the plan prices).
+NUMERICS = ("fp32", "bf16")
+
+
+def check_config(numerics: str, lr: float) -> TrainingConfig:
+    """The training of ``autopar verify --numerics fp32|bf16`` at learning rate ``lr``."""
+    if numerics == "fp32":
+        return TrainingConfig(optimizer="sgd", lr=lr, weight_decay=0.0, max_grad_norm=None, precision="fp32")
+    if numerics == "bf16":
+        return TrainingConfig(optimizer="adamw", lr=lr, precision="bf16")
+    raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}, not {numerics!r}")
+
+
+def build_optimizer(params: list[nn.Parameter], config: TrainingConfig, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW (fused kernels on CUDA, foreach elsewhere) or plain SGD."""
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=config.lr)
+    if config.optimizer != "adamw":
+        raise ValueError(f"optimizer must be adamw or sgd, not {config.optimizer!r}")
+    fused = device.type == "cuda"
+    return torch.optim.AdamW(_same_kind_groups(params), lr=config.lr, betas=config.betas,
+                             weight_decay=config.weight_decay, fused=fused, foreach=not fused)
+
+
+def _same_kind_groups(params: list[nn.Parameter]) -> list[dict[str, list[nn.Parameter]]]:
+    """Parameter groups whose tensors one foreach / fused kernel may take together: plain tensors apart from
+    DTensors, and DTensors by mesh and placements (a pipeline stage without FSDP mixes them)."""
+    groups: dict[object, list[nn.Parameter]] = {}
+    for p in params:
+        key = (id(p.device_mesh), tuple(p.placements)) if hasattr(p, "device_mesh") else None
+        groups.setdefault(key, []).append(p)
+    return [{"params": group} for group in groups.values()]
+
+
+def lr_factor(step: int, config: TrainingConfig) -> float:
+    """Multiplier of the base learning rate at ``step``: linear warmup, then cosine decay (or constant)."""
+    if step < config.warmup_steps:
+        return (step + 1) / config.warmup_steps
+    if not config.decay_steps:
+        return 1.0
+    progress = min(1.0, (step - config.warmup_steps) / config.decay_steps)
+    return config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
+    """bf16 autocast for ``bf16`` (matrix products in bf16, softmax and the loss in fp32), else nothing."""
+    if precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor of ``t`` (a loss computed under ``loss_parallel`` is a replicated DTensor)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _shards(t: torch.Tensor) -> int:
+    """Into how many distinct pieces a (DTensor) gradient is split across its mesh."""
+    if not hasattr(t, "placements"):
+        return 1
+    return math.prod(t.device_mesh.size(i) for i, p in enumerate(t.placements) if p.is_shard() or hasattr(p, "dim"))
+
+
+def grad_norm(named: Sequence[tuple[str, nn.Parameter]], stage_ranks: int, skip: set[str],
+              device: torch.device, reduce: bool = True) -> torch.Tensor:
+    """The L2 norm of every gradient of the model, the same on every rank.
+
+    Each rank sums the squares of what it holds, divided by how many ranks of its pipeline stage hold the
+    same elements (``stage_ranks`` over the gradient's shard count); one all-reduce over all ranks adds
+    the stages (``reduce=False``: a single process holding everything).  ``skip``: parameters counted
+    elsewhere (the second copy of a weight tied across stages).
+    """
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for name, p in named:
+        if p.grad is None or name in skip:
+            continue
+        local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+        total += local.float().pow(2).sum() * (_shards(p.grad) / stage_ranks)
+    if reduce and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(total)
+    return total.sqrt()
+
+
+def clip_grads(named: Sequence[tuple[str, nn.Parameter]], max_norm: float, norm: torch.Tensor) -> None:
+    """Scale every gradient by ``max_norm / norm`` when the norm exceeds it (on the local shards, so that
+    DTensors of different meshes mix)."""
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for _, p in named:
+        if p.grad is not None:
+            local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            local.mul_(coef.to(local.dtype))
+
+
+class Trainer:
+    """One rank's parallelized model parts, optimizer and step (built by ``autopar.runtime.apply`` or a
+    generated ``train.py``)."""
+
+    def __init__(self, parts: list[nn.Module], mesh: DeviceMesh, loss_fn: Callable[..., torch.Tensor], *,
+                 chunks: list[int], num_chunks: int, schedule: str, num_microbatches: int, micro_batch: int,
+                 zero: int, tied: list[tuple[str, str]], config: TrainingConfig, device: torch.device,
+                 loss_parallel: bool = False) -> None:
+        self.parts, self.mesh, self.loss_fn, self.config, self.device = parts, mesh, loss_fn, config, device
+        self.loss_parallel = loss_parallel
+        """The head leaves its logits sharded on the vocabulary: the loss runs under ``loss_parallel``."""
+        self.num_microbatches, self.micro_batch, self.zero = num_microbatches, micro_batch, zero
+        self.dp_rank, self.dp_size = mesh.get_local_rank("dp"), mesh["dp"].size()
+        self.pipeline = None
+        if mesh["pp"].size() > 1:
+            self.pipeline = PipelineRunner(parts, chunks, num_chunks, schedule, num_microbatches, loss_fn, mesh,
+                                           device, tied)
+        params = [p for part in parts for p in part.parameters()]
+        self.optimizer = build_optimizer(params, config, device)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, config))
+        # the second copy of a weight tied across pipeline stages (its gradient equals the first's)
+        self._tied_copies = {alias for _, alias in tied} if self.pipeline is not None else set()
+        self._stage_ranks = mesh["dp"].size() * mesh["tp"].size()
+        self.last_grad_norm: float | None = None
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """This rank's parameters under their model FQNs."""
+        return [(clean_fqn(n), p) for part in self.parts for n, p in part.named_parameters()]
+
+    def step(self, local_inputs: Sequence[torch.Tensor]) -> float:
+        """One iteration on this data-parallel rank's batch; returns the global mean loss (on every rank)."""
+        local = [x.to(self.device) for x in local_inputs]
+        self.optimizer.zero_grad(set_to_none=True)
+        with autocast(self.device, self.config.precision), self._loss_context():
+            loss = self.pipeline.step(local) if self.pipeline is not None else self._accumulate(local)
+        if self.config.max_grad_norm is not None:
+            norm = grad_norm(self.named_parameters(), self._stage_ranks, self._tied_copies, self.device)
+            self.last_grad_norm = float(norm)
+            clip_grads(self.named_parameters(), self.config.max_grad_norm, norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        if self.dp_size > 1:
+            group = self.mesh["dp"].get_group()
+            dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=group)
+            loss /= self.dp_size
+        return float(loss)
+
+    def _loss_context(self) -> contextlib.AbstractContextManager:
+        if not self.loss_parallel:
+            return contextlib.nullcontext()
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+
+    def _accumulate(self, local: list[torch.Tensor]) -> torch.Tensor:
+        m, mbs = self.num_microbatches, self.micro_batch
+        total = torch.zeros((), device=self.device)
+        for i in range(m):
+            micro = [x[i * mbs:(i + 1) * mbs] for x in local]
+            set_micro_batch(self.parts, self.zero, last=i == m - 1)
+            loss = self.loss_fn(self.parts[0](*micro), *micro) / m
+            loss.backward()
+            total += whole(loss.detach()).float()
+        return total
+
+
+__all__ = ["NUMERICS", "Trainer", "TrainingConfig", "autocast", "build_optimizer", "check_config", "clip_grads",
+           "grad_norm", "lr_factor"]
