@@ -26,6 +26,7 @@ from autopar.modelfile import parse_config
 from autopar.passes import PassContext
 from autopar.passes.context import ATTENTION_KERNELS
 from autopar.report import human_bytes, render_model_summary, render_plan
+from autopar.runnable import runtime_filter
 from autopar.summary import model_summary
 
 EXIT_OK, EXIT_INTERNAL, EXIT_USER = 0, 1, 2
@@ -100,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="one JSON object per line with --fix keys; the rest of each layout is searched")
     ev.set_defaults(run=cmd_evaluate)
 
-    gen = sub.add_parser("codegen", help="write a standalone torchrun training script for a plan")
+    gen = sub.add_parser("codegen", help="write a torchrun training script for a plan (the plan's choices as literals)")
     gen.add_argument("plan", metavar="PLAN.json")
     gen.add_argument("-o", "--output", metavar="FILE", default="train.py", help="script to write (train.py)")
     gen.add_argument("--debug", action="store_true", help="show tracebacks on errors")
@@ -109,7 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
     ver = sub.add_parser("verify", help="run a plan locally (CPU, gloo) and compare with one process")
     ver.add_argument("plan", metavar="PLAN.json")
     ver.add_argument("--steps", type=int, default=3, help="training steps to compare (default 3)")
-    ver.add_argument("--tolerance", type=float, default=1e-4, help="max relative difference (default 1e-4)")
+    ver.add_argument("--numerics", choices=("fp32", "bf16"), default="fp32",
+                     help="fp32: SGD in fp32, exact to rounding (default); bf16: AdamW under bf16 autocast, as "
+                          "the plan prices training")
+    ver.add_argument("--tolerance", type=float, default=None,
+                     help="max relative difference (default 1e-4 for fp32, 2e-2 for bf16)")
     ver.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     ver.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     ver.set_defaults(run=cmd_verify)
@@ -153,12 +158,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
     progress, tick = _progress(stderr if stderr.is_terminal else None)
     if progress is not None:
         progress.start()
+    runnable = runtime_filter(traced.graph, args.model, traced.config, cluster, ctx, batch)
     try:
-        res = search(traced.graph, cluster, ctx, batch, fixed, budget, args.solver, args.time_limit, args.top, tick)
+        res = search(traced.graph, cluster, ctx, batch, fixed, budget, args.solver, args.time_limit, args.top, tick,
+                     accept=runnable.accept if runnable else None)
     finally:
         if progress is not None:
             progress.stop()
     best = res.best
+    if best is None and runnable is not None and runnable.reasons:
+        raise AutoparError(f"no layout autopar's runtime can run (--fix {args.fix or 'none'}): "
+                           f"{runnable.reasons[0]}")
     if best is None:
         raise AutoparError("no layout of the search space divides the cluster and the global batch "
                            f"({cluster.gpus} devices, global batch {batch}, --fix {args.fix or 'none'})")
@@ -253,8 +263,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     if args.steps < 1:
         raise AutoparError("--steps must be >= 1")
-    res = verify(args.plan, steps=args.steps, tolerance=args.tolerance)
-    out = {"ok": res.ok, "losses": res.losses, "reference_losses": res.reference_losses,
+    res = verify(args.plan, steps=args.steps, tolerance=args.tolerance, numerics=args.numerics)
+    out = {"ok": res.ok, "numerics": args.numerics, "losses": res.losses, "reference_losses": res.reference_losses,
            "loss_rel_diff": res.loss_rel_diff, "grad_rel_diff": res.grad_rel_diff,
            "param_rel_diff": res.param_rel_diff, "tolerance": res.tolerance,
            "sharded_parameters": res.sharded_parameters, "placements": res.placements}

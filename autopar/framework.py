@@ -89,6 +89,14 @@ class Framework:
     sp_saves_sharded_input: bool
     """Under sequence parallelism a column-parallel Linear saves its sequence-sharded input and all-gathers
     it again in backward (Megatron-LM); ``False``: autograd saves the all-gathered input (DTensor)."""
+    state_layout: Literal["working-copy", "fsdp2"]
+    """How model state is stored.  ``working-copy`` (Megatron-LM, DeepSpeed): persistent 16-bit weights next to
+    the gradient buffer and the fp32 master weights and moments; ZeRO shards the optimizer state (1), the
+    gradients (2), the weights (3).  ``fsdp2`` (PyTorch FSDP2 with bf16 ``MixedPrecisionPolicy``): the fp32
+    parameters are the master weights, gradients are fp32, and every ZeRO level of 1 or more shards all of
+    it over dp between steps; the 16-bit copy exists only while gathered (kept gathered through the step
+    at levels 0-2, and under pipelining, where ``PipelineStage`` also defers the reshard and the gradient
+    sync to the last micro-batch)."""
     zero_levels: tuple[int, ...]
     """ZeRO levels it implements without pipeline parallelism."""
     zero_levels_with_pp: tuple[int, ...]
@@ -110,6 +118,8 @@ class Framework:
             levels = getattr(self, key)
             if not levels or any(z not in (0, 1, 2, 3) for z in levels):
                 raise FrameworkSpecError(f"framework {self.name}: {key} must list ZeRO levels 0-3")
+        if self.state_layout not in ("working-copy", "fsdp2"):
+            raise FrameworkSpecError(f"framework {self.name}: state_layout must be working-copy or fsdp2")
         if self.pipeline_split not in ("balanced", "uniform"):
             raise FrameworkSpecError(f"framework {self.name}: pipeline_split must be balanced or uniform")
         if self.selective_recompute not in ("attention_core", "attention_module"):

@@ -28,11 +28,13 @@ class PrecisionPolicy:
     """Working copy of the weights used by forward and backward (bf16/fp16)."""
     optimizer_bytes: int = 12
     """fp32 master weights + Adam first and second moments."""
+    master_weight_bytes: int = 4
+    """The fp32 master weights' part of ``optimizer_bytes`` (under FSDP2 they are the parameters themselves)."""
     activation_bytes: int = 2
     """Floating-point activations (bf16/fp16)."""
 
     def __post_init__(self) -> None:
-        for name in ("weight_bytes", "optimizer_bytes", "activation_bytes"):
+        for name in ("weight_bytes", "optimizer_bytes", "master_weight_bytes", "activation_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
 
@@ -69,13 +71,28 @@ class PassContext:
         return self.framework.grad_bucket_bytes
 
     def state_bytes(self, params: float, dp: int = 1, zero: int = 0) -> float:
-        """Bytes of model state one device holds for ``params`` parameters under ZeRO level ``zero`` over ``dp``
-        data-parallel ranks: 16-bit weights (sharded by ZeRO-3), the gradient buffer in the framework's
-        precision (ZeRO-2) and the fp32 master weights and Adam moments (ZeRO-1)."""
+        """Bytes of model state one device holds between steps for ``params`` parameters under ZeRO level
+        ``zero`` over ``dp`` data-parallel ranks.  ``working-copy`` layout: 16-bit weights (sharded by ZeRO-3),
+        the gradient buffer in the framework's precision (ZeRO-2) and the fp32 master weights and Adam
+        moments (ZeRO-1).  ``fsdp2``: fp32 parameters, fp32 gradients and Adam moments, all sharded at 1-3."""
         p = self.precision
         share = lambda level: dp if zero >= level and dp > 1 else 1
+        if self.framework.state_layout == "fsdp2":  # fp32 parameters (the master weights), grads and moments
+            return params * (p.optimizer_bytes + self.framework.main_grad_bytes) / share(1)
         return params * (p.weight_bytes / share(3) + self.framework.main_grad_bytes / share(2)
                          + p.optimizer_bytes / share(1))
+
+    def held_bytes(self, params: float, dp: int, zero: int, pp: int, microbatches: int) -> float:
+        """Bytes one device holds for ``params`` parameters during a step on top of ``state_bytes``: FSDP2's
+        gathered 16-bit copy where it stays gathered (levels 0-2, any level under pipelining) and its
+        unsharded fp32 gradients where they accumulate before one reduction (level 1 over several
+        micro-batches; every level under pipelining).  Nothing for the ``working-copy`` layout."""
+        if self.framework.state_layout != "fsdp2":
+            return 0.0
+        sharded = zero >= 1 and dp > 1
+        working = self.precision.weight_bytes if zero <= 2 or pp > 1 else 0.0
+        accumulating = sharded and (pp > 1 or (zero == 1 and microbatches > 1))
+        return params * (working + (self.framework.main_grad_bytes if accumulating else 0.0))
 
     @property
     def flash(self) -> bool:

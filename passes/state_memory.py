@@ -1,7 +1,9 @@
 """Parameter, gradient and optimizer-state bytes (the model state), per layer and in total.
 
-Byte counts per parameter come from ``PrecisionPolicy`` and the framework's gradient buffer (default:
-mixed-precision Adam, 2 + 2 + 12 = 16 bytes per parameter).  Tied parameters count once.  Annotation
+Byte counts per parameter come from ``PrecisionPolicy`` and the framework's state layout: 16-bit weights,
+the gradient buffer and fp32 master weights plus Adam moments (Megatron, DeepSpeed: 2 + 2 + 12), or fp32
+parameters that are the master weights, fp32 gradients and the moments (FSDP2, the default ``torch``
+profile: 4 + 4 + 8).  Tied parameters count once.  Annotation
 ``state_memory`` on the graph.
 """
 
@@ -43,11 +45,15 @@ def annotate_state_memory_pass(graph: OpGraph, ctx: PassContext) -> OpGraph:
         else:
             per_layer[p.layer] = per_layer.get(p.layer, 0) + p.numel
     n = graph.num_parameters
-    pol = ctx.precision
+    pol, grads = ctx.precision, ctx.framework.main_grad_bytes
+    if ctx.framework.state_layout == "fsdp2":  # the fp32 parameters are the master weights
+        total = StateBytes(n * pol.master_weight_bytes, n * grads, n * (pol.optimizer_bytes - pol.master_weight_bytes))
+    else:
+        total = StateBytes(n * pol.weight_bytes, n * grads, n * pol.optimizer_bytes)
     graph.annotations["state_memory"] = StateMemory(
         parameters=n,
         per_layer_parameters=dict(sorted(per_layer.items())),
         outside_layer_parameters=outside,
-        total=StateBytes(n * pol.weight_bytes, n * ctx.framework.main_grad_bytes, n * pol.optimizer_bytes),
+        total=total,
     )
     return graph

@@ -111,9 +111,9 @@ def test_target_no_refused_layout(results):
     assert not [r for r in rows if r["error"] is None or r.get("fits") is False]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 9 target not reached: the sweep's pipelined layouts measured "
-                                      "15-60 % slower than their bubble explains; autopar picks pp=2")
 def test_target_top_pick_within_5_percent_of_the_best(results):
+    # Met since gradients accumulate in fp32 under the torch profile and FSDP2 keeps weights gathered under
+    # pipelining; the pick (dp64) leads the next (pp2 interleaved) by under 1 % of estimated time.
     _, sweeps = results
     for s in sweeps:
         assert s["top_pick_regret"] <= TARGET_REGRET

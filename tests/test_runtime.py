@@ -18,14 +18,15 @@ def _plan(tmp_path, fix: str) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("fix", "sharded"), [("dp=4,zero=0", False), ("dp=4,zero=3", True)])
-def test_verify_data_parallel_plans(tmp_path, capsys, fix, sharded):
+@pytest.mark.parametrize(("fix", "held"), [("dp=4,zero=0", "R"), ("dp=4,zero=3", "S(0)")])
+def test_verify_data_parallel_plans(tmp_path, capsys, fix, held):
     plan = _plan(tmp_path, fix)
     capsys.readouterr()
     code = main(["verify", plan, "--steps", "3", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert code == 0, out
-    assert out["ok"] and out["sharded_parameters"] is sharded
+    # ZeRO 0 runs as FSDP2's replicate (whole weights), ZeRO 3 as fully_shard (dim-0 shards)
+    assert out["ok"] and out["placements"]["blocks.0.mlp.fc.weight"] == {"dp": held}
     assert max(out["loss_rel_diff"], out["grad_rel_diff"], out["param_rel_diff"]) <= 1e-4
     assert len(out["losses"]) == 3
 
@@ -147,7 +148,14 @@ def test_verify_huggingface_gpt2_pipeline_with_tied_head(tmp_path, capsys, examp
 
 def test_unsupported_pipeline_split_is_refused_before_launch(tmp_path, capsys, fixtures):
     cfg = ["--config", "layers=2,hidden=64,heads=4,vocab=128,seq_len=16", "--cluster", "cpu", "--global-batch", "4"]
-    assert main(["plan", str(fixtures / "hf_neox.py"), *cfg, "--fix", "pp=2", "-o", str(tmp_path)]) == 0
+    # planned for autopar's runtime: the search emits no layout the runtime refuses
+    assert main(["plan", str(fixtures / "hf_neox.py"), *cfg, "--fix", "pp=2", "-o", str(tmp_path / "own")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no layout autopar's runtime can run (--fix pp=2): pipeline stages" in err
+    assert not (tmp_path / "own").exists()
+    # planned for another framework: the plan is written, train.py is not, and verify refuses before launch
+    assert main(["plan", str(fixtures / "hf_neox.py"), *cfg, "--fix", "pp=2", "--framework", "torchtitan",
+                 "-o", str(tmp_path)]) == 0
     assert "train.py not written: pipeline stages of HuggingFace GPTNeoXForCausalLM" in capsys.readouterr().err
     assert not (tmp_path / "train.py").exists()
     code = main(["verify", str(tmp_path / "plan.json")])
@@ -199,22 +207,21 @@ def test_apply_checks_world_size_parameters_and_devices(tmp_path, capsys, monkey
     plan = Plan.load(plan_file)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
-        model = gpt.build_model(layers=2, hidden=64, heads=4, vocab=128, seq_len=32)
+        build = lambda: gpt.build_model(layers=2, hidden=64, heads=4, vocab=128, seq_len=32)
         with pytest.raises(AutoparError, match="world size 2 differs from the plan's 4 devices"):
-            apply(plan, model, lambda out, x: out.mean())
+            apply(plan, lambda out, x: out.mean(), build=build)
     finally:
         dist.destroy_process_group()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
     try:
-        other = gpt.build_model(layers=3, hidden=64, heads=4, vocab=128, seq_len=32)
+        other = lambda: gpt.build_model(layers=3, hidden=64, heads=4, vocab=128, seq_len=32)
         with pytest.raises(AutoparError, match="the model does not match the plan"):
-            apply(plan, other, lambda out, x: out.mean())
+            apply(plan, lambda out, x: out.mean(), build=other)
         if not torch.cuda.is_available():  # asked for GPUs this machine does not have
             monkeypatch.setenv("AUTOPAR_DEVICE", "cuda")
             monkeypatch.setenv("LOCAL_RANK", "1")
             with pytest.raises(AutoparError, match="cannot be built: local rank 1 needs a GPU and this node has 0"):
-                apply(plan, gpt.build_model(layers=2, hidden=64, heads=4, vocab=128, seq_len=32),
-                      lambda out, x: out.mean())
+                apply(plan, lambda out, x: out.mean(), build=build)
     finally:
         dist.destroy_process_group()
 
@@ -223,6 +230,7 @@ def test_apply_checks_world_size_parameters_and_devices(tmp_path, capsys, monkey
 def test_checkpoint_moves_between_plans(tmp_path, capsys):
     from autopar.plan import Plan
     from autopar.runtime.session import reference_run
+    from autopar.runtime.training import check_config
     from autopar.runtime.verify import run_plan
 
     for name, fix in (("a", "dp=2,tp=2,sp=off,zero=3"), ("b", "pp=2,dp=2,schedule=1f1b,zero=0")):
@@ -230,17 +238,18 @@ def test_checkpoint_moves_between_plans(tmp_path, capsys):
     capsys.readouterr()
     first = run_plan(tmp_path / "a" / "plan.json", 2, checkpoint=tmp_path / "ckpt")
     second = run_plan(tmp_path / "b" / "plan.json", 2, start_step=2, resume=tmp_path / "ckpt")
-    ref = reference_run(Plan.load(tmp_path / "a" / "plan.json"), 4, 0, 0.1)
+    ref = reference_run(Plan.load(tmp_path / "a" / "plan.json"), 4, 0, check_config("fp32", 0.1))
     losses = first["losses"] + second["losses"]
     assert losses == pytest.approx(ref["losses"], rel=1e-4)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("model", "config", "fix", "expect"), [
-    ("gpt", DEEP, "pp=2,tp=2,sp=on,schedule=1f1b", ["MESH_SHAPE = (2, 1, 2)", "ColwiseParallel()", "Schedule1F1B",
+    ("gpt", DEEP, "pp=2,tp=2,sp=on,schedule=1f1b", ["MESH_SHAPE = (2, 1, 2)", "ColwiseParallel()", "SCHEDULE = '1f1b'",
                                                      "SequenceParallel(use_local_output=True)"]),
     ("hf_llama", ["--config", "layers=2,hidden=256,heads=8,ffn=512,vocab=256,seq_len=16", "--cluster", "cpu"],
-     "dp=2,tp=2,sp=on,zero=3", ["MESH_SHAPE = (1, 2, 2)", "class PrepareActivation(ParallelStyle):", "ZERO = 3"]),
+     "dp=2,tp=2,sp=on,zero=3", ["MESH_SHAPE = (1, 2, 2)", "from autopar.runtime.styles import PrepareActivation",
+                                "ZERO = 3"]),
 ], ids=["gpt-pp2xtp2-sp", "hf-llama-dp2xtp2-sp-fsdp"])
 def test_generated_script_runs_the_plan(tmp_path, capsys, examples, model, config, fix, expect):
     import os
@@ -249,20 +258,27 @@ def test_generated_script_runs_the_plan(tmp_path, capsys, examples, model, confi
 
     from autopar.plan import Plan
     from autopar.runtime.session import reference_run
+    from autopar.runtime.training import TrainingConfig
 
     ref = str(examples / f"{model}.py") if model.startswith("hf_") else model
     assert main(["plan", ref, *config, "--global-batch", "8", "--fix", fix, "-o", str(tmp_path)]) == 0
     capsys.readouterr()
     script = tmp_path / "train.py"
     text = script.read_text()
-    assert "import autopar" not in text and "from autopar" not in text  # standalone
+    assert "from autopar.runtime.parallelize import parallelize" in text  # the runtime's code, the plan's literals
     assert all(e in text for e in expect), [e for e in expect if e not in text]
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-                           str(script), "--steps", "3"], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+                           str(script), "--steps", "3", "--precision", "fp32"], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-2000:]
-    losses = [float(line.split()[-1]) for line in proc.stdout.splitlines() if line.startswith("step ")]
-    ref_losses = reference_run(Plan.load(tmp_path / "plan.json"), 3, 0, 0.1)["losses"]
+    lines = proc.stdout.splitlines()
+    losses = [float(line.split()[3]) for line in lines if line.startswith("step ")]
+    assert all("tokens/s" in line and "MFU" in line for line in lines if line.startswith("step "))
+    summary = json.loads(lines[-1])
+    assert summary["steps"] == 3 and summary["tokens_per_s"] > 0 and summary["peak_memory_bytes"] > 0
+    # AdamW with the script's defaults (lr 3e-4, clipping at 1, cosine over the 3 steps), in one process
+    adamw = TrainingConfig(lr=3e-4, decay_steps=3, max_grad_norm=1.0, precision="fp32")
+    ref_losses = reference_run(Plan.load(tmp_path / "plan.json"), 3, 0, adamw)["losses"]
     assert losses == pytest.approx(ref_losses, rel=1e-5)
 
 
@@ -273,3 +289,45 @@ def test_verify_a_plan_from_the_unconstrained_search(tmp_path, capsys):
     code = main(["verify", str(tmp_path / "plan.json"), "--json"])
     out = json.loads(capsys.readouterr().out)
     assert code == 0 and out["ok"], out
+
+
+#: Small zoo models whose whole search space on 4 CPU ranks the property test draws from.
+DRAWN = [("gpt", "layers=4,hidden=64,heads=4,vocab=128,seq_len=16"),
+         ("llama", "layers=4,hidden=64,heads=4,kv_heads=2,ffn=128,vocab=128,seq_len=16"),
+         ("moe", "layers=2,hidden=64,heads=4,vocab=128,seq_len=16,experts=4,top_k=2")]
+
+
+def _drawn_layouts(count: int, seed: int) -> list[tuple[str, str, str]]:
+    """``count`` (model, config, --fix) triples drawn with ``seed`` from the layouts the search can emit."""
+    import random
+
+    from autopar.cluster import load_cluster
+    from autopar.frontend import trace_model
+    from autopar.inter_op.search import layouts
+    from autopar.modelfile import parse_config
+
+    rng = random.Random(seed)
+    cluster = load_cluster("cpu").with_overrides(gpus=4)
+    space = []
+    for model, config in DRAWN:
+        graph = trace_model(model, parse_config(config), 16).graph
+        space += [(model, config, lay) for lay in layouts(graph, cluster, 8, {})]
+    drawn = []
+    for model, config, lay in rng.sample(space, count):
+        fix = (f"dp={lay.dp},tp={lay.tp},pp={lay.pp},mbs={lay.mbs},schedule={lay.schedule},v={lay.v},"
+               f"recompute={lay.recompute},sp={'on' if lay.sp else 'off'},zero={lay.zero}")
+        drawn.append((model, config, fix))
+    return drawn
+
+
+@pytest.mark.slow
+def test_layouts_drawn_from_the_search_space_run(tmp_path, capsys):
+    """The search emits only layouts the runtime runs: six drawn with a fixed seed pass ``autopar verify``."""
+    for i, (model, config, fix) in enumerate(_drawn_layouts(6, seed=0)):
+        out = tmp_path / str(i)
+        assert main(["plan", model, "--config", config, "--cluster", "cpu", "--gpus", "4", "--global-batch", "8",
+                     "--fix", fix, "-o", str(out)]) == 0, fix
+        capsys.readouterr()
+        code = main(["verify", str(out / "plan.json"), "--steps", "2", "--json"])
+        result = json.loads(capsys.readouterr().out or "{}")
+        assert code == 0 and result.get("ok"), (model, fix, result)

@@ -63,6 +63,7 @@ class StageEstimate:
     layers: tuple[int, int]  # layer range [start, end) of the block stack
     time_s: float  # per micro-batch, p2p included
     memory_bytes: float
+    state_bytes: float  # parameters, gradients and optimizer state between steps (``PassContext.state_bytes``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,7 +163,8 @@ def _unit_load(u: UnitCost, is_layer: bool, layout: Layout, dp_link: AxisLink, c
     rc = layer_recompute(u, layout.recompute if is_layer else "none", fw)
     act, extra, recompute = rc.saved_bytes, max(u.transient_bytes, rc.transient_bytes), rc.time_s
     dp, z = layout.dp, layout.zero
-    state = ctx.state_bytes(u.params_local, dp, z)
+    state = ctx.state_bytes(u.params_local, dp, z) + ctx.held_bytes(u.params_local, dp, z, layout.pp,
+                                                                     layout.num_microbatches)
     zero3 = 0.0
     if z >= 3 and dp > 1 and u.params_local > 0:
         count, gathered = _zero3_collectives(u, ctx)
@@ -243,7 +245,9 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
     if prune_above_s is not None and m * sum(x.time_s for x in loads) / p >= prune_above_s:
         return None
     in_flight = [in_flight_microbatches(layout.schedule, i, p, m, v) for i in range(p)]
-    tie_bytes = _tied_state_bytes(costs, layout, ctx) if p == 1 else 0.0
+    tied = _tied_params(costs) if p == 1 else 0.0  # one stage holds both ends: count the shared ones once
+    tie_state = ctx.state_bytes(tied, layout.dp, layout.zero)
+    tie_bytes = tie_state + ctx.held_bytes(tied, layout.dp, layout.zero, p, m)
     uniform = ctx.framework.pipeline_split == "uniform"
     split = _split(keys, by_key, loads, in_flight, memory_budget_bytes + tie_bytes, uniform)
     fits = split is not None
@@ -279,7 +283,8 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
                           "zero3": sum(x.zero3_exposed_s for x in units), "local": local})
         layer_idx = [i - 1 for i in range(a, b) if 0 < i < len(keys) - 1]
         layers = (layer_idx[0], layer_idx[-1] + 1) if layer_idx else (0, 0)
-        stages.append(StageEstimate(k, (a, b), layers, t, split.stage_memory_bytes[k] - tie_bytes))
+        state = ctx.state_bytes(local, layout.dp, layout.zero) - tie_state
+        stages.append(StageEstimate(k, (a, b), layers, t, split.stage_memory_bytes[k] - tie_bytes, state))
     bottleneck = max(range(p), key=lambda k: stage_times[k])
     bn = per_stage[bottleneck]
     accumulation_s = max(s["accumulate"] for s in per_stage)
@@ -372,12 +377,10 @@ def _as_solver_load(x: _UnitLoad) -> UnitLoad:
     return UnitLoad(x.time_s, x.state_bytes, x.activation_bytes, x.extra_bytes)
 
 
-def _tied_state_bytes(costs: dict[str, UnitCost], layout: Layout, ctx: PassContext) -> float:
-    """State of parameters shared by ``pre`` and ``post`` (tied embeddings), counted twice by the units."""
+def _tied_params(costs: dict[str, UnitCost]) -> float:
+    """Local parameters shared by ``pre`` and ``post`` (tied embeddings), which both units count."""
     shared = set(costs[PRE].param_local) & set(costs[POST].param_local)
-    if not shared:
-        return 0.0
-    return ctx.state_bytes(sum(costs[POST].param_local[f] for f in shared), layout.dp, layout.zero)
+    return sum(costs[POST].param_local[f] for f in shared)
 
 
 def _recompute_flops(costs: dict[str, UnitCost], keys: list[str], layout: Layout, global_batch: int,

@@ -33,7 +33,7 @@ from autopar.framework import DEFAULT_FRAMEWORK, Framework, load_framework
 from autopar.inter_op.estimate import Estimate, ModelFlops, estimate_layout
 from autopar.inter_op.layout import RECOMPUTE, Layout
 from autopar.inter_op.unit_costs import UnitCost, solve_tp, unit_costs, unit_sequence
-from autopar.intra_op.strategies import Strategy
+from autopar.intra_op.strategies import R, Strategy, param_tp_placements
 from autopar.ir import OpGraph
 from autopar.passes.context import PassContext
 from autopar.solvers.ilp import Backend
@@ -221,6 +221,15 @@ def _schedules(pp: int, m: int, layers: int, fixed: dict[str, Any], fw: Framewor
     return options
 
 
+def runtime_runs(graph: OpGraph, strategies: dict[str, Strategy], layout: Layout) -> bool:
+    """Whether autopar's runtime can run the intra-op solution as the plan would price it.  A solution that
+    replicates every parameter on tp is run with that axis as data parallelism
+    (``autopar.runtime.apply.run_shape``), which needs the micro-batch to split over tp."""
+    if layout.tp == 1 or layout.mbs % layout.tp == 0:
+        return True
+    return any(p != R for p in param_tp_placements(graph, strategies).values())
+
+
 def _lower_bound(costs: dict[str, UnitCost], sequence: list[str], layout: Layout, ctx: PassContext) -> float:
     """Iteration time if every stage were perfectly balanced and nothing else cost anything."""
     hidden_tp = ctx.framework.tp_comm_overlap and layout.sp
@@ -234,11 +243,13 @@ def _lower_bound(costs: dict[str, UnitCost], sequence: list[str], layout: Layout
 
 def search(graph: OpGraph, cluster: Cluster, ctx: PassContext, global_batch: int, fixed: dict[str, Any],
            memory_budget_bytes: float, backend: Backend = "cbc", time_limit_s: float = 60.0, top_k: int = 1,
-           progress: Callable[[int], None] | None = None, cache: UnitCostCache | None = None) -> SearchResult:
+           progress: Callable[[int], None] | None = None, cache: UnitCostCache | None = None,
+           accept: Callable[[Estimate, dict[str, Strategy]], bool] | None = None) -> SearchResult:
     """The ``top_k`` fastest layouts that fit (or, if none fits, the closest ones marked ``fits=False``).
 
     ``cache``: unit costs (and the intra-op solves behind them) to reuse across searches of the same graph,
-    tensor-parallel fabric and context; its solves are counted from zero here either way."""
+    tensor-parallel fabric and context; its solves are counted from zero here either way.  ``accept``: a
+    candidate is kept only if it says so (the runtime that will train the plan can run it)."""
     t0 = time.perf_counter()
     check_fixed(graph, cluster, global_batch, fixed)
     if cache is None or not cache.serves(graph, cluster, ctx):
@@ -252,6 +263,8 @@ def search(graph: OpGraph, cluster: Cluster, ctx: PassContext, global_batch: int
     for layout in layouts(graph, cluster, global_batch, fixed, ctx.framework):
         for variant in VARIANTS if layout.tp > 1 else VARIANTS[:1]:
             costs, strategies = cache.get(layout.tp, layout.mbs, layout.sp, variant)
+            if not runtime_runs(graph, strategies, layout):
+                continue
             cutoff = fitting[top_k - 1].estimate.iteration_time_s if len(fitting) >= top_k else None
             if cutoff is not None and _lower_bound(costs, sequence, layout, ctx) >= cutoff:
                 continue
@@ -260,7 +273,7 @@ def search(graph: OpGraph, cluster: Cluster, ctx: PassContext, global_batch: int
             evaluated += 1
             if progress is not None:
                 progress(evaluated)
-            if est is None:
+            if est is None or (accept is not None and not accept(est, strategies)):
                 continue
             bucket = fitting if est.fits else spill
             bucket.append(Candidate(est, variant, strategies))
@@ -298,4 +311,4 @@ def _distinct(cands: list[Candidate], k: int) -> list[Candidate]:
     return out
 
 
-__all__ = ["Candidate", "SearchResult", "UnitCostCache", "check_fixed", "divisors", "layouts", "search"]
+__all__ = ["Candidate", "SearchResult", "UnitCostCache", "check_fixed", "divisors", "layouts", "runtime_runs", "search"]

@@ -8,28 +8,13 @@ from typing import Any
 from autopar.cluster import Cluster
 from autopar.inter_op.estimate import Estimate
 from autopar.inter_op.unit_costs import POST, PRE, unit_sequence
-from autopar.intra_op.strategies import R, Strategy, tensor_refs
+from autopar.intra_op.strategies import R, Strategy, param_tp_placements, tensor_refs
 from autopar.ir import OpGraph
 from autopar.modelfile import ZOO
 from autopar.passes.context import PassContext
 from autopar.plan import Plan, model_fingerprint
 
 MESH_AXES = ("pp", "dp", "tp")
-
-
-def _param_tp_placements(graph: OpGraph, strategies: dict[str, Strategy]) -> dict[str, str]:
-    """FQN -> placement on the tp axis, as the first op reading the parameter requires it."""
-    out: dict[str, str] = {}
-    for n in graph.ops():
-        strat = strategies.get(n.name)
-        if strat is None:
-            continue
-        for k, r in enumerate(tensor_refs(n)):
-            src = graph[r.name]
-            if src.kind == "param" and src.target not in out:
-                p = strat[0].inputs[k] or R
-                out[src.target] = R if p == "P" else p  # a partial bias is added on one rank: stored replicated
-    return out
 
 
 def interleaved_chunks(layers_per_stage: list[int], v: int) -> list[tuple[int, int]]:
@@ -89,7 +74,7 @@ def _param_stages(graph: OpGraph, est: Estimate) -> dict[str, int]:
 def build_plan(*, graph: OpGraph, model_ref: str, config: dict[str, Any], cluster: Cluster, ctx: PassContext,
                global_batch: int, estimate: Estimate, strategies: dict[str, Strategy]) -> Plan:
     lay = estimate.layout
-    tp_place = _param_tp_placements(graph, strategies)
+    tp_place = param_tp_placements(graph, strategies)
     stages_of = _param_stages(graph, estimate)
     parameters = {}
     for fqn, p in sorted(graph.params.items()):
@@ -108,6 +93,7 @@ def build_plan(*, graph: OpGraph, model_ref: str, config: dict[str, Any], cluste
             "ranks": [s.index * per_stage, (s.index + 1) * per_stage],
             "micro_batch": lay.mbs, "recompute": lay.recompute,
             "estimated_time_per_microbatch_s": s.time_s, "estimated_memory_bytes": s.memory_bytes,
+            "estimated_state_bytes": s.state_bytes,
         })
     first_of_type = {}
     for layer in graph.layers:

@@ -371,3 +371,17 @@ def mesh_strategies(graph: OpGraph, node: Node, batch: int, mesh_shape: tuple[in
             result.append(combo)
     return result
 
+
+def param_tp_placements(graph: OpGraph, strategies: dict[str, Strategy]) -> dict[str, str]:
+    """FQN -> placement on the tp axis, as the first op reading the parameter requires it."""
+    out: dict[str, str] = {}
+    for n in graph.ops():
+        strat = strategies.get(n.name)
+        if strat is None:
+            continue
+        for k, r in enumerate(tensor_refs(n)):
+            src = graph[r.name]
+            if src.kind == "param" and src.target not in out:
+                p = strat[0].inputs[k] or R
+                out[src.target] = R if p == "P" else p  # a partial bias is added on one rank: stored replicated
+    return out

@@ -1,0 +1,66 @@
+"""Which search results autopar's runtime can run: the filter the planner hands the layout search.
+
+The runtime builds ``parallelize_module`` styles from a plan's placements and refuses what it cannot lay out
+(``autopar.runtime.support.check_runnable``: sequence parallelism around a row-parallel projection, a
+HuggingFace architecture it cannot split into stages, ...).  Such an intra-op solution must not be
+chosen, so the search asks this filter before it keeps a candidate.  The answer depends only on the
+intra-op solution and on whether there are pipeline stages, so it is computed once per pair.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from autopar.cluster import Cluster
+from autopar.errors import AutoparError
+from autopar.inter_op.estimate import Estimate
+from autopar.inter_op.to_plan import build_plan
+from autopar.intra_op.strategies import Strategy
+from autopar.ir import OpGraph
+from autopar.passes.context import PassContext
+from autopar.runtime.support import check_runnable, model_on_meta
+
+
+class RuntimeFilter:
+    """``accept(estimate, strategies)`` for ``autopar.inter_op.search.search``; ``reasons`` keeps why each
+    refused solution was refused (the first one makes the error when nothing is left)."""
+
+    def __init__(self, graph: OpGraph, model_ref: str, config: dict[str, Any], cluster: Cluster, ctx: PassContext,
+                 global_batch: int) -> None:
+        self._plan_args = {"graph": graph, "model_ref": model_ref, "config": config, "cluster": cluster, "ctx": ctx,
+                           "global_batch": global_batch}
+        self._model = None
+        self._verdicts: dict[tuple[int, bool], str | None] = {}
+        self.reasons: list[str] = []
+
+    def accept(self, estimate: Estimate, strategies: dict[str, Strategy]) -> bool:
+        key = (id(strategies), estimate.layout.pp > 1)
+        if key not in self._verdicts:
+            self._verdicts[key] = self._refusal(estimate, strategies)
+            if self._verdicts[key] is not None:
+                self.reasons.append(self._verdicts[key])
+        return self._verdicts[key] is None
+
+    def _refusal(self, estimate: Estimate, strategies: dict[str, Strategy]) -> str | None:
+        plan = build_plan(**self._plan_args, estimate=estimate, strategies=strategies)
+        if self._model is None:
+            self._model = model_on_meta(plan)
+        try:
+            check_runnable(plan, self._model)
+        except AutoparError as exc:
+            return str(exc)
+        return None
+
+
+def runtime_filter(graph: OpGraph, model_ref: str, config: dict[str, Any], cluster: Cluster, ctx: PassContext,
+                   global_batch: int) -> RuntimeFilter | None:
+    """The filter for plans autopar's own runtime trains (the ``torch`` framework); ``None`` for plans that
+    another framework runs."""
+    if ctx.framework.name != "torch":
+        return None
+    return RuntimeFilter(graph, model_ref, config, cluster, ctx, global_batch)
+
+
+Accept = Callable[[Estimate, dict[str, Strategy]], bool]
+__all__ = ["Accept", "RuntimeFilter", "runtime_filter"]
