@@ -3,7 +3,7 @@
 For each case a plan is made for a real cluster preset; then, in this one process, a fake process group
 of the plan's world size stands in for the cluster (``torch.testing._internal.distributed.fake_pg``), the
 plan is applied to the model in bf16 (the plan's activation precision), and one training iteration runs
-under a ``CommDebugMode`` that records every collective's kind, bytes and process group.  The collectives
+under a dispatch mode that records every collective's kind, bytes and process group.  The collectives
 on the tp group are priced with the same alpha-beta model the planner uses (``autopar.collectives``) and
 compared with the plan's ``tp_comm_s``.  A ratio near 1 says the runtime communicates what the plan
 assumed; far from 1, the runtime (or DTensor's choice inside a ``PlacedParameters`` region) differs.
@@ -30,8 +30,8 @@ import torch.distributed as dist
 from autopar.passes.context import PrecisionPolicy
 from rich.console import Console
 from rich.table import Table
-from torch.distributed.tensor.debug import CommDebugMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from autopar.cli import main as cli
@@ -60,16 +60,17 @@ KINDS = {"all_reduce": ("all_reduce", False), "all_gather_into_tensor": ("all_ga
          "reduce_scatter_tensor": ("reduce_scatter", False), "all_to_all_single": ("all_to_all", False)}
 
 
-class CommBytes(CommDebugMode):
-    """``CommDebugMode`` that also keeps each collective's name, tensor bytes and group name."""
+class CommBytes(TorchDispatchMode):
+    """Records each functional collective's name, tensor elements and group name (a plain dispatch mode:
+    ``CommDebugMode``'s module tracking trips over FSDP2's hooks)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.records: list[tuple[str, int, str]] = []  # (collective, elements, group name)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        if out is NotImplemented or isinstance(func, torch._ops.HigherOrderOperator):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(func, torch._ops.HigherOrderOperator):
             return out
         name = func._overloadpacket.__name__
         if name in KINDS:

@@ -63,14 +63,16 @@ class MoEMLP(nn.Module):
         token = torch.arange(t * k, device=x.device).div(k, rounding_mode="floor").expand(b, -1)
         slot_token = torch.full((b, e * cap + 1), t, dtype=torch.long, device=x.device)
         slot_token = slot_token.scatter(1, slot, token)[:, : e * cap]  # token of each slot (t = empty)
-        slot_gate = torch.zeros(b, e * cap + 1, dtype=x.dtype, device=x.device)
+        slot_gate = torch.zeros(b, e * cap + 1, dtype=gate.dtype, device=x.device)
         slot_gate = slot_gate.scatter(1, slot, gate.reshape(b, t * k) * keep)[:, : e * cap]
         padded = torch.cat([x, x.new_zeros(b, 1, h)], dim=1)  # row t is the empty slot
         index = slot_token.unsqueeze(-1).expand(-1, -1, h)
         expert_in = padded.gather(1, index).view(b, e, cap, h)
         hidden = F.gelu(torch.einsum("bech,ehf->becf", expert_in, self.w_in), approximate="tanh")
         expert_out = torch.einsum("becf,efh->bech", hidden, self.w_out).reshape(b, e * cap, h)
-        combined = padded.new_zeros(b, t + 1, h).scatter_add(1, index, expert_out * slot_gate.unsqueeze(-1))
+        # under autocast the products are 16-bit and the residual stream is not: combine in the stream's dtype
+        weighted = (expert_out * slot_gate.unsqueeze(-1)).to(padded.dtype)
+        combined = padded.new_zeros(b, t + 1, h).scatter_add(1, index, weighted)
         return self.dropout(combined[:, :t])
 
 
