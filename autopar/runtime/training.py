@@ -142,8 +142,7 @@ class Trainer:
                  zero: int, tied: list[tuple[str, str]], config: TrainingConfig, device: torch.device,
                  loss_parallel: bool = False) -> None:
         self.parts, self.mesh, self.loss_fn, self.config, self.device = parts, mesh, loss_fn, config, device
-        self.loss_parallel = loss_parallel
-        """The head leaves its logits sharded on the vocabulary: the loss runs under ``loss_parallel``."""
+        self.loss_parallel = loss_parallel  # the head leaves its logits sharded on the vocabulary
         self.num_microbatches, self.micro_batch, self.zero = num_microbatches, micro_batch, zero
         self.dp_rank, self.dp_size = mesh.get_local_rank("dp"), mesh["dp"].size()
         self.pipeline = None
