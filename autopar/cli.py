@@ -107,15 +107,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     gen.set_defaults(run=cmd_codegen)
 
-    ver = sub.add_parser("verify", help="run a plan locally (CPU, gloo) and compare with one process")
-    ver.add_argument("plan", metavar="PLAN.json")
+    ver = sub.add_parser("verify", help="run plans locally (CPU, gloo) and compare with one process")
+    ver.add_argument("plan", metavar="PLAN.json", nargs="+",
+                     help="one or more plans; plans of one world size share one launch")
     ver.add_argument("--steps", type=int, default=3, help="training steps to compare (default 3)")
     ver.add_argument("--numerics", choices=("fp32", "bf16"), default="fp32",
                      help="fp32: SGD in fp32, exact to rounding (default); bf16: AdamW under bf16 autocast, as "
                           "the plan prices training")
     ver.add_argument("--tolerance", type=float, default=None,
                      help="max relative difference (default 1e-4 for fp32, 2e-2 for bf16)")
-    ver.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    ver.add_argument("--json", action="store_true",
+                     help="print one JSON object on stdout (a list of them for several plans)")
     ver.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     ver.set_defaults(run=cmd_verify)
     return parser
@@ -259,25 +261,30 @@ def cmd_codegen(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from autopar.runtime.verify import verify
+    from autopar.runtime.verify import verify_many
 
     if args.steps < 1:
         raise AutoparError("--steps must be >= 1")
-    res = verify(args.plan, steps=args.steps, tolerance=args.tolerance, numerics=args.numerics)
-    out = {"ok": res.ok, "numerics": args.numerics, "losses": res.losses, "reference_losses": res.reference_losses,
-           "loss_rel_diff": res.loss_rel_diff, "grad_rel_diff": res.grad_rel_diff,
-           "param_rel_diff": res.param_rel_diff, "tolerance": res.tolerance,
-           "sharded_parameters": res.sharded_parameters, "placements": res.placements}
+    results = verify_many(args.plan, steps=args.steps, tolerance=args.tolerance, numerics=args.numerics)
+    reports = []
+    for path, res in zip(args.plan, results):
+        reports.append({"plan": path, "ok": res.ok, "numerics": args.numerics, "losses": res.losses,
+                        "reference_losses": res.reference_losses, "loss_rel_diff": res.loss_rel_diff,
+                        "grad_rel_diff": res.grad_rel_diff, "param_rel_diff": res.param_rel_diff,
+                        "tolerance": res.tolerance, "sharded_parameters": res.sharded_parameters,
+                        "placements": res.placements})
     if args.json:
-        print(json.dumps(out, indent=2, sort_keys=True))
+        print(json.dumps(reports[0] if len(reports) == 1 else reports, indent=2, sort_keys=True))
     else:
-        got = ", ".join(f"{x:.6f}" for x in res.losses)
-        want = ", ".join(f"{x:.6f}" for x in res.reference_losses)
-        Console().print(f"losses {got} (reference {want})\n"
-                        f"max relative difference: loss {res.loss_rel_diff:.2e}, grads {res.grad_rel_diff:.2e}, "
-                        f"params {res.param_rel_diff:.2e} (tolerance {res.tolerance:.0e}): "
-                        f"{'OK' if res.ok else 'FAILED'}")
-    return EXIT_OK if res.ok else EXIT_INTERNAL
+        console = Console()
+        for path, res in zip(args.plan, results):
+            got = ", ".join(f"{x:.6f}" for x in res.losses)
+            want = ", ".join(f"{x:.6f}" for x in res.reference_losses)
+            console.print(f"{path + ': ' if len(results) > 1 else ''}losses {got} (reference {want})\n"
+                          f"max relative difference: loss {res.loss_rel_diff:.2e}, grads {res.grad_rel_diff:.2e}, "
+                          f"params {res.param_rel_diff:.2e} (tolerance {res.tolerance:.0e}): "
+                          f"{'OK' if res.ok else 'FAILED'}")
+    return EXIT_OK if all(res.ok for res in results) else EXIT_INTERNAL
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -4,9 +4,11 @@ For each case a plan is made for a real cluster preset; then, in this one proces
 of the plan's world size stands in for the cluster (``torch.testing._internal.distributed.fake_pg``), the
 plan is applied to the model in bf16 (the plan's activation precision), and one training iteration runs
 under a dispatch mode that records every collective's kind, bytes and process group.  The collectives
-on the tp group are priced with the same alpha-beta model the planner uses (``autopar.collectives``) and
-compared with the plan's ``tp_comm_s``.  A ratio near 1 says the runtime communicates what the plan
-assumed; far from 1, the runtime (or DTensor's choice inside a ``PlacedParameters`` region) differs.
+on the tp group are sized as the planner sizes them (``autopar.collectives``: an all-gather by its gathered
+output) and compared with the bytes the plan records: its first stage's tp collectives per micro-batch
+times the micro-batches, plus the per-iteration gradient synchronization on tp.  A ratio near 1 says the
+runtime communicates what the plan assumed; far from 1, the runtime (or DTensor's choice inside a
+``PlacedParameters`` region) differs.  The times both come to are reported too.
 
 Rank 0's compute runs for real on the CPU, so the models are small.  Writes
 ``benchmarks/results/runtime_comm.json``.
@@ -27,7 +29,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from autopar.passes.context import PrecisionPolicy
 from rich.console import Console
 from rich.table import Table
 from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -52,21 +53,20 @@ CASES = [
      "tp=8,sp=off"),
 ]
 
-ACTIVATION_BYTES = PrecisionPolicy().activation_bytes
-
 #: Functional collective -> (the planner's collective, whether the tensor argument is the gathered output's
-#: 1/n shard, so that the priced size is n times the argument).
+#: 1/n shard, so that the priced size is n times the argument).  Sizes are the tensors' real bytes: a
+#: collective the runtime runs in fp32 where the plan priced bf16 counts twice.
 KINDS = {"all_reduce": ("all_reduce", False), "all_gather_into_tensor": ("all_gather", True),
          "reduce_scatter_tensor": ("reduce_scatter", False), "all_to_all_single": ("all_to_all", False)}
 
 
 class CommBytes(TorchDispatchMode):
-    """Records each functional collective's name, tensor elements and group name (a plain dispatch mode:
+    """Records each functional collective's name, tensor bytes and group name (a plain dispatch mode:
     ``CommDebugMode``'s module tracking trips over FSDP2's hooks)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.records: list[tuple[str, int, str]] = []  # (collective, elements, group name)
+        self.records: list[tuple[str, int, str]] = []  # (collective, bytes of its tensor, group name)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -76,7 +76,7 @@ class CommBytes(TorchDispatchMode):
         if name in KINDS:
             tensor = next(a for a in tree_leaves(args) if isinstance(a, torch.Tensor))
             group = next(a for a in reversed(args) if isinstance(a, str))
-            self.records.append((name, tensor.numel(), group))
+            self.records.append((name, tensor.numel() * tensor.element_size(), group))
         return out
 
 
@@ -100,19 +100,28 @@ def measure(plan_path: Path) -> dict:
     shape = tuple(plan.layout[a] for a in ("pp", "dp", "tp"))
     tp_link = mesh_links(cluster, shape)[2]
     by_kind: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
-    for name, elements, group in comm.records:
+    for name, nbytes, group in comm.records:
         if group != tp_group:
             continue
         kind, sharded = KINDS[name]
-        size = elements * ACTIVATION_BYTES * (plan.layout["tp"] if sharded else 1)
+        size = nbytes * (plan.layout["tp"] if sharded else 1)
         row = by_kind[kind]
         row[0] += 1
         row[1] += size
         row[2] += collective_s(kind, size, tp_link)
+    m = plan.schedule["num_microbatches"]
+    stage = plan.stages[0]
+    planned = {kind: m * nbytes for kind, nbytes in stage["estimated_tp_bytes_per_microbatch"].items()}
+    for kind, nbytes in stage["estimated_tp_sync_bytes_per_iteration"].items():
+        planned[kind] = planned.get(kind, 0.0) + nbytes
+    runtime_bytes = sum(r[1] for r in by_kind.values())
+    planned_bytes = sum(planned.values())
     runtime_s = sum(r[2] for r in by_kind.values())
     planned_s = plan.estimate["breakdown"]["tp_comm_s"]
-    return {"layout": plan.layout, "planned_tp_comm_s": planned_s, "runtime_tp_comm_s": runtime_s,
-            "ratio": runtime_s / planned_s if planned_s else None,
+    return {"layout": plan.layout, "num_microbatches": m, "planned_tp_bytes": planned_bytes,
+            "runtime_tp_bytes": runtime_bytes, "ratio": runtime_bytes / planned_bytes if planned_bytes else None,
+            "planned_tp_comm_s": planned_s, "runtime_tp_comm_s": runtime_s,
+            "planned": dict(sorted(planned.items())),
             "collectives": {k: {"count": c, "bytes": b, "priced_s": s} for k, (c, b, s) in sorted(by_kind.items())}}
 
 
@@ -126,13 +135,14 @@ def main() -> None:
             with contextlib.redirect_stdout(io.StringIO()):  # the plan summary: not what this reports
                 assert cli(argv) == 0, name
             rows.append({"case": name, "fix": fix, **measure(Path(tmp) / "plan.json")})
-    table = Table(title="tp communication per iteration: what the runtime issues vs what the plan priced")
-    for col in ("case", "planned", "runtime", "ratio", "collectives (count, MiB)"):
+    table = Table(title="tp communication per iteration: bytes the runtime moves vs bytes the plan priced")
+    for col in ("case", "planned MiB", "runtime MiB", "ratio", "runtime (count x MiB)", "planned (MiB)"):
         table.add_column(col)
     for r in rows:
         parts = ", ".join(f"{k} {v['count']}x {v['bytes'] / 2**20:.1f}" for k, v in r["collectives"].items())
-        table.add_row(r["case"], f"{r['planned_tp_comm_s'] * 1e3:.2f} ms", f"{r['runtime_tp_comm_s'] * 1e3:.2f} ms",
-                      f"{r['ratio']:.2f}" if r["ratio"] else "-", parts)
+        planned = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in r["planned"].items())
+        table.add_row(r["case"], f"{r['planned_tp_bytes'] / 2**20:.1f}", f"{r['runtime_tp_bytes'] / 2**20:.1f}",
+                      f"{r['ratio']:.2f}" if r["ratio"] else "-", parts, planned)
     Console().print(table)
     out = ROOT / "benchmarks" / "results" / "runtime_comm.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+from pathlib import Path
 
 import pytest
 
 from autopar.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
 
 SMALL = ["gpt", "--config", "layers=2,hidden=64,heads=4,vocab=128,seq_len=32", "--cluster", "cpu",
          "--global-batch", "8"]
@@ -17,20 +22,6 @@ def _plan(tmp_path, fix: str) -> str:
     return str(tmp_path / "plan.json")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(("fix", "held"), [("dp=4,zero=0", "R"), ("dp=4,zero=3", "S(0)")])
-def test_verify_data_parallel_plans(tmp_path, capsys, fix, held):
-    plan = _plan(tmp_path, fix)
-    capsys.readouterr()
-    code = main(["verify", plan, "--steps", "3", "--json"])
-    out = json.loads(capsys.readouterr().out)
-    assert code == 0, out
-    # ZeRO 0 runs as FSDP2's replicate (whole weights), ZeRO 3 as fully_shard (dim-0 shards)
-    assert out["ok"] and out["placements"]["blocks.0.mlp.fc.weight"] == {"dp": held}
-    assert max(out["loss_rel_diff"], out["grad_rel_diff"], out["param_rel_diff"]) <= 1e-4
-    assert len(out["losses"]) == 3
-
-
 def _tp_as_planned(plan: dict, out: dict) -> bool:
     """Whether the run held every parameter the plan shards on tp with the plan's placement."""
     sharded = {k: v["placements"]["tp"] for k, v in plan["parameters"].items() if v["placements"]["tp"] != "R"}
@@ -38,29 +29,88 @@ def _tp_as_planned(plan: dict, out: dict) -> bool:
 
 
 WIDE = ["--config", "layers=2,hidden=512,heads=8,vocab=256,seq_len=16", "--cluster", "cpu"]
+DEEP = ["--config", "layers=4,hidden=256,heads=8,vocab=256,seq_len=16", "--cluster", "cpu"]
+EIGHT = ["--config", "layers=8,hidden=128,heads=4,vocab=256,seq_len=16", "--cluster", "cpu"]
+MOE = ["--config", "layers=2,hidden=128,heads=4,vocab=256,seq_len=16,experts=4", "--cluster", "cpu"]
+HF_LLAMA = ["--config", "layers=2,hidden=256,heads=8,ffn=512,vocab=256,seq_len=16", "--cluster", "cpu"]
+EXAMPLES = ROOT / "examples"
+
+#: Every plan the verify tests check: (model, planning options, global batch, --fix or None for a free search).
+#: They run in one launch of 4 CPU ranks (``autopar verify`` with several plans): starting torch on every
+#: rank costs more than training one of them.
+VERIFIED = {
+    "dp4-zero0": ("gpt", SMALL[1:5], 8, "dp=4,zero=0"),
+    "dp4-zero3": ("gpt", SMALL[1:5], 8, "dp=4,zero=3"),
+    "megatron-tp4": ("gpt", WIDE, 4, "tp=4,sp=off"),
+    "dp2-tp2-fsdp": ("gpt", WIDE, 8, "dp=2,tp=2,sp=on,zero=3"),
+    "hf-llama-dp2-tp2": (str(EXAMPLES / "hf_llama.py"), HF_LLAMA, 8, "dp=2,tp=2,sp=on"),
+    "batch-on-tp": ("gpt", SMALL[1:5], 8, "tp=4,sp=off"),
+    "pp2xtp2-1f1b": ("gpt", DEEP, 8, "pp=2,tp=2,sp=off,schedule=1f1b"),
+    "pp2xdp2-selective": ("gpt", DEEP, 8, "pp=2,dp=2,schedule=1f1b,recompute=selective,zero=0"),
+    "pp4-gpipe": ("gpt", EIGHT, 8, "pp=4,schedule=gpipe"),
+    "pp4-interleaved-v2": ("gpt", EIGHT, 8, "pp=4,schedule=interleaved,v=2"),
+    # GQA attention split on its KV heads, under FSDP and full recomputation
+    "gqa-fsdp-full-recompute": ("llama", ["--config", "layers=4,hidden=512,heads=8,kv_heads=4,vocab=256,seq_len=32",
+                                          "--cluster", "cpu"], 8, "dp=2,tp=2,sp=off,zero=3,recompute=full"),
+    # HF keeps its layers in a ModuleList and its forward needs the embedding: the stages get their own
+    "hf-llama-pp2-tp2": (str(EXAMPLES / "hf_llama.py"), ["--config", "layers=2,hidden=512,heads=8,ffn=1024,vocab=256,"
+                                                         "seq_len=16", "--cluster", "cpu"], 8,
+                         "pp=2,tp=2,sp=off,schedule=1f1b"),
+    "moe-sp-off": ("moe", MOE, 8, "dp=2,tp=2,sp=off"),
+    "moe-sp-on": ("moe", MOE, 8, "dp=2,tp=2,sp=on"),
+    "hf-gpt2-tied-pipeline": (str(EXAMPLES / "hf_gpt2.py"), ["--config", "layers=2,hidden=64,heads=4,vocab=128,"
+                                                             "seq_len=16", "--cluster", "cpu"], 8,
+                              "pp=2,dp=2,schedule=gpipe,zero=0"),
+    "free-search": ("gpt", DEEP, 8, None),
+}
 
 
-def _verify(tmp_path, capsys, model: str, config: list[str], fix: str, batch: int = 8) -> tuple[dict, dict]:
-    """Plan with ``--fix``, verify it; returns the plan and what verify reported."""
-    assert main(["plan", model, *config, "--global-batch", str(batch), "--fix", fix, "-o", str(tmp_path)]) == 0
-    capsys.readouterr()
-    code = main(["verify", str(tmp_path / "plan.json"), "--json"])
-    out = json.loads(capsys.readouterr().out)
-    assert code == 0 and out["ok"], out
-    return json.loads((tmp_path / "plan.json").read_text()), out
+@pytest.fixture(scope="module")
+def verified(tmp_path_factory) -> dict[str, tuple[dict, dict, Path]]:
+    """Plan every case of ``VERIFIED`` and verify them all with one ``autopar verify`` call:
+    name -> (the plan, what verify reported for it, the plan's folder)."""
+    folders = {}
+    with contextlib.redirect_stdout(io.StringIO()):
+        for name, (model, options, batch, fix) in VERIFIED.items():
+            folders[name] = tmp_path_factory.mktemp(name)
+            argv = ["plan", model, *options, "--global-batch", str(batch), "-o", str(folders[name])]
+            assert main(argv + (["--fix", fix] if fix else [])) == 0, name
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        code = main(["verify", *(str(f / "plan.json") for f in folders.values()), "--json"])
+    reports = json.loads(stdout.getvalue())
+    assert code in (0, 1) and len(reports) == len(VERIFIED), stdout.getvalue()[-2000:]
+    return {name: (json.loads((folders[name] / "plan.json").read_text()), report, folders[name])
+            for name, report in zip(folders, reports)}
+
+
+def _verified(verified, name: str) -> tuple[dict, dict]:
+    plan, out, _ = verified[name]
+    assert out["ok"], out
+    return plan, out
 
 
 @pytest.mark.slow
-def test_verify_megatron_tp4(tmp_path, capsys):
-    plan, out = _verify(tmp_path, capsys, "gpt", WIDE, "tp=4,sp=off", batch=4)
+@pytest.mark.parametrize(("name", "held"), [("dp4-zero0", "R"), ("dp4-zero3", "S(0)")])
+def test_verify_data_parallel_plans(verified, name, held):
+    _, out = _verified(verified, name)
+    # ZeRO 0 runs as FSDP2's replicate (whole weights), ZeRO 3 as fully_shard (dim-0 shards)
+    assert out["placements"]["blocks.0.mlp.fc.weight"] == {"dp": held}
+    assert max(out["loss_rel_diff"], out["grad_rel_diff"], out["param_rel_diff"]) <= 1e-4
+    assert len(out["losses"]) == 3
+
+
+@pytest.mark.slow
+def test_verify_megatron_tp4(verified):
+    plan, out = _verified(verified, "megatron-tp4")
     place = {k: v["placements"]["tp"] for k, v in plan["parameters"].items()}
     assert place["blocks.0.mlp.fc.weight"] == "S(0)" and place["blocks.0.mlp.proj.weight"] == "S(1)"
     assert out["placements"]["blocks.0.mlp.proj.weight"] == {"tp": "S(1)"} and _tp_as_planned(plan, out)
 
 
 @pytest.mark.slow
-def test_verify_dp2_tp2_fsdp(tmp_path, capsys):
-    plan, out = _verify(tmp_path, capsys, "gpt", WIDE, "dp=2,tp=2,sp=on,zero=3")
+def test_verify_dp2_tp2_fsdp(verified):
+    plan, out = _verified(verified, "dp2-tp2-fsdp")
     assert plan["parameters"]["blocks.0.attn.q.weight"]["placements"] == {"dp": "S(0)", "tp": "S(0)"}
     assert out["placements"]["blocks.0.attn.o.weight"] == {"dp": "S(0)", "tp": "S(1)"} and _tp_as_planned(plan, out)
     # sequence parallel: the norms' parameters are replicated DTensors on tp (their gradients summed there)
@@ -68,82 +118,63 @@ def test_verify_dp2_tp2_fsdp(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_verify_huggingface_llama_dp2_tp2(tmp_path, capsys, examples):
-    cfg = ["--config", "layers=2,hidden=256,heads=8,ffn=512,vocab=256,seq_len=16", "--cluster", "cpu"]
-    plan, out = _verify(tmp_path, capsys, str(examples / "hf_llama.py"), cfg, "dp=2,tp=2,sp=on")
+def test_verify_huggingface_llama_dp2_tp2(verified):
+    plan, out = _verified(verified, "hf-llama-dp2-tp2")
     assert out["placements"]["model.layers.1.mlp.down_proj.weight"]["tp"] == "S(1)" and _tp_as_planned(plan, out)
     assert out["placements"]["model.layers.1.input_layernorm.weight"]["tp"] == "R"  # sequence-parallel norm
 
 
 @pytest.mark.slow
-def test_verify_batch_on_the_tp_axis(tmp_path, capsys):
+def test_verify_batch_on_the_tp_axis(verified):
     # a model this small makes the ILP shard the batch on tp; the runtime runs that axis as data parallel
-    plan, _ = _verify(tmp_path, capsys, "gpt", SMALL[1:5], "tp=4,sp=off")
+    plan, _ = _verified(verified, "batch-on-tp")
     assert all(p["placements"]["tp"] == "R" for p in plan["parameters"].values())
 
 
-DEEP = ["--config", "layers=4,hidden=256,heads=8,vocab=256,seq_len=16", "--cluster", "cpu"]
-EIGHT = ["--config", "layers=8,hidden=128,heads=4,vocab=256,seq_len=16", "--cluster", "cpu"]
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize(("config", "fix"), [
-    (DEEP, "pp=2,tp=2,sp=off,schedule=1f1b"),
-    (DEEP, "pp=2,dp=2,schedule=1f1b,recompute=selective,zero=0"),
-    (EIGHT, "pp=4,schedule=gpipe"),
-    (EIGHT, "pp=4,schedule=interleaved,v=2"),
-], ids=["pp2xtp2-1f1b", "pp2xdp2-selective", "pp4-gpipe", "pp4-interleaved-v2"])
-def test_verify_pipeline_plans(tmp_path, capsys, config, fix):
-    plan, _ = _verify(tmp_path, capsys, "gpt", config, fix)
+@pytest.mark.parametrize("name", ["pp2xtp2-1f1b", "pp2xdp2-selective", "pp4-gpipe", "pp4-interleaved-v2"])
+def test_verify_pipeline_plans(verified, name):
+    plan, _ = _verified(verified, name)
     assert plan["layout"]["pp"] in (2, 4) and len(plan["stages"]) == plan["layout"]["pp"]
 
 
 @pytest.mark.slow
-def test_verify_half_megatron_gqa_attention_with_fsdp_and_full_recompute(tmp_path, capsys):
-    # GQA with fewer KV heads than the ILP cares to split: q sharded on heads, k and v kept whole, so the
-    # attention runs as one DTensor region (PlacedParameters) next to a Megatron feed-forward
-    cfg = ["--config", "layers=4,hidden=512,heads=8,kv_heads=4,vocab=256,seq_len=32", "--cluster", "cpu"]
-    plan, out = _verify(tmp_path, capsys, "llama", cfg, "dp=2,tp=2,sp=off,zero=3,recompute=full")
-    assert plan["parameters"]["blocks.0.attn.k.weight"]["placements"]["tp"] == "R"
-    assert "'blocks.0.attn': PlacedParameters(" in (tmp_path / "train.py").read_text()
-    assert _tp_as_planned(plan, out)
+def test_verify_gqa_attention_with_fsdp_and_full_recompute(verified):
+    plan, out = _verified(verified, "gqa-fsdp-full-recompute")
+    assert plan["parameters"]["blocks.0.attn.k.weight"]["placements"]["tp"] == "S(0)"
+    assert out["placements"]["blocks.0.attn.k.weight"] == {"dp": "S(0)", "tp": "S(0)"} and _tp_as_planned(plan, out)
 
 
 @pytest.mark.slow
-def test_verify_huggingface_llama_pp2_tp2(tmp_path, capsys, examples):
-    # HF keeps its layers in a ModuleList and its forward needs the embedding: the stages get their own
-    cfg = ["--config", "layers=2,hidden=512,heads=8,ffn=1024,vocab=256,seq_len=16", "--cluster", "cpu"]
-    plan, out = _verify(tmp_path, capsys, str(examples / "hf_llama.py"), cfg, "pp=2,tp=2,sp=off,schedule=1f1b")
+def test_verify_huggingface_llama_pp2_tp2(verified):
+    plan, out = _verified(verified, "hf-llama-pp2-tp2")
     assert [s["layers"] for s in plan["stages"]] == [[0, 1], [1, 2]]
     assert plan["parameters"]["model.layers.1.mlp.down_proj.weight"]["placements"]["tp"] == "S(1)"
     assert out["placements"]["model.layers.1.mlp.down_proj.weight"] == {"tp": "S(1)"}
     assert out["placements"]["lm_head.weight"] == {"tp": "S(0)"} and _tp_as_planned(plan, out)
 
 
-MOE = ["--config", "layers=2,hidden=128,heads=4,vocab=256,seq_len=16,experts=4", "--cluster", "cpu"]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("sp", ["off", "on"])
-def test_verify_moe_dp2_tp2_with_experts_sharded_on_tp(tmp_path, capsys, sp):
-    assert main(["plan", "moe", *MOE, "--global-batch", "8", "--fix", f"dp=2,tp=2,sp={sp}", "-o", str(tmp_path)]) == 0
-    plan = json.loads((tmp_path / "plan.json").read_text())
+def test_verify_moe_dp2_tp2_with_experts_sharded_on_tp(verified, sp):
+    plan, out = _verified(verified, f"moe-sp-{sp}")
     # the ILP shards the stacked experts on tp (expert parallelism): no parallelize_module style says that
     assert plan["parameters"]["blocks.0.mlp.w_in"]["placements"]["tp"] == "S(0)"
-    assert "PlacedParameters(placements={'w_in': Shard(0), 'w_out': Shard(0)}" in (tmp_path / "train.py").read_text()
-    capsys.readouterr()
-    code = main(["verify", str(tmp_path / "plan.json"), "--json"])
-    out = json.loads(capsys.readouterr().out)
-    assert code == 0 and out["ok"], out
+    script = (verified[f"moe-sp-{sp}"][2] / "train.py").read_text()
+    assert "PlacedParameters(placements={'w_in': Shard(0), 'w_out': Shard(0)}" in script
     assert out["placements"]["blocks.1.mlp.w_out"]["tp"] == "S(0)"  # the run held experts sharded
     assert out["placements"]["blocks.1.mlp.router.weight"]["tp"] == "R" and _tp_as_planned(plan, out)
 
 
 @pytest.mark.slow
-def test_verify_huggingface_gpt2_pipeline_with_tied_head(tmp_path, capsys, examples):
-    cfg = ["--config", "layers=2,hidden=64,heads=4,vocab=128,seq_len=16", "--cluster", "cpu"]
-    plan, _ = _verify(tmp_path, capsys, str(examples / "hf_gpt2.py"), cfg, "pp=2,dp=2,schedule=gpipe,zero=0")
+def test_verify_huggingface_gpt2_pipeline_with_tied_head(verified):
+    plan, _ = _verified(verified, "hf-gpt2-tied-pipeline")
     assert plan["parameters"]["transformer.wte.weight"]["aliases"] == ["lm_head.weight"]  # one copy per end
+
+
+@pytest.mark.slow
+def test_verify_a_plan_from_the_unconstrained_search(verified):
+    _verified(verified, "free-search")
 
 
 def test_unsupported_pipeline_split_is_refused_before_launch(tmp_path, capsys, fixtures):
@@ -282,15 +313,6 @@ def test_generated_script_runs_the_plan(tmp_path, capsys, examples, model, confi
     assert losses == pytest.approx(ref_losses, rel=1e-5)
 
 
-@pytest.mark.slow
-def test_verify_a_plan_from_the_unconstrained_search(tmp_path, capsys):
-    assert main(["plan", "gpt", *DEEP, "--global-batch", "8", "-o", str(tmp_path)]) == 0
-    capsys.readouterr()
-    code = main(["verify", str(tmp_path / "plan.json"), "--json"])
-    out = json.loads(capsys.readouterr().out)
-    assert code == 0 and out["ok"], out
-
-
 #: Small zoo models whose whole search space on 4 CPU ranks the property test draws from.
 DRAWN = [("gpt", "layers=4,hidden=64,heads=4,vocab=128,seq_len=16"),
          ("llama", "layers=4,hidden=64,heads=4,kv_heads=2,ffn=128,vocab=128,seq_len=16"),
@@ -323,11 +345,15 @@ def _drawn_layouts(count: int, seed: int) -> list[tuple[str, str, str]]:
 @pytest.mark.slow
 def test_layouts_drawn_from_the_search_space_run(tmp_path, capsys):
     """The search emits only layouts the runtime runs: six drawn with a fixed seed pass ``autopar verify``."""
-    for i, (model, config, fix) in enumerate(_drawn_layouts(6, seed=0)):
+    drawn = _drawn_layouts(6, seed=0)
+    for i, (model, config, fix) in enumerate(drawn):
         out = tmp_path / str(i)
         assert main(["plan", model, "--config", config, "--cluster", "cpu", "--gpus", "4", "--global-batch", "8",
                      "--fix", fix, "-o", str(out)]) == 0, fix
-        capsys.readouterr()
-        code = main(["verify", str(out / "plan.json"), "--steps", "1", "--json"])
-        result = json.loads(capsys.readouterr().out or "{}")
-        assert code == 0 and result.get("ok"), (model, fix, result)
+    capsys.readouterr()
+    code = main(["verify", *(str(tmp_path / str(i) / "plan.json") for i in range(len(drawn))), "--steps", "1",
+                 "--json"])
+    results = json.loads(capsys.readouterr().out or "[]")
+    assert len(results) == len(drawn), (code, results)
+    failed = [(model, fix, r) for (model, _, fix), r in zip(drawn, results) if not r["ok"]]
+    assert code == 0 and not failed, failed

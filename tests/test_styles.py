@@ -45,8 +45,10 @@ def test_sequence_parallel_splits_the_stream_between_the_pairs(tmp_path):
                                                        "desired_output_layouts": "Replicate()"})
     assert "blocks.1" not in specs
     assert specs["blocks.1.attn.o"] == ("RowwiseParallel", {"output_layouts": "Shard(1)"})
+    # the pair's input enters as one DTensor: its Linears share the gather, and their gradients one scatter
     assert specs["blocks.1.mlp"] == ("PrepareActivation", {"input_layouts": "Shard(1)",
-                                                           "desired_input_layouts": "Replicate()"})
+                                                           "desired_input_layouts": "Replicate()",
+                                                           "use_local_output": "False"})
     assert specs["blocks.1.ln1"] == ("SequenceParallel", {"use_local_output": "True"})
     assert "ln_f" not in specs  # outside the stack the activations are whole again
     built = make_style(specs["blocks.1.mlp.proj"])
@@ -54,6 +56,14 @@ def test_sequence_parallel_splits_the_stream_between_the_pairs(tmp_path):
     assert isinstance(make_style(specs["blocks.1.ln2"]), SequenceParallel)
     entry = make_style(specs["blocks.0"])
     assert isinstance(entry, PrepareActivation) and entry.desired_input_layouts == Shard(1)
+
+
+def test_megatron_pairs_share_their_input_without_sequence_parallelism(tmp_path):
+    _, specs = _specs(tmp_path, "gpt", WIDE, "tp=4,sp=off")
+    shared = ("PrepareActivation", {"input_layouts": "Replicate()", "desired_input_layouts": "Replicate()",
+                                    "use_local_output": "False"})
+    assert specs["blocks.1.attn"] == shared and specs["blocks.1.mlp"] == shared  # q, k, v: one all-reduce
+    assert specs["blocks.1.attn.q"] == ("ColwiseParallel", {}) and "blocks.1" not in specs
 
 
 def test_a_single_block_stage_enters_and_leaves_the_split_stream(tmp_path):
@@ -131,13 +141,12 @@ def test_sequence_parallel_refuses_to_slice_a_replicated_attention(tmp_path):
         check_runnable(mixed, model_on_meta(mixed))
 
 
-def test_a_half_megatron_attention_runs_as_one_dtensor_region(tmp_path):
-    # GQA: the ILP shards q on heads but keeps the small k and v whole (batch-split)
+def test_gqa_attention_splits_its_kv_heads_with_the_batch_whole_on_tp(tmp_path):
+    # torch's tp groups take the micro-batch whole (Framework.tp_splits_batch), so the ILP cannot keep the
+    # small k and v whole and split their batch: they are split on their KV heads, a clean Megatron pair
     cfg = ["--config", "layers=4,hidden=512,heads=8,kv_heads=4,vocab=256,seq_len=32", "--cluster", "cpu",
            "--global-batch", "8"]
     plan, specs = _specs(tmp_path, "llama", cfg, "tp=2,sp=off")
-    assert plan.parameters["blocks.0.attn.k.weight"]["placements"]["tp"] == "R"
-    placed = "{'o.weight': Shard(1), 'q.weight': Shard(0)}"
-    assert specs["blocks.0.attn"] == ("PlacedParameters", {"placements": placed})
-    assert not any(name.startswith("blocks.0.attn.") for name in specs)
-    assert specs["blocks.0.ffn.down"] == ("RowwiseParallel", {})  # the clean pair next to it keeps its styles
+    assert plan.parameters["blocks.0.attn.k.weight"]["placements"]["tp"] == "S(0)"
+    assert specs["blocks.0.attn.k"] == ("ColwiseParallel", {}) and specs["blocks.0.attn.o"] == ("RowwiseParallel", {})
+    assert specs["blocks.0.ffn.down"] == ("RowwiseParallel", {})

@@ -64,6 +64,8 @@ class StageEstimate:
     time_s: float  # per micro-batch, p2p included
     memory_bytes: float
     state_bytes: float  # parameters, gradients and optimizer state between steps (``PassContext.state_bytes``)
+    tp_bytes: dict[str, float]  # collective kind -> bytes of the tp collectives of one micro-batch (``tp_bytes``)
+    tp_sync_bytes: dict[str, float]  # the same for the once-per-iteration gradient synchronization on tp
 
 
 @dataclass(frozen=True, slots=True)
@@ -284,7 +286,9 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
         layer_idx = [i - 1 for i in range(a, b) if 0 < i < len(keys) - 1]
         layers = (layer_idx[0], layer_idx[-1] + 1) if layer_idx else (0, 0)
         state = ctx.state_bytes(local, layout.dp, layout.zero) - tie_state
-        stages.append(StageEstimate(k, (a, b), layers, t, split.stage_memory_bytes[k] - tie_bytes, state))
+        stages.append(StageEstimate(k, (a, b), layers, t, split.stage_memory_bytes[k] - tie_bytes, state,
+                                    tp_bytes(costs, keys[a:b], layout), _summed(costs[key].tp_sync_bytes
+                                                                                for key in keys[a:b])))
     bottleneck = max(range(p), key=lambda k: stage_times[k])
     bn = per_stage[bottleneck]
     accumulation_s = max(s["accumulate"] for s in per_stage)
@@ -312,6 +316,26 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
         tflops_per_gpu=model_flops / iteration / n / 1e12, mfu=model_flops / iteration / n / cluster.peak_flops,
         hfu=hw_flops / iteration / n / cluster.peak_flops, peak_memory_bytes=peak,
         fits=fits and peak <= memory_budget_bytes, breakdown=breakdown, stages=tuple(stages), framework=fw.name)
+
+
+def _summed(parts) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for part in parts:
+        for kind, nbytes in part.items():
+            out[kind] = out.get(kind, 0.0) + nbytes
+    return out
+
+
+def tp_bytes(costs: dict[str, UnitCost], keys: list[str], layout: Layout) -> dict[str, float]:
+    """Bytes the tensor-parallel collectives of one micro-batch move through the units ``keys``, by
+    collective kind and sized as ``autopar.collectives`` prices them (all-gather: the gathered tensor;
+    reduce-scatter: its input; all-reduce: the tensor; all-to-all: one rank's buffer).  Forward and
+    backward, and the forward again for layers under full recomputation."""
+    def unit(key: str) -> list[dict[str, float]]:
+        u = costs[key]
+        again = layout.recompute == "full" and key not in (PRE, POST)
+        return [u.tp_fwd_bytes, u.tp_bwd_bytes, *([u.tp_fwd_bytes] if again else [])]
+    return _summed(part for key in keys for part in unit(key))
 
 
 def _grad_accumulation_s(local_params: float, layout: Layout, cluster: Cluster, ctx: PassContext) -> float:

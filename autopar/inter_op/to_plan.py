@@ -94,6 +94,8 @@ def build_plan(*, graph: OpGraph, model_ref: str, config: dict[str, Any], cluste
             "micro_batch": lay.mbs, "recompute": lay.recompute,
             "estimated_time_per_microbatch_s": s.time_s, "estimated_memory_bytes": s.memory_bytes,
             "estimated_state_bytes": s.state_bytes,
+            "estimated_tp_bytes_per_microbatch": dict(sorted(s.tp_bytes.items())),
+            "estimated_tp_sync_bytes_per_iteration": dict(sorted(s.tp_sync_bytes.items())),
         })
     first_of_type = {}
     for layer in graph.layers:

@@ -12,6 +12,7 @@ recomputation drops).  Data parallelism is applied analytically on top (``autopa
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from autopar.cluster import Cluster, MeshSpec
@@ -20,8 +21,10 @@ from autopar.intra_op.sharding_costs import (
     ATTENTION_OPS,
     PRODUCT_OPS,
     compute_s,
-    edge_costs_s,
+    grad_placements,
     param_cost,
+    redistribute_collectives,
+    redistribute_s,
     saved_bytes,
     shard_factor,
 )
@@ -46,6 +49,9 @@ class UnitCost:
     tp_fwd_s: float
     tp_bwd_s: float
     tp_sync_s: float  # per iteration: gradients of parameters replicated on tp but computed split (SP norms)
+    tp_fwd_bytes: dict[str, float]  # collective kind -> bytes of the forward's tp collectives (sized as priced)
+    tp_bwd_bytes: dict[str, float]  # the same for the backward
+    tp_sync_bytes: dict[str, float]  # the same for the per-iteration gradient synchronization on tp
     param_local: dict[str, float]  # FQN -> elements one device holds (after tensor parallelism)
     activation_bytes: float  # saved for backward, per micro-batch
     input_bytes: float  # the unit's input activation on one device (pipeline send, full-recompute checkpoint)
@@ -114,7 +120,8 @@ def solve_tp(graph: OpGraph, cluster: Cluster, ctx: PassContext, tp: int, mbs: i
     ops = [n.name for n in graph.ops()]
     if tp == 1:
         return mesh, _replicated(graph, ops, 1), None
-    cfg = IntraOpConfig(batch=mbs, sequence_parallel=sp, backend=backend, time_limit_s=time_limit_s,
+    cfg = IntraOpConfig(batch=mbs, sequence_parallel=sp, split_batch_on_tp=ctx.framework.tp_splits_batch,
+                        backend=backend, time_limit_s=time_limit_s,
                         grad_sync_weight=grad_sync_weight, memory_slack=memory_slack)
     sol = solve_intra_op(graph, ops, mesh, cfg, cluster, ctx)
     if not sol.node_strategies:
@@ -126,9 +133,45 @@ def unit_costs(graph: OpGraph, strategies: dict[str, Strategy], mesh: MeshSpec, 
                ctx: PassContext) -> dict[str, UnitCost]:
     """Read per-unit costs off the chosen strategies."""
     out = {}
-    for key, names in _unit_nodes(graph).items():
+    units = _unit_nodes(graph)
+    for key, names in units.items():
         out[key] = _unit_cost(graph, names, strategies, mesh, mbs, cluster, ctx)
+    if graph.layers and sum(layer.structural_hash == graph.layers[0].structural_hash for layer in graph.layers) > 1:
+        out[PRE] = _with_first_layer_input(out[PRE], graph, set(units[PRE]), strategies, mesh, mbs, ctx)
     return out
+
+
+def _with_first_layer_input(pre: UnitCost, graph: OpGraph, pre_nodes: set[str], strategies: dict[str, Strategy],
+                            mesh: MeshSpec, mbs: int, ctx: PassContext) -> UnitCost:
+    """``pre`` plus the resharding of what it hands the first layer (the embedding's output gathered for
+    the first norm, say).  A layer type is costed off its second instance, whose input comes from a layer,
+    so that edge is priced nowhere else."""
+    first = graph.layers[0].index
+    fwd_s = bwd_s = 0.0
+    fwd_b: dict[str, float] = dict(pre.tp_fwd_bytes)
+    bwd_b: dict[str, float] = dict(pre.tp_bwd_bytes)
+    reshards: set[tuple] = set()
+    for n in graph.ops():
+        if n.layer != first or n.name not in strategies:
+            continue
+        strat = strategies[n.name]
+        for k, r in enumerate(tensor_refs(n)):
+            if r.name not in pre_nodes or r.name not in strategies:
+                continue
+            t = graph.tensor(r)
+            produced = tuple(ax.outputs[r.index] if r.index < len(ax.outputs) else R for ax in strategies[r.name])
+            required = tuple(ax.inputs[k] for ax in strat)
+            if (r, produced, required) not in reshards:
+                reshards.add((r, produced, required))
+                fwd_s += redistribute_s(t, produced, required, mesh, mbs, ctx)
+                _add_bytes(fwd_b, redistribute_collectives(t, produced, required, mesh, mbs, ctx))
+            grads = grad_placements(produced, required, strat)
+            if t.requires_grad and t.is_floating and (r, *grads) not in reshards:
+                reshards.add((r, *grads))
+                bwd_s += redistribute_s(t, *grads, mesh, mbs, ctx)
+                _add_bytes(bwd_b, redistribute_collectives(t, *grads, mesh, mbs, ctx))
+    return dataclasses.replace(pre, tp_fwd_s=pre.tp_fwd_s + fwd_s, tp_bwd_s=pre.tp_bwd_s + bwd_s,
+                               tp_fwd_bytes=fwd_b, tp_bwd_bytes=bwd_b)
 
 
 #: Under bf16 autocast the loss runs in fp32 (``log_softmax`` is on autocast's fp32 list): beyond the fp32
@@ -178,6 +221,11 @@ def _attention_module_nodes(graph: OpGraph, names: list[str]) -> list[str]:
     return out
 
 
+def _add_bytes(into: dict[str, float], collectives: tuple[tuple[int, str, float], ...]) -> None:
+    for _, kind, nbytes in collectives:
+        into[kind] = into.get(kind, 0.0) + nbytes
+
+
 def _unit_cost(graph: OpGraph, names: list[str], strategies: dict[str, Strategy], mesh: MeshSpec, mbs: int,
                cluster: Cluster, ctx: PassContext) -> UnitCost:
     members = set(names)
@@ -192,6 +240,8 @@ def _unit_cost(graph: OpGraph, names: list[str], strategies: dict[str, Strategy]
     op_recompute = op_saved = op_recompute_flops = transient = 0.0
     modules: dict[str, float] = {}
     fwd = bwd = tp_fwd = tp_bwd = tp_sync = attn_s = attn_bytes = 0.0
+    tp_bytes: tuple[dict[str, float], dict[str, float], dict[str, float]] = ({}, {}, {})  # fwd, bwd, sync
+    reshards: set[tuple] = set()
     act = 0.0
     input_bytes = 0.0
     params: dict[str, float] = {}
@@ -235,6 +285,7 @@ def _unit_cost(graph: OpGraph, names: list[str], strategies: dict[str, Strategy]
             if src.kind == "param":
                 pc = param_cost(src.out, required, strat, mesh, 0, ctx)
                 tp_sync += pc.per_iteration_s
+                _add_bytes(tp_bytes[2], pc.sync)
                 if src.target not in params:
                     params[src.target] = src.out.numel_at(1) / shard_factor(required, mesh)
                     owner = src.target.rsplit(".", 1)[0] if "." in src.target else ""
@@ -244,8 +295,17 @@ def _unit_cost(graph: OpGraph, names: list[str], strategies: dict[str, Strategy]
                 continue
             t = graph.tensor(r)
             produced = tuple(ax.outputs[r.index] if r.index < len(ax.outputs) else R for ax in strategies[r.name])
-            ef, eb = edge_costs_s(t, produced, required, strat, mesh, mbs, ctx)
-            tp_fwd, tp_bwd = tp_fwd + ef, tp_bwd + eb
+            # A tensor resharded the same way for several consumers (q, k and v reading one norm output) is
+            # resharded once, and the gradients they send back are summed before one resharding.
+            if (r, produced, required) not in reshards:
+                reshards.add((r, produced, required))
+                tp_fwd += redistribute_s(t, produced, required, mesh, mbs, ctx)
+                _add_bytes(tp_bytes[0], redistribute_collectives(t, produced, required, mesh, mbs, ctx))
+            grads = grad_placements(produced, required, strat)
+            if t.requires_grad and t.is_floating and (r, *grads) not in reshards:
+                reshards.add((r, *grads))
+                tp_bwd += redistribute_s(t, *grads, mesh, mbs, ctx)
+                _add_bytes(tp_bytes[1], redistribute_collectives(t, *grads, mesh, mbs, ctx))
             if produced_of is not None:
                 produced_of.setdefault(storage_key(graph, r), produced)
             if r.name not in members and graph[r.name].kind == "op" and t.is_floating:
@@ -260,7 +320,7 @@ def _unit_cost(graph: OpGraph, names: list[str], strategies: dict[str, Strategy]
                     attn_bytes += b_
                 if name in attn_members and t.key.split(":", 1)[0] in attn_members:
                     attn_module_bytes += b_  # made inside the module: freed when it is checkpointed
-    return UnitCost(fwd, bwd, tp_fwd, tp_bwd, tp_sync, params, act,
+    return UnitCost(fwd, bwd, tp_fwd, tp_bwd, tp_sync, *tp_bytes, params, act,
                     input_bytes, attn_s, attn_bytes, fwd_flops, attn_flops,
                     attention_module_recompute_s=attn_module_s, attention_module_saved_bytes=attn_module_bytes,
                     attention_module_recompute_flops=attn_module_flops,

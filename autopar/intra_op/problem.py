@@ -60,6 +60,8 @@ class IntraOpConfig:
     (``0.0`` asks for the fastest of the leanest layouts)."""
     sequence_parallel: bool = True
     """Allow sharding activations along the sequence dimension on the ``tp`` axis."""
+    split_batch_on_tp: bool = True
+    """Allow sharding activations along the batch dimension on the ``tp`` axis."""
     backend: Backend = "cbc"
     time_limit_s: float = 60.0
 
@@ -157,6 +159,19 @@ def _is_sequence_sharded(graph: OpGraph, node: Node, strategy: Strategy, tp: int
     return False
 
 
+def _is_batch_sharded(graph: OpGraph, node: Node, strategy: Strategy, tp: int | None) -> bool:
+    """Whether ``strategy`` splits a tensor of ``node`` along its batch dimension on the ``tp`` axis."""
+    if tp is None:
+        return False
+    tensors = [*zip(node.outputs, strategy[tp].outputs),
+               *((graph.tensor(r), p) for r, p in zip(tensor_refs(node), strategy[tp].inputs))]
+    for t, p in tensors:
+        if t is not None and p and p.startswith("S(") and t.batch_dim is not None and t.shape:
+            if int(p[2:-1]) % len(t.shape) == t.batch_dim % len(t.shape):
+                return True
+    return False
+
+
 def build_intra_op(graph: OpGraph, node_names: Iterable[str], mesh: MeshSpec, cfg: IntraOpConfig,
                    cluster: Cluster, ctx: PassContext) -> IntraOpProblem:
     """The ILP for the op nodes ``node_names`` (a stage, a layer or the whole graph) on ``mesh``."""
@@ -179,6 +194,8 @@ def build_intra_op(graph: OpGraph, node_names: Iterable[str], mesh: MeshSpec, cf
     for n in graph.nodes:
         if n.kind == "input" and any(n.name in activation_inputs(m) for m in nodes):
             strategies = _input_strategies(n.out, mesh, batch)
+            if not cfg.split_batch_on_tp and tp is not None:
+                strategies = [s for s in strategies if s[tp].outputs[0] != shard(n.out.batch_dim)] or strategies[:1]
             g = _Group(n.name, n.name, strategies, [n.name], {n.name: strategies})
             group_of[n.name] = len(groups)
             groups.append(g)
@@ -191,6 +208,8 @@ def build_intra_op(graph: OpGraph, node_names: Iterable[str], mesh: MeshSpec, cf
         strategies = mesh_strategies(graph, n, batch, mesh.shape)
         if not cfg.sequence_parallel:
             strategies = [s for s in strategies if not _is_sequence_sharded(graph, n, s, tp)] or strategies[:1]
+        if not cfg.split_batch_on_tp:
+            strategies = [s for s in strategies if not _is_batch_sharded(graph, n, s, tp)] or strategies[:1]
         leader = rep_of.get(acts[0], acts[0]) if len(acts) == 1 else None
         if leader is not None and leader in group_of:
             placed = _follow(n, acts[0], leader, groups[group_of[leader]], strategies)
@@ -206,6 +225,7 @@ def build_intra_op(graph: OpGraph, node_names: Iterable[str], mesh: MeshSpec, cf
 
     node_cost, memory = _group_costs(graph, nodes, rep_of, groups, mesh, cfg, cluster, ctx)
     edges, edge_mats = _edge_costs(graph, nodes, rep_of, groups, group_of, constants, node_cost, mesh, cfg, ctx)
+    edges, edge_mats = _tie_shared_parameters(graph, nodes, rep_of, groups, group_of, node_cost, edges, edge_mats)
     request = SolverRequest(
         node_names=tuple(g.name for g in groups),
         node_cost_s=tuple(tuple(row) for row in node_cost),
@@ -319,6 +339,57 @@ def _edge_costs(graph: OpGraph, nodes: list[Node], rep_of: dict[str, str], group
                 mat[su][sc] += w * edge_cost_s(t, produced, required, cs, mesh, cfg.batch, ctx)
     edges = sorted(mats)
     return edges, [mats[e] for e in edges]
+
+
+#: Cost the ILP adds to a choice that consumes one parameter in two placements.  The runtime holds each
+#: parameter once, in one placement (a tied embedding and head are one tensor), so such a choice cannot
+#: run; large enough to lose against any other choice, small enough to keep the solvers' numerics sound.
+SPLIT_PARAMETER_S = 1e3
+
+
+def _tie_shared_parameters(graph: OpGraph, nodes: list[Node], rep_of: dict[str, str], groups: list[_Group],
+                           group_of: dict[str, int], node_cost: list[list[float]], edges: list[tuple[int, int]],
+                           mats: list[list[list[float]]]) -> tuple[list[tuple[int, int]], list[list[list[float]]]]:
+    """Make every consumer of a parameter (a tied embedding and output head) require the same placement:
+    choices that differ cost ``SPLIT_PARAMETER_S``, on the node when both consumers are in one group, else on
+    an edge between their groups."""
+    def required(name: str, slot: int, s: int) -> tuple[str, ...]:
+        strat = groups[group_of[name]].place[name][s]
+        return tuple("R" if ax.inputs[slot] in (None, R, "P") else ax.inputs[slot] for ax in strat)
+
+    consumers: dict[str, list[tuple[str, int]]] = {}
+    for n in nodes:
+        rep = rep_of[n.name]
+        if rep not in group_of:
+            continue
+        for k, r in enumerate(tensor_refs(n)):
+            if graph[r.name].kind == "param" and (rep, k) not in consumers.get(r.name, []):
+                consumers.setdefault(r.name, []).append((rep, k))
+    by_pair = {e: i for i, e in enumerate(edges)}
+    edges, mats = list(edges), list(mats)
+    for uses in consumers.values():
+        first, slot = uses[0]
+        for other, other_slot in uses[1:]:
+            ga, gb = group_of[first], group_of[other]
+            if ga == gb:
+                for s in range(len(groups[ga].strategies)):
+                    if required(first, slot, s) != required(other, other_slot, s):
+                        node_cost[ga][s] += SPLIT_PARAMETER_S
+                continue
+            u, v = min(ga, gb), max(ga, gb)
+            if (u, v) not in by_pair:
+                by_pair[(u, v)] = len(edges)
+                edges.append((u, v))
+                mats.append([[0.0] * len(groups[v].strategies) for _ in groups[u].strategies])
+            mat = mats[by_pair[(u, v)]]
+            a_name, a_slot, b_name, b_slot = (first, slot, other, other_slot) if ga == u else (other, other_slot,
+                                                                                              first, slot)
+            for su in range(len(groups[u].strategies)):
+                for sv in range(len(groups[v].strategies)):
+                    if required(a_name, a_slot, su) != required(b_name, b_slot, sv):
+                        mat[su][sv] += SPLIT_PARAMETER_S
+    order = sorted(range(len(edges)), key=lambda i: edges[i])
+    return [edges[i] for i in order], [mats[i] for i in order]
 
 
 def solve_intra_op(graph: OpGraph, node_names: Iterable[str], mesh: MeshSpec, cfg: IntraOpConfig,

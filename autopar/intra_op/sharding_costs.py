@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from autopar.cluster import AxisLink, Cluster, MeshSpec
-from autopar.collectives import all_gather_s, all_reduce_s, all_to_all_s, reduce_scatter_s
+from autopar.collectives import all_gather_s, all_reduce_s, collective_s, reduce_scatter_s
 from autopar.intra_op.strategies import PARTIAL, R, Strategy, shard_dim, tensor_refs
 from autopar.ir import Node, OpGraph, TensorInfo
 from autopar.kernels import flash_attention_s, gemm_s, memory_s
@@ -94,10 +94,15 @@ def _tensor_bytes(t: TensorInfo, batch: int, ctx: PassContext, graph: OpGraph) -
     return t.numel_at(batch) * graph.width(t, ctx.precision.activation_bytes)
 
 
+#: One collective of a resharding: (mesh axis, kind, bytes as ``autopar.collectives`` sizes that kind).
+AxisCollective = tuple[int, str, float]
+
+
 @lru_cache(maxsize=200_000)
-def _redistribute_cached(nbytes: float, src: Placements, dst: Placements, mesh: MeshSpec) -> float:
+def _reshard_collectives(nbytes: float, src: Placements, dst: Placements,
+                         mesh: MeshSpec) -> tuple[AxisCollective, ...]:
     cur = list(src)
-    total = 0.0
+    out: list[AxisCollective] = []
     for a, link in enumerate(mesh.links):
         s, d = cur[a] or R, dst[a] or R
         if s == d or link.size == 1:
@@ -109,28 +114,46 @@ def _redistribute_cached(nbytes: float, src: Placements, dst: Placements, mesh: 
         group_bytes = nbytes / others
         s_shard, d_shard = shard_dim(s) is not None, shard_dim(d) is not None
         if s == PARTIAL and d == R:
-            total += all_reduce_s(group_bytes, link)
+            out.append((a, "all_reduce", group_bytes))
         elif s == PARTIAL and d_shard:
-            total += reduce_scatter_s(group_bytes, link)
+            out.append((a, "reduce_scatter", group_bytes))
         elif s_shard and d == R:
-            total += all_gather_s(group_bytes, link)
+            out.append((a, "all_gather", group_bytes))
         elif s_shard and d_shard:
-            total += all_to_all_s(group_bytes / link.size, link)
+            out.append((a, "all_to_all", group_bytes / link.size))
         elif s_shard and d == PARTIAL:  # gather, then keep one copy: still a gather
-            total += all_gather_s(group_bytes, link)
+            out.append((a, "all_gather", group_bytes))
         # R -> S, R -> P, P -> P: local
         cur[a] = d
-    return total
+    return tuple(out)
+
+
+@lru_cache(maxsize=200_000)
+def _redistribute_cached(nbytes: float, src: Placements, dst: Placements, mesh: MeshSpec) -> float:
+    return sum(collective_s(kind, size, mesh.links[a])
+               for a, kind, size in _reshard_collectives(nbytes, src, dst, mesh))
+
+
+def _reshard_bytes(t: TensorInfo, batch: int, ctx: PassContext) -> float:
+    """A tensor's bytes as resharding moves it: floating tensors at the activation width, not
+    ``OpGraph.width`` (an fp32 upcast resharded in fp32 is priced low)."""
+    return t.numel_at(batch) * (ctx.precision.activation_bytes if t.is_floating else t.itemsize)
 
 
 def redistribute_s(t: TensorInfo, src: Placements, dst: Placements, mesh: MeshSpec, batch: int,
                    ctx: PassContext) -> float:
-    """Time to turn ``t`` from placements ``src`` into ``dst`` (one per mesh axis).  Floating tensors are
-    priced at the activation width, not ``OpGraph.width``: an fp32 upcast resharded in fp32 is priced low."""
+    """Time to turn ``t`` from placements ``src`` into ``dst`` (one per mesh axis)."""
     if tuple(src) == tuple(dst):
         return 0.0
-    nbytes = t.numel_at(batch) * (ctx.precision.activation_bytes if t.is_floating else t.itemsize)
-    return _redistribute_cached(float(nbytes), tuple(src), tuple(dst), mesh)
+    return _redistribute_cached(float(_reshard_bytes(t, batch, ctx)), tuple(src), tuple(dst), mesh)
+
+
+def redistribute_collectives(t: TensorInfo, src: Placements, dst: Placements, mesh: MeshSpec, batch: int,
+                             ctx: PassContext) -> tuple[AxisCollective, ...]:
+    """The collectives ``redistribute_s`` prices, one per mesh axis whose placement changes."""
+    if tuple(src) == tuple(dst):
+        return ()
+    return _reshard_collectives(float(_reshard_bytes(t, batch, ctx)), tuple(src), tuple(dst), mesh)
 
 
 def work_split(strategy: Strategy, axis: int) -> bool:
@@ -153,15 +176,20 @@ def producer_grad(placement: str | None) -> str:
     return R if placement in (None, R, PARTIAL) else placement
 
 
+def grad_placements(produced: Placements, required: Placements,
+                     consumer: Strategy) -> tuple[Placements, Placements]:
+    """(the gradient's placements as the consumer's backward makes it, as the producer wants it)."""
+    return (tuple(consumer_grad(r or R, consumer, a) for a, r in enumerate(required)),
+            tuple(producer_grad(p) for p in produced))
+
+
 def edge_costs_s(t: TensorInfo, produced: Placements, required: Placements, consumer: Strategy,
                  mesh: MeshSpec, batch: int, ctx: PassContext) -> tuple[float, float]:
     """(forward resharding, backward resharding of the gradient) of one edge."""
     fwd = redistribute_s(t, produced, required, mesh, batch, ctx)
     if not (t.requires_grad and t.is_floating):
         return fwd, 0.0
-    g_c = tuple(consumer_grad(r or R, consumer, a) for a, r in enumerate(required))
-    g_p = tuple(producer_grad(p) for p in produced)
-    return fwd, redistribute_s(t, g_c, g_p, mesh, batch, ctx)
+    return fwd, redistribute_s(t, *grad_placements(produced, required, consumer), mesh, batch, ctx)
 
 
 def edge_cost_s(t: TensorInfo, produced: Placements, required: Placements, consumer: Strategy,
@@ -175,6 +203,7 @@ class ParamCost:
     per_microbatch_s: float  # ZeRO-3 all-gathers in forward and backward
     per_iteration_s: float  # gradient synchronization
     state_bytes: float  # weights + grads + optimizer state held by one device
+    sync: tuple[AxisCollective, ...] = ()  # the collectives of that synchronization (whole, not bucketed)
 
 
 def _bucketed_s(collective: Callable[[float, AxisLink], float], nbytes: float, link: AxisLink,
@@ -196,6 +225,7 @@ def param_cost(t: TensorInfo, required: Placements, consumer: Strategy, mesh: Me
     state = ctx.state_bytes(local, dp_size if replicated_on_dp else 1, zero)
     per_mb = 0.0
     per_iter = 0.0
+    sync_collectives: list[AxisCollective] = []
     for a, link in enumerate(mesh.links):
         if link.size == 1:
             continue
@@ -207,11 +237,12 @@ def param_cost(t: TensorInfo, required: Placements, consumer: Strategy, mesh: Me
         group_bytes = numel / others * ctx.framework.grad_reduce_bytes
         sync = reduce_scatter_s if a == dp and zero >= 3 else all_reduce_s  # ZeRO-1/2: RS + AG, AR's volume
         per_iter += _bucketed_s(sync, group_bytes, link, ctx.grad_bucket_bytes)
+        sync_collectives.append((a, "reduce_scatter" if sync is reduce_scatter_s else "all_reduce", group_bytes))
     if replicated_on_dp and zero >= 3:
         others = shard_factor(tuple(p if b != dp else None for b, p in enumerate(required)), mesh)
         gathered = numel / others * pol.weight_bytes
         per_mb += 2 * _bucketed_s(all_gather_s, gathered, mesh.links[dp], ctx.grad_bucket_bytes)
-    return ParamCost(per_mb, per_iter, state)
+    return ParamCost(per_mb, per_iter, state, tuple(sync_collectives))
 
 
 def _local_bytes(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec, batch: int,

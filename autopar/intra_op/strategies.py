@@ -243,9 +243,24 @@ def _resolve_op(name: str) -> Any:
     return getattr(getattr(torch.ops.aten, packet), overload)
 
 
+def _type_as_strategies(graph: OpGraph, node: Node, batch: int) -> list[AxisStrategy] | None:
+    """``x.type_as(other)`` is ``x.to(other.dtype)``: DTensor's cast rules on ``x``; ``other`` only lends its
+    dtype, so it is read as it already is when it has ``x``'s shape (RoPE's ``out.type_as(q)``), else whole."""
+    refs = tensor_refs(node)
+    cast = Node(node.name, node.kind, "aten._to_copy.default", args=(refs[0],),
+                kwargs={"dtype": getattr(torch, graph.tensor(refs[1]).dtype)}, outputs=node.outputs)
+    rules = _registry_strategies(graph, cast, batch)
+    if rules is None:
+        return None
+    same = graph.tensor(refs[0]).shape == graph.tensor(refs[1]).shape
+    return [AxisStrategy(r.outputs, (r.inputs[0], r.inputs[0] if same else R)) for r in rules]
+
+
 def _registry_strategies(graph: OpGraph, node: Node, batch: int) -> list[AxisStrategy] | None:
     p = _propagator()
     refs = tensor_refs(node)
+    if node.op == "aten.type_as.default" and len(refs) == 2:
+        return _type_as_strategies(graph, node, batch)
     if node.op in _RESHAPES and refs:
         node = Node(node.name, node.kind, "aten.reshape.default", args=(refs[0], list(node.out.shape_at(batch))),
                     outputs=node.outputs)

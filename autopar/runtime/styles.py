@@ -107,34 +107,42 @@ class PrepareActivation(ParallelStyle):
     """Re-lay a module's activation: its first argument (passed by position or by name) and/or its output.
 
     Local tensors are read as ``input_layouts`` (``output_layouts``) and leave, local again, laid out as
-    ``desired_input_layouts`` (``desired_output_layouts``).  Unlike ``PrepareModuleInput`` it needs no
-    layout for the module's other arguments, and it finds the activation whether the caller passes it by
-    position (``block(x, cos, sin)``) or by keyword (HuggingFace's ``self_attn(hidden_states=...)``).
+    ``desired_input_layouts`` (``desired_output_layouts``).  With ``use_local_output=False`` the input
+    enters the module as a DTensor instead: the column-parallel Linears that share it (q, k and v) then
+    take it as it is, and their input gradients add up as one pending sum that is reduced once (a
+    reduce-scatter back to the sequence shards, or one all-reduce), as in Megatron-LM.
+
+    Unlike ``PrepareModuleInput`` it needs no layout for the module's other arguments, and it finds the
+    activation whether the caller passes it by position (``block(x, cos, sin)``) or by keyword
+    (HuggingFace's ``self_attn(hidden_states=...)``).
     """
 
     def __init__(self, *, input_layouts: Placement | None = None, desired_input_layouts: Placement | None = None,
-                 output_layouts: Placement | None = None, desired_output_layouts: Placement | None = None) -> None:
+                 output_layouts: Placement | None = None, desired_output_layouts: Placement | None = None,
+                 use_local_output: bool = True) -> None:
         super().__init__()
         self.input_layouts, self.desired_input_layouts = input_layouts, desired_input_layouts
         self.output_layouts, self.desired_output_layouts = output_layouts, desired_output_layouts
+        self.use_local_output = use_local_output
 
     @staticmethod
-    def _relayout(x: Any, have: Placement, want: Placement, mesh: DeviceMesh) -> Any:
+    def _relayout(x: Any, have: Placement, want: Placement, mesh: DeviceMesh, local: bool = True) -> Any:
         if not isinstance(x, torch.Tensor):
             return x
         if not isinstance(x, DTensor):
             x = DTensor.from_local(x, mesh, [have], run_check=False)
-        return x.redistribute(mesh, [want]).to_local()
+        x = x.redistribute(mesh, [want])
+        return x.to_local() if local else x
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         name = next(iter(inspect.signature(module.forward).parameters), None)  # what the activation is called
 
         def prepare_input(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-            have, want = self.input_layouts, self.desired_input_layouts
+            have, want, local = self.input_layouts, self.desired_input_layouts, self.use_local_output
             if args:
-                return (self._relayout(args[0], have, want, device_mesh), *args[1:]), kwargs
+                return (self._relayout(args[0], have, want, device_mesh, local), *args[1:]), kwargs
             if name is not None and name in kwargs:
-                return args, {**kwargs, name: self._relayout(kwargs[name], have, want, device_mesh)}
+                return args, {**kwargs, name: self._relayout(kwargs[name], have, want, device_mesh, local)}
             return args, kwargs
 
         def prepare_output(mod: nn.Module, args: tuple, output: Any) -> Any:

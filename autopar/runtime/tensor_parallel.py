@@ -126,6 +126,8 @@ def tp_style_specs(plan: Plan, model: nn.Module) -> dict[str, StyleSpec] | None:
         styles[owner] = ("PlacedParameters", {"placements": "{" + body + "}"})
     if plan.layout.get("sp"):
         _sequence_parallel(styles, model, plan)
+    else:
+        _shared_region_inputs(styles, model, plan)
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
     return dict(sorted(styles.items(), key=lambda item: order[item[0]]))
 
@@ -162,6 +164,27 @@ def _covers(region: str, name: str) -> bool:
 def _is_norm(module: nn.Module) -> bool:
     """LayerNorm, RMSNorm and their look-alikes (``LlamaRMSNorm``): they act on each token alone."""
     return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith("Norm")
+
+
+def _pair_regions(styles: dict[str, StyleSpec], blocks: list[str]) -> set[str]:
+    """The parents of the Megatron pairs inside the blocks (a row-parallel Linear reading local shards)."""
+    return {name.rpartition(".")[0] for name, (kind, kwargs) in styles.items()
+            if kind == "RowwiseParallel" and "input_layouts" not in kwargs and any(_covers(b, name) for b in blocks)}
+
+
+def _shared_region_inputs(styles: dict[str, StyleSpec], model: nn.Module, plan: Plan) -> None:
+    """Without sequence parallelism: each Megatron pair's parent takes its input as one replicated DTensor
+    (``PrepareActivation(use_local_output=False)``), so that q, k and v share it and their input gradients
+    are all-reduced once, not once each."""
+    container = plan.model.get("layer_container")
+    if not container:
+        return
+    blocks = [f"{container}.{key}" for key, _ in model.get_submodule(container).named_children()]
+    for region in sorted(_pair_regions(styles, blocks) - set(blocks)):
+        if region not in styles:
+            styles[region] = ("PrepareActivation", {"input_layouts": "Replicate()",
+                                                    "desired_input_layouts": "Replicate()",
+                                                    "use_local_output": "False"})
 
 
 def _sequence_parallel(styles: dict[str, StyleSpec], model: nn.Module, plan: Plan) -> None:
@@ -202,7 +225,8 @@ def _sequence_parallel(styles: dict[str, StyleSpec], model: nn.Module, plan: Pla
         raise AutoparError("sequence parallelism needs the tensor-parallel Linears inside a submodule of each "
                            "block; plan with --fix sp=off")
     for region in sorted(regions):
-        styles[region] = ("PrepareActivation", {"input_layouts": "Shard(1)", "desired_input_layouts": "Replicate()"})
+        styles[region] = ("PrepareActivation", {"input_layouts": "Shard(1)", "desired_input_layouts": "Replicate()",
+                                                "use_local_output": "False"})
     covered = set(styles)
     for name, mod in model.named_modules():
         if not in_blocks(name) or next(mod.parameters(recurse=False), None) is None:

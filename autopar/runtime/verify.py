@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,36 +75,50 @@ def _max_rel(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], floor:
 _EXCEPTION_LINE = re.compile(r"^(?:\[rank\d+\]: )?(\w+(?:Error|Exception): .*)$")
 
 
-def run_plan(plan_path: str | Path, steps: int, *, seed: int = 0, lr: float = 0.1, start_step: int = 0,
-             resume: str | Path | None = None, checkpoint: str | Path | None = None, numerics: str = "fp32",
-             timeout_s: float = 600) -> dict:
-    """Launch the plan on local CPU ranks with torch's launcher; the losses, and every stage's grads and params."""
-    plan = Plan.load(plan_path)
-    n = plan.num_devices
+def run_plans(plan_paths: Sequence[str | Path], steps: int, *, seed: int = 0, lr: float = 0.1, start_step: int = 0,
+              resume: str | Path | None = None, checkpoint: str | Path | None = None, numerics: str = "fp32",
+              timeout_s: float = 600) -> list[dict]:
+    """Launch the plans (all of one world size) in turn on local CPU ranks, with one launch of torch's
+    launcher; per plan, the losses and every stage's grads and params."""
+    sizes = {Plan.load(path).num_devices for path in plan_paths}
+    if len(sizes) != 1:
+        raise AutoparError(f"plans run in one launch need one world size; these have {sorted(sizes)}")
+    n = sizes.pop()
     if n > MAX_LOCAL_RANKS:
         raise AutoparError(f"verify runs plans of at most {MAX_LOCAL_RANKS} ranks locally; this one has {n}")
     with tempfile.TemporaryDirectory(prefix="autopar-verify-") as tmp:
         out = Path(tmp)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
-               "-m", "autopar.runtime.worker", str(plan_path), str(out), "--steps", str(steps),
+               "-m", "autopar.runtime.worker", str(out), *map(str, plan_paths), "--steps", str(steps),
                "--seed", str(seed), "--lr", str(lr), "--start-step", str(start_step), "--numerics", numerics]
         cmd += ["--resume", str(resume)] if resume else []
         cmd += ["--checkpoint", str(checkpoint)] if checkpoint else []
         env = {**os.environ, "OMP_NUM_THREADS": "1", "AUTOPAR_DEVICE": "cpu"}
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s)
-        if proc.returncode != 0 or not (out / "rank0.pt").exists():
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s * len(plan_paths))
+        done = all((out / str(i) / "rank0.pt").exists() for i in range(len(plan_paths)))
+        if proc.returncode != 0 or not done:
             lines = proc.stderr.splitlines()
             errors = [line for line in lines if line.startswith("autopar: error")]
             raised = [m.group(1) for line in lines if (m := _EXCEPTION_LINE.search(line))]
             detail = (errors or raised or [line for line in lines if line.strip()][-1:] or ["no output"])[0]
             raise AutoparError(f"the distributed run failed: {detail}")
-        merged = torch.load(out / "rank0.pt", weights_only=True)
-        for path in sorted(out.glob("rank*.pt")):  # the other pipeline stages' parameters
-            part = torch.load(path, weights_only=True)
-            for key in ("grads", "params", "placements"):
-                for name, value in part[key].items():
-                    merged[key].setdefault(name, value)
-        return merged
+        return [_merge(out / str(i)) for i in range(len(plan_paths))]
+
+
+def run_plan(plan_path: str | Path, steps: int, **options) -> dict:
+    """``run_plans`` for one plan (``options``: its keywords)."""
+    return run_plans([plan_path], steps, **options)[0]
+
+
+def _merge(folder: Path) -> dict:
+    """Rank 0's file with the other pipeline stages' parameters added."""
+    merged = torch.load(folder / "rank0.pt", weights_only=True)
+    for path in sorted(folder.glob("rank*.pt")):
+        part = torch.load(path, weights_only=True)
+        for key in ("grads", "params", "placements"):
+            for name, value in part[key].items():
+                merged[key].setdefault(name, value)
+    return merged
 
 
 #: Largest relative difference ``autopar verify`` accepts, by ``--numerics``.  fp32 with SGD agrees to
@@ -118,17 +134,41 @@ CHECK_LR = {"fp32": 0.1, "bf16": 1e-4}
 def verify(plan_path: str | Path, steps: int = 3, seed: int = 0, lr: float | None = None,
            tolerance: float | None = None, numerics: str = "fp32", timeout_s: float = 600) -> VerifyResult:
     """Run the plan on local ranks and one process; compare losses, gradients and parameters."""
-    plan = Plan.load(plan_path)
-    traced = trace_model(plan.model.get("path") or plan.model["ref"], dict(plan.model["config"]), plan.seq_len)
-    plan.check_model(traced.graph, traced.config)
-    check_runnable(plan, model_on_meta(plan))
+    return verify_many([plan_path], steps, seed, lr, tolerance, numerics, timeout_s)[0]
+
+
+def verify_many(plan_paths: Sequence[str | Path], steps: int = 3, seed: int = 0, lr: float | None = None,
+                tolerance: float | None = None, numerics: str = "fp32", timeout_s: float = 600) -> list[VerifyResult]:
+    """``verify`` for several plans, with one launch per world size; every plan is checked before any runs."""
+    plans = [Plan.load(path) for path in plan_paths]
+    traces: dict[tuple[str, str, int], object] = {}  # plans of one model share its trace (seconds each)
+    for path, plan in zip(plan_paths, plans):
+        ref = plan.model.get("path") or plan.model["ref"]
+        key = (ref, json.dumps(plan.model["config"], sort_keys=True), plan.seq_len)
+        try:
+            if key not in traces:
+                traces[key] = trace_model(ref, dict(plan.model["config"]), plan.seq_len)
+            traced = traces[key]
+            plan.check_model(traced.graph, traced.config)
+            check_runnable(plan, model_on_meta(plan))
+        except AutoparError as exc:
+            raise AutoparError(f"{path}: {exc}" if len(plans) > 1 else str(exc)) from None
     lr = CHECK_LR[numerics] if lr is None else lr
     tolerance = TOLERANCE[numerics] if tolerance is None else tolerance
-    got = run_plan(plan_path, steps, seed=seed, lr=lr, numerics=numerics, timeout_s=timeout_s)
-    want = reference_run(plan, steps, seed, check_config(numerics, lr))
-    losses = torch.tensor(got["losses"])
-    ref = torch.tensor(want["losses"])
+    got: dict[int, dict] = {}
+    for n in sorted({plan.num_devices for plan in plans}):
+        group = [i for i, plan in enumerate(plans) if plan.num_devices == n]
+        ran = run_plans([plan_paths[i] for i in group], steps, seed=seed, lr=lr, numerics=numerics,
+                        timeout_s=timeout_s)
+        got.update(zip(group, ran))
     floor = ZERO_FLOOR[numerics]
-    return VerifyResult(got["losses"], want["losses"], _rel(losses, ref),
-                        _max_rel(got["grads"], want["grads"], floor), _max_rel(got["params"], want["params"], floor),
-                        tolerance, got["placements"])
+    results = []
+    for i, plan in enumerate(plans):
+        want = reference_run(plan, steps, seed, check_config(numerics, lr))
+        losses = torch.tensor(got[i]["losses"])
+        ref = torch.tensor(want["losses"])
+        results.append(VerifyResult(got[i]["losses"], want["losses"], _rel(losses, ref),
+                                    _max_rel(got[i]["grads"], want["grads"], floor),
+                                    _max_rel(got[i]["params"], want["params"], floor), tolerance,
+                                    got[i]["placements"]))
+    return results

@@ -1,8 +1,10 @@
-"""One rank of ``autopar verify``: ``python -m torch.distributed.run ... -m autopar.runtime.worker PLAN OUTDIR``.
+"""One rank of ``autopar verify``: ``python -m torch.distributed.run ... -m autopar.runtime.worker OUTDIR PLAN...``.
 
-Every rank trains; the first rank of each pipeline stage writes ``OUTDIR/rank{N}.pt`` (whole gradients and
-parameters of the stage, and how they were placed), rank 0 with the losses.  Files rather than a gather
-over gloo: pickling every tensor through ``all_gather_object`` took minutes and gigabytes at 12M params.
+The plans run one after another in the same processes (one launch: starting torch on every rank costs more
+than training a small plan).  For plan ``i`` every rank trains; the first rank of each pipeline stage writes
+``OUTDIR/i/rank{N}.pt`` (whole gradients and parameters of the stage, and how they were placed), rank 0
+with the losses.  Files rather than a gather over gloo: pickling every tensor through ``all_gather_object``
+took minutes and gigabytes at 12M params.
 """
 
 from __future__ import annotations
@@ -33,50 +35,59 @@ def _placements(p: torch.Tensor) -> dict[str, str]:
     return {axis: text(pl) for axis, pl in zip(p.device_mesh.mesh_dim_names, p.placements)}
 
 
+def run_one(plan_path: str, out: Path, args: argparse.Namespace) -> None:
+    """Train one plan for ``args.steps`` steps and write this rank's file under ``out``."""
+    plan = Plan.load(plan_path)
+    session = build_model(plan, None)  # structure only: the synthetic data's vocabulary
+    trainer = apply(plan, session.loss_fn, config=check_config(args.numerics, args.lr), seed=args.seed)
+    if args.resume:
+        checkpoint.load(trainer, args.resume)
+    steps = range(args.start_step, args.start_step + args.steps)
+    local = plan.global_batch // trainer.dp_size
+    lo = trainer.dp_rank * local
+    losses = [trainer.step([x[lo:lo + local] for x in batch_for_step(plan, session, step, args.seed)])
+              for step in steps]
+    if args.checkpoint:
+        checkpoint.save(trainer, args.checkpoint)
+    named = trainer.named_parameters()
+    grads = {n: _full(p.grad).detach() for n, p in named if p.grad is not None}
+    params = {n: _full(p).detach() for n, p in named}
+    placements = {n: _placements(p) for n, p in named if hasattr(p, "placements")}
+    # one rank per pipeline stage writes the (whole) tensors it holds; rank 0 adds the losses
+    mesh, rank = trainer.mesh, dist.get_rank()
+    if rank == 0 or (mesh.get_local_rank("dp") == 0 and mesh.get_local_rank("tp") == 0):
+        out.mkdir(parents=True, exist_ok=True)
+        torch.save({"losses": losses, "grads": grads, "params": params, "placements": placements},
+                   out / f"rank{rank}.pt")
+    dist.barrier()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("plan")
-    ap.add_argument("out", help="folder for the rank files")
+    ap.add_argument("out", help="folder for the rank files (one subfolder per plan: 0, 1, ...)")
+    ap.add_argument("plans", nargs="+", help="plan files, run in turn (all of the same world size)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lr", type=float, default=0.1)
     ap.add_argument("--numerics", choices=NUMERICS, default="fp32")
     ap.add_argument("--start-step", type=int, default=0, help="index of the first step (its data)")
-    ap.add_argument("--resume", help="load the model state from this DCP checkpoint first")
-    ap.add_argument("--checkpoint", help="save the model state to this DCP checkpoint at the end")
+    ap.add_argument("--resume", help="load the model state from this DCP checkpoint first (one plan only)")
+    ap.add_argument("--checkpoint", help="save the model state to this DCP checkpoint at the end (one plan only)")
     args = ap.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    i = 0
     try:
-        plan = Plan.load(args.plan)
-        session = build_model(plan, None)  # structure only: the synthetic data's vocabulary
-        trainer = apply(plan, session.loss_fn, config=check_config(args.numerics, args.lr), seed=args.seed)
-        if args.resume:
-            checkpoint.load(trainer, args.resume)
-        steps = range(args.start_step, args.start_step + args.steps)
-        local = plan.global_batch // trainer.dp_size
-        lo = trainer.dp_rank * local
-        losses = [trainer.step([x[lo:lo + local] for x in batch_for_step(plan, session, step, args.seed)])
-                  for step in steps]
-        if args.checkpoint:
-            checkpoint.save(trainer, args.checkpoint)
-        named = trainer.named_parameters()
-        grads = {n: _full(p.grad).detach() for n, p in named if p.grad is not None}
-        params = {n: _full(p).detach() for n, p in named}
-        placements = {n: _placements(p) for n, p in named if hasattr(p, "placements")}
-        # one rank per pipeline stage writes the (whole) tensors it holds; rank 0 adds the losses
-        mesh = trainer.mesh
-        if rank == 0 or (mesh.get_local_rank("dp") == 0 and mesh.get_local_rank("tp") == 0):
-            torch.save({"losses": losses, "grads": grads, "params": params, "placements": placements},
-                       Path(args.out) / f"rank{rank}.pt")
-        dist.barrier()
+        if (args.resume or args.checkpoint) and len(args.plans) > 1:
+            raise AutoparError("--resume and --checkpoint take one plan")
+        for i, plan_path in enumerate(args.plans):
+            run_one(plan_path, Path(args.out) / str(i), args)
         return 0
     except AutoparError as exc:
-        print(f"autopar: error (rank {rank}): {exc}", file=sys.stderr)
+        print(f"autopar: error (rank {rank}, {args.plans[i]}): {exc}", file=sys.stderr)
         return 2
     finally:
         dist.destroy_process_group()
-
 
 if __name__ == "__main__":
     raise SystemExit(main())
