@@ -15,12 +15,15 @@ from __future__ import annotations
 import pprint
 from pathlib import Path
 
+from torch import nn
+
 from autopar import __version__, modelfile
 from autopar.codegen.script_body import BODY
 from autopar.plan import Plan
+from autopar.runtime.apply import run_shape
 from autopar.runtime.pipeline import tied_pairs
 from autopar.runtime.stages import prune_to_stage, stage_layer_ranges
-from autopar.runtime.styles import style_source
+from autopar.runtime.styles import StyleSpec, style_source
 from autopar.runtime.support import check_runnable, model_on_meta
 from autopar.runtime.tensor_parallel import runs_loss_parallel, tp_style_specs
 
@@ -48,18 +51,18 @@ from autopar.runtime.training import Trainer, TrainingConfig
 AUTOPAR_STYLES = ("PlacedParameters", "PrepareActivation")
 
 
-def _tp_plans(plan: Plan) -> dict[int, dict[str, tuple[str, dict[str, str]]]]:
-    """The ``parallelize_module`` styles of every pipeline chunk (one chunk without pipelining); empty when
-    the runtime uses the tp axis for the batch."""
-    model = model_on_meta(plan)
-    if check_runnable(plan, model) is None:
+def _tp_plans(plan: Plan, model: nn.Module,
+              specs: dict[str, StyleSpec] | None) -> dict[int, dict[str, StyleSpec]]:
+    """The ``parallelize_module`` styles of every pipeline chunk (one chunk without pipelining), given the
+    whole model's (``specs``); empty when the runtime uses the tp axis for the batch."""
+    if specs is None:
         return {}
     if plan.layout["pp"] == 1:
-        return {0: tp_style_specs(plan, model) or {}}
+        return {0: specs}
     return {c: tp_style_specs(plan, prune_to_stage(model, plan, c)) or {} for c in range(len(stage_layer_ranges(plan)))}
 
 
-def _tp_plan_source(plans: dict[int, dict[str, tuple[str, dict[str, str]]]]) -> str:
+def _tp_plan_source(plans: dict[int, dict[str, StyleSpec]]) -> str:
     lines = ["TP_PLAN = {  # pipeline chunk -> module -> parallelize_module style"]
     for chunk, specs in plans.items():
         lines.append(f"    {chunk}: {{")
@@ -71,12 +74,14 @@ def _tp_plan_source(plans: dict[int, dict[str, tuple[str, dict[str, str]]]]) -> 
 def generate_train_script(plan: Plan, script_name: str = "train.py") -> str:
     """The source of a torchrun training script that applies ``plan``."""
     lay = plan.layout
-    plans = _tp_plans(plan)
-    pp, dp, tp, mbs = lay["pp"], lay["dp"], lay["tp"], lay["mbs"]
+    model = model_on_meta(plan)
+    specs = check_runnable(plan, model)
+    plans = _tp_plans(plan, model, specs)
+    shape = run_shape(plan, specs)
+    pp, dp, tp, mbs = shape.pp, shape.dp, shape.tp, shape.micro_batch
     note = ""
-    if tp > 1 and not plans:
-        dp, tp, mbs = dp * tp, 1, mbs // tp
-        note = "# The plan shards only the batch on its tp axis, so that axis runs as data parallelism.\n"
+    if tp != lay["tp"]:
+        note = "# The plan shards no parameter on its tp axis, so that axis runs as data parallelism.\n"
     path = plan.model.get("path") or modelfile.resolve(plan.model["ref"]).resolve()
     layout = ", ".join(f"{k}={v}" for k, v in sorted(lay.items()))
     est = plan.estimate

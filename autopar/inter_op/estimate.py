@@ -64,6 +64,8 @@ class StageEstimate:
     time_s: float  # per micro-batch, p2p included
     memory_bytes: float
     state_bytes: float  # parameters, gradients and optimizer state between steps (``PassContext.state_bytes``)
+    activation_bytes: float  # the rest of ``memory_bytes`` at its peak: saved activations of the micro-batches
+    # in flight and what is alive only while a unit runs (logits, gathered ZeRO-3 weights)
     tp_bytes: dict[str, float]  # collective kind -> bytes of the tp collectives of one micro-batch (``tp_bytes``)
     tp_sync_bytes: dict[str, float]  # the same for the once-per-iteration gradient synchronization on tp
 
@@ -286,7 +288,9 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
         layer_idx = [i - 1 for i in range(a, b) if 0 < i < len(keys) - 1]
         layers = (layer_idx[0], layer_idx[-1] + 1) if layer_idx else (0, 0)
         state = ctx.state_bytes(local, layout.dp, layout.zero) - tie_state
-        stages.append(StageEstimate(k, (a, b), layers, t, split.stage_memory_bytes[k] - tie_bytes, state,
+        memory = split.stage_memory_bytes[k] - tie_bytes
+        held = sum(x.state_bytes for x in units) - tie_bytes  # the state and the copies held through the step
+        stages.append(StageEstimate(k, (a, b), layers, t, memory, state, memory - held,
                                     tp_bytes(costs, keys[a:b], layout), _summed(costs[key].tp_sync_bytes
                                                                                 for key in keys[a:b])))
     bottleneck = max(range(p), key=lambda k: stage_times[k])

@@ -32,6 +32,7 @@ from autopar.runtime.materialize import build_on_meta
 from autopar.runtime.parallelize import parallelize
 from autopar.runtime.pipeline import tied_pairs
 from autopar.runtime.stages import stage_layer_ranges
+from autopar.runtime.styles import StyleSpec
 from autopar.runtime.tensor_parallel import runs_loss_parallel, tp_style_specs, tp_styles
 from autopar.runtime.training import Trainer, TrainingConfig
 
@@ -46,11 +47,12 @@ class RunShape:
     micro_batch: int
 
 
-def run_shape(plan: Plan, model: nn.Module) -> RunShape:
-    """The plan's mesh; a plan that shards nothing on tp runs that axis as data parallelism."""
+def run_shape(plan: Plan, tp_specs: dict[str, StyleSpec] | None) -> RunShape:
+    """The plan's mesh, given its tp styles (``tp_style_specs``); a plan that shards nothing on tp
+    (``None``) runs that axis as data parallelism."""
     lay = plan.layout
     pp, dp, tp, mbs = lay["pp"], lay["dp"], lay["tp"], lay["mbs"]
-    if tp > 1 and tp_style_specs(plan, model) is None:
+    if tp > 1 and tp_specs is None:
         dp, tp, mbs = dp * tp, 1, mbs // tp
     return RunShape(pp, dp, tp, mbs)
 
@@ -97,9 +99,10 @@ def apply(plan: Plan, loss_fn: Callable[..., torch.Tensor] | None = None, *,
     """Build ``plan``'s model on this rank as the plan lays it out; returns its ``Trainer``.
 
     ``build`` makes the model (default: the plan's model file and config); it is called on the meta device,
-    once per pipeline chunk and once as the recipe of the initial weights (``seed``), so no rank allocates
-    more than its own shards.  ``loss_fn`` defaults to the model file's.  ``mesh``: a ``(pp, dp, tp)``
-    device mesh of the plan's shape to use instead of building one.  ``device``: where this rank's shards
+    once per pipeline chunk and once for the whole model (checked against the plan, and the recipe of the
+    initial weights of ``seed``), so no rank allocates more than its own shards.  ``loss_fn`` defaults to
+    the model file's.  ``mesh``: a ``(pp, dp, tp)`` device mesh of the plan's shape to use instead of
+    building one.  ``device``: where this rank's shards
     live (default: its GPU, else the CPU; ``meta`` lays out the shards without allocating or initializing
     them, to check what a rank would hold).
     """
@@ -109,9 +112,10 @@ def apply(plan: Plan, loss_fn: Callable[..., torch.Tensor] | None = None, *,
     config = config or TrainingConfig()
     if loss_fn is None:
         loss_fn = modelfile.loss_fn_of(modelfile.load_module(plan.model.get("path") or plan.model["ref"]))
-    whole = build_on_meta(build).model
-    _check_launch(plan, whole)
-    shape = run_shape(plan, whole)
+    whole = build_on_meta(build)  # the unsharded model: what the plan describes, and every weight's recipe
+    _check_launch(plan, whole.model)
+    specs = tp_style_specs(plan, whole.model) if plan.layout["tp"] > 1 else None
+    shape = run_shape(plan, specs)
     device = device or device_for_rank()
     dims = (shape.pp, shape.dp, shape.tp)
     if mesh is None:
@@ -130,8 +134,9 @@ def apply(plan: Plan, loss_fn: Callable[..., torch.Tensor] | None = None, *,
     parts = parallelize(build, mesh, device, seed, stage_layers=ranges, chunks=chunks,
                         container=plan.model.get("layer_container"),
                         tp_styles=lambda chunk, part: tp_styles(plan, part) or {}, tied=tied,
-                        recompute=plan.layout["recompute"], zero=plan.zero, precision=config.precision)
-    sharded_loss = shape.tp > 1 and runs_loss_parallel(tp_style_specs(plan, whole))
+                        recompute=plan.layout["recompute"], zero=plan.zero, precision=config.precision,
+                        reference=whole)
+    sharded_loss = shape.tp > 1 and runs_loss_parallel(specs)
     return Trainer(parts, mesh, loss_fn, chunks=chunks, num_chunks=len(ranges), schedule=plan.layout["schedule"],
                    num_microbatches=plan.layout["num_microbatches"], micro_batch=shape.micro_batch, zero=plan.zero,
                    tied=tied, config=config, device=device, loss_parallel=sharded_loss)

@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from autopar.runtime.materialize import build_on_meta, materialize
+from autopar.runtime.materialize import MetaModel, build_on_meta, materialize
 from autopar.runtime.recompute import apply_recompute
 from autopar.runtime.stages import prune
 
@@ -151,13 +151,15 @@ def set_micro_batch(modules: Iterable[nn.Module], zero: int, last: bool) -> None
 def parallelize(build: Callable[[], nn.Module], mesh: DeviceMesh, device: torch.device, seed: int, *,
                 stage_layers: list[tuple[int, int]], chunks: list[int], container: str | None,
                 tp_styles: Callable[[int, nn.Module], Mapping[str, ParallelStyle]], tied: list[tuple[str, str]],
-                recompute: str, zero: int, precision: str) -> list[nn.Module]:
+                recompute: str, zero: int, precision: str, reference: MetaModel | None = None) -> list[nn.Module]:
     """This rank's parts of the model (one per pipeline chunk it runs), split, tensor-parallel, checkpointed,
     data-parallel and only then allocated on ``device`` with the weights of ``seed``.
 
-    ``tp_styles(chunk, module)`` gives the ``parallelize_module`` styles of a chunk.
+    ``tp_styles(chunk, module)`` gives the ``parallelize_module`` styles of a chunk.  ``reference``: the
+    whole model on the meta device, if the caller has built one already (it is never sharded: the recipe of
+    every parameter and buffer).
     """
-    reference = build_on_meta(build)  # never sharded: the recipe of every parameter and buffer
+    reference = reference or build_on_meta(build)
     if mesh["pp"].size() > 1:
         parts = apply_pp(build, stage_layers, chunks, container or "")
     else:

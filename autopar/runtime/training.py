@@ -100,7 +100,7 @@ def _shards(t: torch.Tensor) -> int:
     """Into how many distinct pieces a (DTensor) gradient is split across its mesh."""
     if not hasattr(t, "placements"):
         return 1
-    return math.prod(t.device_mesh.size(i) for i, p in enumerate(t.placements) if p.is_shard() or hasattr(p, "dim"))
+    return math.prod(t.device_mesh.size(i) for i, p in enumerate(t.placements) if p.is_shard())  # _StridedShard too
 
 
 def grad_norm(named: Sequence[tuple[str, nn.Parameter]], stage_ranks: int, skip: set[str],
