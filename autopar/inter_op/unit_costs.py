@@ -20,16 +20,16 @@ from autopar.intra_op.problem import IntraOpConfig, IntraOpSolution, solve_intra
 from autopar.intra_op.sharding_costs import (
     ATTENTION_OPS,
     PRODUCT_OPS,
+    collectives_s,
     compute_s,
     grad_placements,
     param_cost,
     redistribute_collectives,
-    redistribute_s,
     saved_bytes,
     shard_factor,
 )
 from autopar.intra_op.strategies import AxisStrategy, R, Strategy, tensor_refs
-from autopar.ir import OpGraph
+from autopar.ir import OpGraph, Ref, TensorInfo
 from autopar.passes.activations import storage_key
 from autopar.passes.context import PassContext
 from autopar.passes.traffic import FP32_BYTES, LOSS_OPS
@@ -147,31 +147,22 @@ def _with_first_layer_input(pre: UnitCost, graph: OpGraph, pre_nodes: set[str], 
     the first norm, say).  A layer type is costed off its second instance, whose input comes from a layer,
     so that edge is priced nowhere else."""
     first = graph.layers[0].index
-    fwd_s = bwd_s = 0.0
-    fwd_b: dict[str, float] = dict(pre.tp_fwd_bytes)
-    bwd_b: dict[str, float] = dict(pre.tp_bwd_bytes)
-    reshards: set[tuple] = set()
+    edges = _Reshards(mesh, mbs, ctx, fwd_bytes=dict(pre.tp_fwd_bytes), bwd_bytes=dict(pre.tp_bwd_bytes))
     for n in graph.ops():
         if n.layer != first or n.name not in strategies:
             continue
         strat = strategies[n.name]
         for k, r in enumerate(tensor_refs(n)):
-            if r.name not in pre_nodes or r.name not in strategies:
-                continue
-            t = graph.tensor(r)
-            produced = tuple(ax.outputs[r.index] if r.index < len(ax.outputs) else R for ax in strategies[r.name])
-            required = tuple(ax.inputs[k] for ax in strat)
-            if (r, produced, required) not in reshards:
-                reshards.add((r, produced, required))
-                fwd_s += redistribute_s(t, produced, required, mesh, mbs, ctx)
-                _add_bytes(fwd_b, redistribute_collectives(t, produced, required, mesh, mbs, ctx))
-            grads = grad_placements(produced, required, strat)
-            if t.requires_grad and t.is_floating and (r, *grads) not in reshards:
-                reshards.add((r, *grads))
-                bwd_s += redistribute_s(t, *grads, mesh, mbs, ctx)
-                _add_bytes(bwd_b, redistribute_collectives(t, *grads, mesh, mbs, ctx))
-    return dataclasses.replace(pre, tp_fwd_s=pre.tp_fwd_s + fwd_s, tp_bwd_s=pre.tp_bwd_s + bwd_s,
-                               tp_fwd_bytes=fwd_b, tp_bwd_bytes=bwd_b)
+            if r.name in pre_nodes and r.name in strategies:
+                edges.add(graph.tensor(r), r, _produced(strategies[r.name], r), tuple(ax.inputs[k] for ax in strat),
+                          strat)
+    return dataclasses.replace(pre, tp_fwd_s=pre.tp_fwd_s + edges.fwd_s, tp_bwd_s=pre.tp_bwd_s + edges.bwd_s,
+                               tp_fwd_bytes=edges.fwd_bytes, tp_bwd_bytes=edges.bwd_bytes)
+
+
+def _produced(producer: Strategy, ref: Ref) -> tuple:
+    """The placements in which ``producer`` makes output ``ref.index``."""
+    return tuple(ax.outputs[ref.index] if ref.index < len(ax.outputs) else R for ax in producer)
 
 
 #: Under bf16 autocast the loss runs in fp32 (``log_softmax`` is on autocast's fp32 list): beyond the fp32
@@ -226,6 +217,37 @@ def _add_bytes(into: dict[str, float], collectives: tuple[tuple[int, str, float]
         into[kind] = into.get(kind, 0.0) + nbytes
 
 
+@dataclass
+class _Reshards:
+    """The tensor-parallel resharding of a unit's edges, forward and backward, in seconds and bytes.
+
+    A tensor resharded the same way for several consumers (q, k and v reading one norm output) is resharded
+    once, and the gradients they send back are summed before one resharding."""
+
+    mesh: MeshSpec
+    mbs: int
+    ctx: PassContext
+    fwd_s: float = 0.0
+    bwd_s: float = 0.0
+    fwd_bytes: dict[str, float] = field(default_factory=dict)
+    bwd_bytes: dict[str, float] = field(default_factory=dict)
+    seen: set[tuple] = field(default_factory=set)
+
+    def add(self, t: TensorInfo, ref: Ref, produced: tuple, required: tuple, consumer: Strategy) -> None:
+        if (ref, produced, required) not in self.seen:
+            self.seen.add((ref, produced, required))
+            self.fwd_s += self._priced(t, produced, required, self.fwd_bytes)
+        grads = grad_placements(produced, required, consumer)
+        if t.requires_grad and t.is_floating and (ref, *grads) not in self.seen:
+            self.seen.add((ref, *grads))
+            self.bwd_s += self._priced(t, *grads, self.bwd_bytes)
+
+    def _priced(self, t: TensorInfo, src: tuple, dst: tuple, into: dict[str, float]) -> float:
+        collectives = redistribute_collectives(t, src, dst, self.mesh, self.mbs, self.ctx)
+        _add_bytes(into, collectives)
+        return collectives_s(collectives, self.mesh)
+
+
 def _unit_cost(graph: OpGraph, names: list[str], strategies: dict[str, Strategy], mesh: MeshSpec, mbs: int,
                cluster: Cluster, ctx: PassContext) -> UnitCost:
     members = set(names)
@@ -239,9 +261,9 @@ def _unit_cost(graph: OpGraph, names: list[str], strategies: dict[str, Strategy]
     products = 0
     op_recompute = op_saved = op_recompute_flops = transient = 0.0
     modules: dict[str, float] = {}
-    fwd = bwd = tp_fwd = tp_bwd = tp_sync = attn_s = attn_bytes = 0.0
-    tp_bytes: tuple[dict[str, float], dict[str, float], dict[str, float]] = ({}, {}, {})  # fwd, bwd, sync
-    reshards: set[tuple] = set()
+    fwd = bwd = tp_sync = attn_s = attn_bytes = 0.0
+    edges = _Reshards(mesh, mbs, ctx)
+    sync_bytes: dict[str, float] = {}
     act = 0.0
     input_bytes = 0.0
     params: dict[str, float] = {}
@@ -285,7 +307,7 @@ def _unit_cost(graph: OpGraph, names: list[str], strategies: dict[str, Strategy]
             if src.kind == "param":
                 pc = param_cost(src.out, required, strat, mesh, 0, ctx)
                 tp_sync += pc.per_iteration_s
-                _add_bytes(tp_bytes[2], pc.sync)
+                _add_bytes(sync_bytes, pc.sync)
                 if src.target not in params:
                     params[src.target] = src.out.numel_at(1) / shard_factor(required, mesh)
                     owner = src.target.rsplit(".", 1)[0] if "." in src.target else ""
@@ -294,18 +316,8 @@ def _unit_cost(graph: OpGraph, names: list[str], strategies: dict[str, Strategy]
             if r.name not in strategies:  # inputs, buffers, constants: produced replicated, no gradient
                 continue
             t = graph.tensor(r)
-            produced = tuple(ax.outputs[r.index] if r.index < len(ax.outputs) else R for ax in strategies[r.name])
-            # A tensor resharded the same way for several consumers (q, k and v reading one norm output) is
-            # resharded once, and the gradients they send back are summed before one resharding.
-            if (r, produced, required) not in reshards:
-                reshards.add((r, produced, required))
-                tp_fwd += redistribute_s(t, produced, required, mesh, mbs, ctx)
-                _add_bytes(tp_bytes[0], redistribute_collectives(t, produced, required, mesh, mbs, ctx))
-            grads = grad_placements(produced, required, strat)
-            if t.requires_grad and t.is_floating and (r, *grads) not in reshards:
-                reshards.add((r, *grads))
-                tp_bwd += redistribute_s(t, *grads, mesh, mbs, ctx)
-                _add_bytes(tp_bytes[1], redistribute_collectives(t, *grads, mesh, mbs, ctx))
+            produced = _produced(strategies[r.name], r)
+            edges.add(t, r, produced, required, strat)
             if produced_of is not None:
                 produced_of.setdefault(storage_key(graph, r), produced)
             if r.name not in members and graph[r.name].kind == "op" and t.is_floating:
@@ -320,7 +332,8 @@ def _unit_cost(graph: OpGraph, names: list[str], strategies: dict[str, Strategy]
                     attn_bytes += b_
                 if name in attn_members and t.key.split(":", 1)[0] in attn_members:
                     attn_module_bytes += b_  # made inside the module: freed when it is checkpointed
-    return UnitCost(fwd, bwd, tp_fwd, tp_bwd, tp_sync, *tp_bytes, params, act,
+    return UnitCost(fwd, bwd, edges.fwd_s, edges.bwd_s, tp_sync, edges.fwd_bytes, edges.bwd_bytes, sync_bytes,
+                    params, act,
                     input_bytes, attn_s, attn_bytes, fwd_flops, attn_flops,
                     attention_module_recompute_s=attn_module_s, attention_module_saved_bytes=attn_module_bytes,
                     attention_module_recompute_flops=attn_module_flops,

@@ -128,10 +128,14 @@ def _reshard_collectives(nbytes: float, src: Placements, dst: Placements,
     return tuple(out)
 
 
+def collectives_s(collectives: tuple[AxisCollective, ...], mesh: MeshSpec) -> float:
+    """Time of ``collectives`` (one after another) on ``mesh``'s links."""
+    return sum(collective_s(kind, size, mesh.links[a]) for a, kind, size in collectives)
+
+
 @lru_cache(maxsize=200_000)
 def _redistribute_cached(nbytes: float, src: Placements, dst: Placements, mesh: MeshSpec) -> float:
-    return sum(collective_s(kind, size, mesh.links[a])
-               for a, kind, size in _reshard_collectives(nbytes, src, dst, mesh))
+    return collectives_s(_reshard_collectives(nbytes, src, dst, mesh), mesh)
 
 
 def _reshard_bytes(t: TensorInfo, batch: int, ctx: PassContext) -> float:
