@@ -180,3 +180,21 @@ def test_evaluate_many_layouts(capsys, tmp_path):
     assert lines[1]["layout"]["tp"] == 2 and lines[1]["layout"]["sp"] is True
     assert "error" in lines[2] and "does not divide" in lines[2]["error"]
     assert lines[3]["layout"]["pp"] == 2 and lines[3]["layout"]["schedule"] == "gpipe"
+
+
+def test_a_solution_that_shards_nothing_on_tp_needs_the_micro_batch_to_split_over_it():
+    from autopar.inter_op.layout import Layout
+    from autopar.inter_op.search import UnitCostCache, runtime_runs, shards_parameters_on_tp
+
+    odd = Layout(dp=1, tp=2, pp=1, mbs=3, num_microbatches=1, schedule="1f1b", v=1, recompute="none", sp=False,
+                 zero=0)
+    assert runtime_runs(odd, shards_parameters=True)  # tensor parallelism as planned
+    assert not runtime_runs(odd, shards_parameters=False)  # the tp axis would run as dp: 3 samples on 2 ranks
+    assert runtime_runs(Layout(**{**odd.to_dict(), "mbs": 4}), shards_parameters=False)
+    cfg = {"layers": 2, "hidden": 512, "heads": 8, "vocab": 256, "seq_len": 16}
+    cluster = load_cluster("cpu").with_overrides(gpus=2)
+    ctx = PassContext(cluster=cluster)
+    graph = trace_model("gpt", cfg, ctx=ctx).graph
+    cache = UnitCostCache(graph, cluster, ctx, "cbc", 60.0)
+    _, strategies = cache.get(2, 4, False, "fast")
+    assert cache.shards_parameters(strategies) == shards_parameters_on_tp(graph, strategies) is True  # Megatron

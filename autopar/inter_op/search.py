@@ -92,6 +92,7 @@ class UnitCostCache:
         self.backend, self.time_limit_s = backend, time_limit_s
         self._cache: dict[tuple, tuple[dict[str, UnitCost], dict[str, Strategy]]] = {}
         self._solved: dict[tuple, tuple[MeshSpec, dict[str, Strategy]]] = {}
+        self._shards: dict[int, bool] = {}
         self.solves = 0
         self.statuses: set[str] = set()
 
@@ -118,6 +119,13 @@ class UnitCostCache:
                 self.statuses.add(sol.result.status)
             self._solved[key] = (mesh, strategies)
         return self._solved[key]
+
+    def shards_parameters(self, strategies: dict[str, Strategy]) -> bool:
+        """``shards_parameters_on_tp`` of one of this cache's solutions, walked once per solution."""
+        key = id(strategies)  # the solutions live as long as the cache
+        if key not in self._shards:
+            self._shards[key] = shards_parameters_on_tp(self.graph, strategies)
+        return self._shards[key]
 
     def get(self, tp: int, mbs: int, sp: bool, variant: str) -> tuple[dict[str, UnitCost], dict[str, Strategy]]:
         key = (tp, mbs, sp, variant if tp > 1 else "fast")
@@ -221,13 +229,17 @@ def _schedules(pp: int, m: int, layers: int, fixed: dict[str, Any], fw: Framewor
     return options
 
 
-def runtime_runs(graph: OpGraph, strategies: dict[str, Strategy], layout: Layout) -> bool:
-    """Whether autopar's runtime can run the intra-op solution as the plan would price it.  A solution that
-    replicates every parameter on tp is run with that axis as data parallelism
-    (``autopar.runtime.apply.run_shape``), which needs the micro-batch to split over tp."""
-    if layout.tp == 1 or layout.mbs % layout.tp == 0:
-        return True
+def shards_parameters_on_tp(graph: OpGraph, strategies: dict[str, Strategy]) -> bool:
+    """Whether an intra-op solution places any parameter other than replicated on tp."""
     return any(p != R for p in param_tp_placements(graph, strategies).values())
+
+
+def runtime_runs(layout: Layout, shards_parameters: bool) -> bool:
+    """Whether autopar's runtime can run an intra-op solution (``shards_parameters``: whether it shards any
+    parameter on tp) as the plan would price it.  A solution that replicates every parameter on tp is run
+    with that axis as data parallelism (``autopar.runtime.apply.run_shape``), which needs the micro-batch
+    to split over tp."""
+    return layout.tp == 1 or layout.mbs % layout.tp == 0 or shards_parameters
 
 
 def _lower_bound(costs: dict[str, UnitCost], sequence: list[str], layout: Layout, ctx: PassContext) -> float:
@@ -263,7 +275,7 @@ def search(graph: OpGraph, cluster: Cluster, ctx: PassContext, global_batch: int
     for layout in layouts(graph, cluster, global_batch, fixed, ctx.framework):
         for variant in VARIANTS if layout.tp > 1 else VARIANTS[:1]:
             costs, strategies = cache.get(layout.tp, layout.mbs, layout.sp, variant)
-            if not runtime_runs(graph, strategies, layout):
+            if not runtime_runs(layout, cache.shards_parameters(strategies)):
                 continue
             cutoff = fitting[top_k - 1].estimate.iteration_time_s if len(fitting) >= top_k else None
             if cutoff is not None and _lower_bound(costs, sequence, layout, ctx) >= cutoff:
@@ -311,4 +323,5 @@ def _distinct(cands: list[Candidate], k: int) -> list[Candidate]:
     return out
 
 
-__all__ = ["Candidate", "SearchResult", "UnitCostCache", "check_fixed", "divisors", "layouts", "runtime_runs", "search"]
+__all__ = ["Candidate", "SearchResult", "UnitCostCache", "check_fixed", "divisors", "layouts", "runtime_runs", "search",
+           "shards_parameters_on_tp"]
