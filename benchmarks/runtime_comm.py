@@ -7,8 +7,8 @@ under a dispatch mode that records every collective's kind, bytes and process gr
 on the tp group are sized as the planner sizes them (``autopar.collectives``: an all-gather by its gathered
 output) and compared with the bytes the plan records: its first stage's tp collectives per micro-batch
 times the micro-batches, plus the per-iteration gradient synchronization on tp.  A ratio near 1 says the
-runtime communicates what the plan assumed; far from 1, the runtime (or DTensor's choice inside a
-``PlacedParameters`` region) differs.  The times both come to are reported too.
+runtime communicates what the plan assumed; far from 1, the runtime differs from the plan.  The times
+both come to are reported too.
 
 Rank 0's compute runs for real on the CPU, so the models are small.  Writes
 ``benchmarks/results/runtime_comm.json``.
@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
+from torch.distributed.tensor import DTensor, placement_types
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -62,15 +63,25 @@ KINDS = {"all_reduce": ("all_reduce", False), "all_gather_into_tensor": ("all_ga
 
 class CommBytes(TorchDispatchMode):
     """Records each functional collective's name, tensor bytes and group name (a plain dispatch mode:
-    ``CommDebugMode``'s module tracking trips over FSDP2's hooks)."""
+    ``CommDebugMode``'s module tracking trips over FSDP2's hooks).
+
+    Like ``CommDebugMode`` it steps aside for DTensor arguments (``NotImplemented``), so the collectives
+    DTensor issues inside an op's dispatch, when it redistributes an operand, are seen too.  A shard-to-shard
+    redistribution is an all-to-all on GPU; gloo has none, so DTensor falls back to an all-gather on CPU
+    (``shard_dim_alltoall``).  That call is recorded as the all-to-all a cluster runs, sized by one rank's
+    buffer as ``autopar.collectives.all_to_all_s`` prices it.
+    """
 
     def __init__(self) -> None:
         super().__init__()
         self.records: list[tuple[str, int, str]] = []  # (collective, bytes of its tensor, group name)
+        self._inside_all_to_all = False
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
         out = func(*args, **(kwargs or {}))
-        if isinstance(func, torch._ops.HigherOrderOperator):
+        if isinstance(func, torch._ops.HigherOrderOperator) or self._inside_all_to_all:
             return out
         name = func._overloadpacket.__name__
         if name in KINDS:
@@ -78,6 +89,36 @@ class CommBytes(TorchDispatchMode):
             group = next(a for a in reversed(args) if isinstance(a, str))
             self.records.append((name, tensor.numel() * tensor.element_size(), group))
         return out
+
+    def __enter__(self) -> CommBytes:
+        original = placement_types.shard_dim_alltoall
+
+        def all_to_all(tensor: torch.Tensor, gather_dim: int, shard_dim: int, mesh: Any, mesh_dim: int) -> Any:
+            group = mesh.get_group(mesh_dim).group_name
+            self.records.append(("all_to_all_single", tensor.numel() * tensor.element_size(), group))
+            self._inside_all_to_all = True
+            try:
+                return original(tensor, gather_dim, shard_dim, mesh, mesh_dim)
+            finally:
+                self._inside_all_to_all = False
+
+        self._restore = contextlib.ExitStack()
+        self._restore.enter_context(_patched(placement_types, "shard_dim_alltoall", all_to_all))
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        self._restore.close()
+
+
+@contextlib.contextmanager
+def _patched(owner: Any, name: str, value: Any):
+    saved = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, saved)
 
 
 def measure(plan_path: Path) -> dict:

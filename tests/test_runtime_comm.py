@@ -35,8 +35,7 @@ def runtime_comm():
     ("gpt", CONFIG, "tp=8,sp=off"),
     ("gpt", "layers=2,hidden=2048,heads=16,vocab=8192,seq_len=256", "tp=8,sp=on"),
     ("llama", CONFIG, "dp=2,tp=4,sp=off,zero=0"),
-    pytest.param("moe", CONFIG + ",experts=8", "tp=8,sp=off", marks=pytest.mark.xfail(
-        strict=True, reason="the experts run as a DTensor region whose redistributions the ILP does not see")),
+    ("moe", CONFIG + ",experts=8", "tp=8,sp=off"),
 ], ids=["gpt-tp8", "gpt-tp8-sp", "llama-dp2xtp4", "moe-tp8"])
 def test_runtime_moves_the_tp_bytes_the_plan_records(tmp_path, monkeypatch, runtime_comm, model, config, fix):
     monkeypatch.setenv("AUTOPAR_DEVICE", "cpu")

@@ -77,6 +77,25 @@ def test_one_hot_rule_is_exact():
     assert (("S(1)",), ("S(1)",)) in rules
 
 
+MOE = {"layers": 1, "hidden": 32, "heads": 4, "vocab": 64, "seq_len": 16, "experts": 4}
+
+
+def test_gather_never_splits_the_index_along_the_gathered_dim_of_a_whole_input():
+    g = trace_model("moe", MOE).graph
+    node = _node(g, "aten.gather.default")  # padded.gather(1, index): tokens into expert slots
+    rules = {(r.outputs, r.inputs) for r in axis_strategies(g, node, 4)}
+    assert (("S(0)",), ("S(0)", "S(0)")) in rules  # split on another dim: its backward is local too
+    assert not any(inputs == ("R", "S(1)") for _, inputs in rules)  # backward would need a pending scatter
+
+
+def test_a_metadata_check_takes_its_input_as_it_is():
+    g = trace_model("moe", MOE).graph
+    node = _node(g, "aten._assert_tensor_metadata.default")  # what export writes for .to(dtype)
+    rules = axis_strategies(g, node, 4)
+    assert {r.inputs for r in rules} == {("R",), ("S(0)",), ("S(1)",), ("S(2)",), ("P",)}
+    assert len(rules) == 5
+
+
 def test_unknown_op_falls_back_to_replicate(caplog):
     from autopar.ir import Node, OpGraph, Ref, TensorInfo
 

@@ -79,13 +79,17 @@ def test_a_single_block_stage_enters_and_leaves_the_split_stream(tmp_path):
 
 def test_expert_weights_become_a_placed_parameters_region(tmp_path):
     _, specs = _specs(tmp_path, "moe", MOE, "dp=2,tp=2,sp=off")
-    assert specs["blocks.0.mlp"] == ("PlacedParameters", {"placements": "{'w_in': Shard(0), 'w_out': Shard(0)}"})
+    kind, kwargs = specs["blocks.0.mlp"]
+    assert kind == "PlacedParameters" and set(kwargs) == {"placements", "ops"}
+    assert kwargs["placements"] == "{'w_in': Shard(0), 'w_out': Shard(0)}"
     assert "blocks.0.mlp.router" not in specs  # replicated inside the region
     style = make_style(specs["blocks.0.mlp"])
     assert isinstance(style, PlacedParameters) and style.placements == {"w_in": Shard(0), "w_out": Shard(0)}
+    assert style.ops[0].op == "aten.linear.default" and len(style.ops) == len(evaluate(kwargs["ops"]))
     _, specs = _specs(tmp_path / "sp", "moe", MOE, "dp=2,tp=2,sp=on")
-    assert specs["blocks.0.mlp"][1] == {"placements": "{'w_in': Shard(0), 'w_out': Shard(0)}",
-                                        "input_layouts": "Shard(1)", "output_layouts": "Shard(1)"}
+    assert {k: v for k, v in specs["blocks.0.mlp"][1].items() if k != "ops"} == {
+        "placements": "{'w_in': Shard(0), 'w_out': Shard(0)}", "input_layouts": "Shard(1)",
+        "output_layouts": "Shard(1)"}
 
 
 def test_generated_scripts_compile_and_carry_their_styles(tmp_path):
@@ -94,6 +98,7 @@ def test_generated_scripts_compile_and_carry_their_styles(tmp_path):
     compile(source, "train.py", "exec")
     assert "from autopar.runtime.styles import PlacedParameters" in source  # the runtime's own style, imported
     assert "        'blocks.1.ln2': SequenceParallel(use_local_output=True)," in source  # chunk 0's styles
+    assert source.count("REGION_OPS_0 = (") == 1 and source.count("ops=REGION_OPS_0") == 2  # one per type
     plan, _ = _specs(tmp_path / "dp", "gpt", WIDE, "dp=4")
     source = generate_train_script(plan)
     compile(source, "train.py", "exec")

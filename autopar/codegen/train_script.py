@@ -23,7 +23,7 @@ from autopar.plan import Plan
 from autopar.runtime.apply import run_shape
 from autopar.runtime.pipeline import tied_pairs
 from autopar.runtime.stages import prune_to_stage, stage_layer_ranges
-from autopar.runtime.styles import StyleSpec, style_source
+from autopar.runtime.styles import StyleSpec, evaluate, style_source
 from autopar.runtime.support import check_runnable, model_on_meta
 from autopar.runtime.tensor_parallel import runs_loss_parallel, tp_style_specs
 
@@ -63,12 +63,24 @@ def _tp_plans(plan: Plan, model: nn.Module,
 
 
 def _tp_plan_source(plans: dict[int, dict[str, StyleSpec]]) -> str:
+    """``TP_PLAN``, with the op strategies of ``PlacedParameters`` regions hoisted into one named tuple per
+    distinct region (the layers of a stack share theirs)."""
+    names: dict[str, str] = {}  # ops source -> constant name
     lines = ["TP_PLAN = {  # pipeline chunk -> module -> parallelize_module style"]
     for chunk, specs in plans.items():
         lines.append(f"    {chunk}: {{")
-        lines += [f"        {name!r}: {style_source(spec)}," for name, spec in specs.items()]
+        for name, (kind, kwargs) in specs.items():
+            if "ops" in kwargs:
+                ops = names.setdefault(kwargs["ops"], f"REGION_OPS_{len(names)}")
+                kwargs = {**kwargs, "ops": ops}
+            lines.append(f"        {name!r}: {style_source((kind, kwargs))},")
         lines.append("    },")
-    return "\n".join(lines) + "\n}\n"
+    constants = []
+    for source, name in names.items():
+        constants.append(f"{name} = (  # a region's ops in graph order: tp placements of inputs -> outputs")
+        constants += [f"    {op!r}," for op in evaluate(source)]
+        constants.append(")")
+    return "".join(f"{line}\n" for line in constants) + "\n".join(lines) + "\n}\n"
 
 
 def generate_train_script(plan: Plan, script_name: str = "train.py") -> str:

@@ -102,11 +102,11 @@ def build_plan(*, graph: OpGraph, model_ref: str, config: dict[str, Any], cluste
         first_of_type.setdefault(layer.structural_hash, layer.index)
     rep_layers = set(first_of_type.values())
     ops = {}
-    for n in graph.ops():
+    for order, n in enumerate(graph.ops()):
         if (n.layer is None or n.layer in rep_layers) and n.name in strategies:
             strat = strategies[n.name]
             ops[n.name] = {"tp": {"outputs": list(strat[0].outputs), "inputs": list(strat[0].inputs)},
-                           "module": n.module, "op": n.op}
+                           "module": n.module, "op": n.op, "order": order}
     path = None if model_ref in ZOO else str(Path(model_ref).resolve())
     model = {"ref": model_ref, "path": path, "config": config, "fingerprint": model_fingerprint(graph, config),
              "layer_container": graph.layer_container, "num_layers": len(graph.layers),

@@ -172,6 +172,36 @@ def _is_batch_sharded(graph: OpGraph, node: Node, strategy: Strategy, tp: int | 
     return False
 
 
+#: Modules whose sharded weights have ``parallelize_module`` styles (``autopar.runtime.tensor_parallel``).
+STYLED_MODULE_TYPES = frozenset({"Linear", "Embedding"})
+
+
+def region_modules(graph: OpGraph) -> tuple[str, ...]:
+    """Modules with parameters of their own that are not a Linear or an Embedding (norms, stacked experts):
+    the runtime runs one as a ``PlacedParameters`` region once its weights are sharded on tp, and then
+    hands its output on whole (``autopar.runtime.styles``)."""
+    return tuple(sorted({n.module for n in graph.nodes
+                         if n.kind == "op" and n.params and n.module_type not in STYLED_MODULE_TYPES}))
+
+
+def _within(module: str, region: str) -> bool:
+    return region == "" or module == region or module.startswith(region + ".")
+
+
+def _region_outputs(graph: OpGraph) -> frozenset[str]:
+    """Op nodes inside a region module whose output some node outside that module reads."""
+    regions = region_modules(graph)
+    users = graph.users()
+    out = set()
+    for n in graph.ops():
+        inside = [r for r in regions if _within(n.module, r)]
+        if inside:
+            region = max(inside, key=len)  # the innermost
+            if any(not _within(graph[u].module, region) for u in users[n.name]):
+                out.add(n.name)
+    return frozenset(out)
+
+
 def build_intra_op(graph: OpGraph, node_names: Iterable[str], mesh: MeshSpec, cfg: IntraOpConfig,
                    cluster: Cluster, ctx: PassContext) -> IntraOpProblem:
     """The ILP for the op nodes ``node_names`` (a stage, a layer or the whole graph) on ``mesh``."""
@@ -184,6 +214,7 @@ def build_intra_op(graph: OpGraph, node_names: Iterable[str], mesh: MeshSpec, cf
     batch = cfg.batch
 
     constants: set[str] = {n.name for n in graph.nodes if n.kind in ("param", "buffer", "constant")}
+    leaving = _region_outputs(graph) if not cfg.sequence_parallel else frozenset()
     groups: list[_Group] = []
     group_of: dict[str, int] = {}
 
@@ -210,6 +241,8 @@ def build_intra_op(graph: OpGraph, node_names: Iterable[str], mesh: MeshSpec, cf
             strategies = [s for s in strategies if not _is_sequence_sharded(graph, n, s, tp)] or strategies[:1]
         if not cfg.split_batch_on_tp:
             strategies = [s for s in strategies if not _is_batch_sharded(graph, n, s, tp)] or strategies[:1]
+        if n.name in leaving and tp is not None:  # a region hands its output on whole
+            strategies = [s for s in strategies if all(p in (None, R) for p in s[tp].outputs)] or strategies[:1]
         leader = rep_of.get(acts[0], acts[0]) if len(acts) == 1 else None
         if leader is not None and leader in group_of:
             placed = _follow(n, acts[0], leader, groups[group_of[leader]], strategies)

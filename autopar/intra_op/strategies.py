@@ -227,6 +227,27 @@ def _one_hot_strategies(graph: OpGraph, node: Node) -> list[AxisStrategy]:
     return [AxisStrategy((R,), (R,)), *(AxisStrategy((shard(d),), (shard(d),)) for d in range(len(t.shape)))]
 
 
+def _metadata_check_strategies(graph: OpGraph, node: Node) -> list[AxisStrategy]:
+    """``aten._assert_tensor_metadata`` (what export writes for ``x.to(dtype)``) only checks the dtype the
+    trace saw; it moves no data, so it takes its input as it is, and the runtime skips it."""
+    t = graph.tensor(tensor_refs(node)[0])
+    return [AxisStrategy((p,) * len(node.outputs), (p,)) for p in (R, *(shard(d) for d in range(len(t.shape))),
+                                                                    PARTIAL)]
+
+
+def _gather_strategies(graph: OpGraph, node: Node, batch: int) -> list[AxisStrategy]:
+    """DTensor's gather rules, less the one that splits the index along the gathered dim of a whole input.
+
+    That forward is local, but its backward (``gather_backward``: an in-place ``scatter_add_`` into zeros of
+    the input's shape) would need the input's gradient as a pending sum, and DTensor has no such rule for
+    an in-place scatter: it all-gathers the gradient and the int64 index instead.  So the ILP may not pick
+    a layout whose backward the runtime does not run.
+    """
+    rules = _registry_strategies(graph, node, batch) or _replicate_fallback(node)
+    dim = node.args[1] % len(graph.tensor(tensor_refs(node)[0]).shape)
+    return [r for r in rules if not (r.inputs[0] in (R, None) and r.inputs[1] == shard(dim))]
+
+
 _DECOMPOSED = {
     "aten.layer_norm.default": "native_layer_norm.default",
     "aten.rms_norm.default": "_fused_rms_norm.default",
@@ -345,6 +366,10 @@ def axis_strategies(graph: OpGraph, node: Node, batch: int) -> tuple[AxisStrateg
             rules = _cross_entropy_strategies(graph, node)
         elif op == "aten.one_hot.default":
             rules = _one_hot_strategies(graph, node)
+        elif op == "aten._assert_tensor_metadata.default" and tensor_refs(node):
+            rules = _metadata_check_strategies(graph, node)
+        elif op == "aten.gather.default":
+            rules = _gather_strategies(graph, node, batch)
         else:
             rules = _registry_strategies(graph, node, batch) or _replicate_fallback(node)
     except Exception as exc:  # a DTensor rule that rejects these arguments: run replicated

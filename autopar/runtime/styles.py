@@ -3,7 +3,7 @@
 A style is written as a ``StyleSpec``: the class name and its keyword arguments as Python source
 (``("RowwiseParallel", {"output_layouts": "Shard(1)"})``).  Generated scripts print the source as is;
 the runtime builds the style from it with a small evaluator that accepts only placements
-(``Replicate()``, ``Shard(k)``), ``None``, booleans, integers, and tuples and str-keyed dicts of those,
+(``Replicate()``, ``Shard(k)``), ``None``, booleans, integers, strings, and tuples and str-keyed dicts of those,
 so nothing from a plan file is ever executed.
 """
 
@@ -31,6 +31,7 @@ from torch.distributed.tensor.parallel import (
 from torch.utils._pytree import tree_map
 
 from autopar.errors import AutoparError
+from autopar.runtime.region_graph import PlannedOp, PlannedRegion
 
 StyleSpec = tuple[str, dict[str, str]]
 
@@ -60,17 +61,20 @@ def register_cpu_attention_rules() -> None:
 class PlacedParameters(ParallelStyle):
     """Parameters as DTensors with the given placements (by name inside the module; others replicated).
 
-    Inputs enter as DTensors (local tensors read as ``input_layouts``, then made whole), DTensor's sharding
-    rules run the module's ops (plain tensors made inside, such as ``torch.arange``, count as replicated),
-    and outputs leave as local tensors laid out as ``output_layouts``.
+    Inputs enter as DTensors (local tensors read as ``input_layouts``, then made whole), and outputs leave
+    as local tensors laid out as ``output_layouts``.  Inside, with ``ops`` (the plan's op strategies, one
+    line per op, ``autopar.runtime.region_graph``) every op's inputs are first laid out as the plan chose;
+    without, DTensor's sharding rules choose (plain tensors made inside, such as ``torch.arange``, count as
+    replicated).
     """
 
     def __init__(self, placements: dict[str, Placement], *, input_layouts: Placement | None = None,
-                 output_layouts: Placement | None = None) -> None:
+                 output_layouts: Placement | None = None, ops: tuple[str, ...] = ()) -> None:
         super().__init__()
         self.input_layouts = input_layouts or Replicate()
         self.output_layouts = output_layouts or Replicate()
         self.placements = dict(placements)
+        self.ops = tuple(PlannedOp.parse(op) for op in ops)
 
     def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
         for pname, p in list(module.named_parameters(recurse=False)):
@@ -92,12 +96,16 @@ class PlacedParameters(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if device_mesh.device_type == "cpu":
             register_cpu_attention_rules()
+        planned = PlannedRegion(module, self.ops) if self.ops else None  # a meta copy, before distribution
         distribute_module(module, device_mesh, self._partition, self._inputs, self._outputs)
         inner = module.forward
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             with implicit_replication():
-                return inner(*args, **kwargs)
+                graph = planned.graph_for(module.training, args, kwargs) if planned is not None else None
+                if graph is None:
+                    return inner(*args, **kwargs)
+                return graph.run(module, device_mesh, args, kwargs)
 
         module.forward = forward
         return module
@@ -167,9 +175,9 @@ def placement_source(plan_placement: str) -> str:
 
 
 def evaluate(source: str) -> Any:
-    """The value of a style argument's source: placements, ``None``, bools, ints, tuples, str-keyed dicts."""
+    """The value of a style argument's source: placements, ``None``, bools, ints, strs, tuples, str-keyed dicts."""
     def value(node: ast.expr) -> Any:
-        if isinstance(node, ast.Constant) and (node.value is None or isinstance(node.value, (bool, int))):
+        if isinstance(node, ast.Constant) and (node.value is None or isinstance(node.value, (bool, int, str))):
             return node.value
         if isinstance(node, ast.Tuple):
             return tuple(value(e) for e in node.elts)
@@ -179,7 +187,7 @@ def evaluate(source: str) -> Any:
         if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in PLACEMENTS
                 and not node.keywords):
             return PLACEMENTS[node.func.id](*(value(a) for a in node.args))
-        raise AutoparError(f"style argument {source!r} is not a placement, tuple, dict, bool, int or None")
+        raise AutoparError(f"style argument {source!r} is not a placement, tuple, dict, str, bool, int or None")
     try:
         return value(ast.parse(source, mode="eval").body)
     except SyntaxError as exc:

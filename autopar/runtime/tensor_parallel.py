@@ -16,8 +16,9 @@ A plan's parameter placements on ``tp`` map onto module styles when they follow 
 
 Any other sharded parameter (stacked expert weights sharded on the expert dimension, say) makes its
 module a ``PlacedParameters`` region (``autopar.runtime.styles``): its parameters become DTensors with
-the plan's placements, its inputs whole DTensors, and DTensor's own sharding rules run every op inside,
-redistributing where an op needs it; the output leaves whole (or sequence-split, with sp) and local.
+the plan's placements, its inputs whole DTensors, and every op inside runs on inputs laid out as the
+plan's ``op_strategies`` say (``region_ops``, ``autopar.runtime.region_graph``); the output leaves whole
+(or sequence-split, with sp) and local.
 Such a region must not contain a module with a style of its own.
 
 With sequence parallelism (``sp``) the residual stream between the tensor-parallel regions of the block
@@ -35,6 +36,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from autopar import modelfile
 from autopar.errors import AutoparError
 from autopar.plan import Plan
+from autopar.runtime.region_graph import planned_op_source
 from autopar.runtime.styles import StyleSpec, make_style, placement_source
 
 
@@ -124,12 +126,39 @@ def tp_style_specs(plan: Plan, model: nn.Module) -> dict[str, StyleSpec] | None:
     for owner, params in placed.items():
         body = ", ".join(f"{name!r}: {where}" for name, where in sorted(params.items()))
         styles[owner] = ("PlacedParameters", {"placements": "{" + body + "}"})
+        ops = region_ops(plan, owner)
+        if ops:
+            styles[owner][1]["ops"] = "(" + "".join(f"{op!r}, " for op in ops).rstrip() + ")"
     if plan.layout.get("sp"):
         _sequence_parallel(styles, model, plan)
     else:
         _shared_region_inputs(styles, model, plan)
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
     return dict(sorted(styles.items(), key=lambda item: order[item[0]]))
+
+
+def region_ops(plan: Plan, region: str) -> tuple[str, ...]:
+    """The plan's op strategies on tp for the ops of module ``region``, in graph order, as the one-line
+    texts ``PlacedParameters(ops=...)`` takes (``autopar.runtime.region_graph``).
+
+    The plan lists the ops of the first layer of each type; a region in a later layer takes its own
+    type's.  Empty for a plan that does not record the ops' order.
+    """
+    container = plan.model.get("layer_container")
+    planned = region
+    if container and region.startswith(container + "."):
+        index, _, rest = region[len(container) + 1:].partition(".")
+        if index.isdigit():
+            units, first = plan.model.get("units", []), plan.model.get("layer_types", {})
+            rep = first.get(units[int(index)]) if int(index) < len(units) else None
+            if rep is None:
+                return ()
+            planned = f"{container}.{rep}" + (f".{rest}" if rest else "")
+    entries = [e for e in plan.op_strategies.values() if _covers(planned, e.get("module", ""))]
+    if not entries or any("order" not in e for e in entries):
+        return ()
+    entries.sort(key=lambda e: e["order"])
+    return tuple(planned_op_source(e["op"], e["tp"]["inputs"], e["tp"]["outputs"]) for e in entries)
 
 
 def _mixed_regions(model: nn.Module, styles: dict[str, StyleSpec]) -> list[str]:
