@@ -26,6 +26,7 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -102,23 +103,13 @@ class CommBytes(TorchDispatchMode):
             finally:
                 self._inside_all_to_all = False
 
-        self._restore = contextlib.ExitStack()
-        self._restore.enter_context(_patched(placement_types, "shard_dim_alltoall", all_to_all))
+        self._patch = mock.patch.object(placement_types, "shard_dim_alltoall", all_to_all)
+        self._patch.start()
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
-        self._restore.close()
-
-
-@contextlib.contextmanager
-def _patched(owner: Any, name: str, value: Any):
-    saved = getattr(owner, name)
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        setattr(owner, name, saved)
+        self._patch.stop()
 
 
 def measure(plan_path: Path) -> dict:

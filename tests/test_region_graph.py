@@ -89,7 +89,7 @@ def test_without_sequence_parallelism_a_region_hands_its_output_on_whole(tmp_pat
     plan = Plan.load(tmp_path / "plan.json")
     graph = trace_model("moe", parse_config(config), 512).graph
     assert {"blocks.0.mlp", "blocks.0.ln1", "ln_f"} <= set(region_modules(graph))  # experts, norms
-    leaving = _region_outputs(graph)
+    leaving = _region_outputs(graph, graph.ops())
     assert any(graph[n].module == "blocks.0.mlp.dropout" for n in leaving)  # the MoE's last op
     planned = {n: e for n, e in plan.op_strategies.items() if n in leaving}
     assert planned and all(p in ("R", None) for e in planned.values() for p in e["tp"]["outputs"])

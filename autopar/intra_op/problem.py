@@ -188,17 +188,17 @@ def _within(module: str, region: str) -> bool:
     return region == "" or module == region or module.startswith(region + ".")
 
 
-def _region_outputs(graph: OpGraph) -> frozenset[str]:
-    """Op nodes inside a region module whose output some node outside that module reads."""
-    regions = region_modules(graph)
+def _region_outputs(graph: OpGraph, nodes: Iterable[Node]) -> frozenset[str]:
+    """Those of ``nodes`` inside a region module whose output some node outside that module reads."""
+    regions = set(region_modules(graph))
     users = graph.users()
     out = set()
-    for n in graph.ops():
-        inside = [r for r in regions if _within(n.module, r)]
-        if inside:
-            region = max(inside, key=len)  # the innermost
-            if any(not _within(graph[u].module, region) for u in users[n.name]):
-                out.add(n.name)
+    for n in nodes:
+        module = n.module
+        while module not in regions and module:  # the innermost region holding the node, if any
+            module = module.rpartition(".")[0]
+        if module in regions and any(not _within(graph[u].module, module) for u in users[n.name]):
+            out.add(n.name)
     return frozenset(out)
 
 
@@ -214,7 +214,7 @@ def build_intra_op(graph: OpGraph, node_names: Iterable[str], mesh: MeshSpec, cf
     batch = cfg.batch
 
     constants: set[str] = {n.name for n in graph.nodes if n.kind in ("param", "buffer", "constant")}
-    leaving = _region_outputs(graph) if not cfg.sequence_parallel else frozenset()
+    leaving = _region_outputs(graph, nodes) if not cfg.sequence_parallel else frozenset()
     groups: list[_Group] = []
     group_of: dict[str, int] = {}
 

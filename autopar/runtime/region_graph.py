@@ -2,7 +2,7 @@
 
 Left to itself, DTensor picks each op's sharding greedily from the placements its inputs arrive in, which
 is not the layout the ILP priced (for a mixture of experts it moved about three quarters of the planned
-bytes, by different collectives).  Here the region's module is exported once per rank on the meta device
+bytes, by different collectives).  Here the region's module is exported once per rank, on fake tensors
 (``torch.export``, the route the planner traced it by, so its aten ops are the plan's ops in the same
 order), and the exported graph is interpreted on the module's own DTensor parameters: before each op, every
 tensor argument is redistributed to the placement the plan's ``op_strategies`` give it, and DTensor then
@@ -12,7 +12,7 @@ reshards, and autograd runs their transposes in the backward.
 An op is written ``"aten.einsum.default: S(1), S(0) -> S(1)"``: its tensor arguments' placements on tp
 (positional arguments, lists flattened, as the planner lists them), then its outputs'.  When the exported
 graph does not list the plan's ops (a model file changed since planning, say), the region falls back to
-DTensor's own choices and says so once.
+DTensor's own choices and says so once per region type.
 """
 
 from __future__ import annotations
@@ -62,9 +62,9 @@ class PlannedOp:
         return cls(m.group(1), side(m.group(2)), side(m.group(3)))
 
     def source(self) -> str:
-        def side(ps: Sequence[str | None]) -> str:
-            return ", ".join(p or "-" for p in ps)
-        return f"{self.op}: {side(self.inputs)} -> {side(self.outputs)}".replace(":  ->", ": ->")
+        inputs = ", ".join(p or "-" for p in self.inputs)
+        outputs = ", ".join(p or "-" for p in self.outputs)
+        return f"{self.op}: {inputs} -> {outputs}" if inputs else f"{self.op}: -> {outputs}"
 
 
 def planned_op_source(op: str, inputs: Sequence[str | None], outputs: Sequence[str | None]) -> str:
@@ -90,6 +90,7 @@ def meta_copy(module: nn.Module) -> nn.Module:
 
 
 def _copy_with(module: nn.Module, make: Any) -> nn.Module:
+    """A deep copy of ``module`` with every parameter and buffer replaced by ``make(global shape, dtype)``."""
     memo: dict[int, Any] = {}
     for t in [*module.parameters(), *module.buffers()]:
         local = t.to_local() if isinstance(t, DTensor) else t
@@ -98,11 +99,16 @@ def _copy_with(module: nn.Module, make: Any) -> nn.Module:
     return copy.deepcopy(module, memo)
 
 
+def _fake_empty(mode: FakeTensorMode, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    with mode:
+        return torch.empty(shape, dtype=dtype, device=device)
+
+
 def _fake_like(x: Any, mode: FakeTensorMode, device: torch.device) -> Any:
+    """A tensor argument (a DTensor by its global shape) as a fake tensor on ``device``; anything else as is."""
     if isinstance(x, torch.Tensor):
         local = x.to_local() if isinstance(x, DTensor) else x
-        with mode:
-            return torch.empty(x.shape, dtype=local.dtype, device=device)
+        return _fake_empty(mode, x.shape, local.dtype, device)
     return x
 
 
@@ -222,17 +228,16 @@ class PlannedRegion:
         device = next((x.device for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)),
                       torch.device("cpu"))
         mode = FakeTensorMode()
-        shadow = _copy_with(self.shadow, lambda shape, dtype: _fake_like(torch.empty(shape, dtype=dtype,
-                                                                                   device="meta"), mode, device))
+        shadow = _copy_with(self.shadow, lambda shape, dtype: _fake_empty(mode, shape, dtype, device))
         shadow.train(training)
         fake_args, fake_kwargs = tree_map(lambda x: _fake_like(x, mode, device), (args, kwargs))
-        autocast = [contextlib.nullcontext()]
+        autocast = contextlib.nullcontext()
         if torch.is_autocast_enabled(device.type):  # export as the call runs: the op dtypes follow autocast
-            autocast = [torch.autocast(device.type, dtype=torch.get_autocast_dtype(device.type))]
+            autocast = torch.autocast(device.type, dtype=torch.get_autocast_dtype(device.type))
         try:
             # identity hooks: an activation checkpoint running around this first call must not count the
             # trace's tensors as saved by the forward (its recomputation finds the graph made and saves fewer)
-            with autocast[0], torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            with autocast, torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
                 program = torch.export.export(shadow, fake_args, fake_kwargs, strict=False)
         except Exception as exc:  # any export failure: the region still runs, by DTensor's own rules
             log.warning("autopar: %s could not be exported (%s); it runs by DTensor's own sharding choices, "

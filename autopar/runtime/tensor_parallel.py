@@ -128,7 +128,7 @@ def tp_style_specs(plan: Plan, model: nn.Module) -> dict[str, StyleSpec] | None:
         styles[owner] = ("PlacedParameters", {"placements": "{" + body + "}"})
         ops = region_ops(plan, owner)
         if ops:
-            styles[owner][1]["ops"] = "(" + "".join(f"{op!r}, " for op in ops).rstrip() + ")"
+            styles[owner][1]["ops"] = repr(ops)
     if plan.layout.get("sp"):
         _sequence_parallel(styles, model, plan)
     else:
