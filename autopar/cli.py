@@ -112,8 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="one or more plans; plans of one world size share one launch")
     ver.add_argument("--steps", type=int, default=3, help="training steps to compare (default 3)")
     ver.add_argument("--numerics", choices=("fp32", "bf16"), default="fp32",
-                     help="fp32: SGD in fp32, exact to rounding (default); bf16: AdamW under bf16 autocast, as "
-                          "the plan prices training")
+                     help="fp32: SGD in fp32, exact to rounding (default); bf16: AdamW in bf16 mixed precision, "
+                          "as the plan prices training")
+    ver.add_argument("--memory", action="store_true",
+                     help="also measure each stage's activation memory (torch's MemTracker) against the plan's")
     ver.add_argument("--tolerance", type=float, default=None,
                      help="max relative difference (default 1e-4 for fp32, 2e-2 for bf16)")
     ver.add_argument("--json", action="store_true",
@@ -265,7 +267,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     if args.steps < 1:
         raise AutoparError("--steps must be >= 1")
-    results = verify_many(args.plan, steps=args.steps, tolerance=args.tolerance, numerics=args.numerics)
+    results = verify_many(args.plan, steps=args.steps, tolerance=args.tolerance, numerics=args.numerics,
+                          memory=args.memory)
     reports = []
     for path, res in zip(args.plan, results):
         reports.append({"plan": path, "ok": res.ok, "numerics": args.numerics, "losses": res.losses,
@@ -273,6 +276,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
                         "grad_rel_diff": res.grad_rel_diff, "param_rel_diff": res.param_rel_diff,
                         "tolerance": res.tolerance, "sharded_parameters": res.sharded_parameters,
                         "placements": res.placements})
+        if args.memory:
+            reports[-1]["activations"] = [{"stage": k, "measured_bytes": got, "estimated_bytes": want}
+                                          for k, (got, want) in sorted(res.activations.items())]
     if args.json:
         print(json.dumps(reports[0] if len(reports) == 1 else reports, indent=2, sort_keys=True))
     else:
@@ -284,6 +290,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
                           f"max relative difference: loss {res.loss_rel_diff:.2e}, grads {res.grad_rel_diff:.2e}, "
                           f"params {res.param_rel_diff:.2e} (tolerance {res.tolerance:.0e}): "
                           f"{'OK' if res.ok else 'FAILED'}")
+            for k, (measured, planned) in sorted(res.activations.items()):
+                seen = (f"measured {measured / 2**20:.2f} MiB ({measured / planned:.2f}x)" if measured is not None
+                        else "not measured (torch's memory tracker takes one model chunk per rank)")
+                console.print(f"  stage {k} activations: planned {planned / 2**20:.2f} MiB, {seen}")
     return EXIT_OK if all(res.ok for res in results) else EXIT_INTERNAL
 
 

@@ -13,10 +13,14 @@ import logging
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from autopar.cli import main
 from autopar.plan import Plan
-from autopar.runtime.region_graph import PlannedOp, PlannedRegion, placement
+from autopar.runtime.region_graph import PlannedOp, PlannedRegion, _consistent, placement
 from autopar.runtime.support import model_on_meta
 from autopar.runtime.tensor_parallel import region_ops
 
@@ -57,22 +61,29 @@ def test_every_layer_takes_the_ops_of_its_type_in_graph_order(moe_plan):
 
 def test_the_exported_region_lists_the_plans_ops(moe_plan):
     model = model_on_meta(moe_plan)
+    model.train()
     x = torch.zeros(4, 16, 128)
-    region = PlannedRegion(model.get_submodule("blocks.1.mlp"), [PlannedOp.parse(o) for o in
-                                                                  region_ops(moe_plan, "blocks.1.mlp")])
-    graph = region.graph_for(True, (x,), {})
+    live = model.get_submodule("blocks.1.mlp")
+    region = PlannedRegion(live, [PlannedOp.parse(o) for o in region_ops(moe_plan, "blocks.1.mlp")])
+    graph = region.graph_for(live, (x,), {})
     assert graph is not None and graph.matches
-    assert region.graph_for(True, (x,), {}) is graph  # exported once per call signature
-    twin = PlannedRegion(model.get_submodule("blocks.2.mlp"), region.ops)
-    assert twin.graph_for(True, (x,), {}) is graph  # and once for the identical regions of the stack
+    assert region.graph_for(live, (x,), {}) is graph  # exported once per call signature
+    twin = model.get_submodule("blocks.2.mlp")
+    assert PlannedRegion(twin, region.ops).graph_for(twin, (x,), {}) is graph  # once for the stack's twins
+    # FSDP2's mixed precision hands the forward bf16 weights: the region is exported in them, with bf16 inputs
+    live.to(torch.bfloat16)
+    bf16 = region.graph_for(live, (x.bfloat16(),), {})
+    assert bf16 is not None and bf16 is not graph
+    placeholders = [n for n in bf16.graph.nodes if n.op == "placeholder"]
+    assert all(n.meta["val"].dtype == torch.bfloat16 for n in placeholders if n.meta["val"].is_floating_point())
 
 
 def test_a_region_whose_ops_changed_runs_by_dtensors_rules_and_says_so(moe_plan, caplog):
     model = model_on_meta(moe_plan)
     ops = [PlannedOp.parse(o) for o in region_ops(moe_plan, "blocks.0.mlp")][:-1]  # one op short
+    live = model.get_submodule("blocks.0.mlp").train()
     with caplog.at_level(logging.WARNING):
-        assert PlannedRegion(model.get_submodule("blocks.0.mlp"), ops).graph_for(True, (torch.zeros(2, 16, 128),),
-                                                                                  {}) is None
+        assert PlannedRegion(live, ops).graph_for(live, (torch.zeros(2, 16, 128),), {}) is None
     assert "ops differ from the plan's" in caplog.text
 
 
@@ -93,3 +104,23 @@ def test_without_sequence_parallelism_a_region_hands_its_output_on_whole(tmp_pat
     assert any(graph[n].module == "blocks.0.mlp.dropout" for n in leaving)  # the MoE's last op
     planned = {n: e for n, e in plan.op_strategies.items() if n in leaving}
     assert planned and all(p in ("R", None) for e in planned.values() for p in e["tp"]["outputs"])
+
+
+def test_a_shard_laid_out_against_its_dtensors_strides_is_relaid_and_keeps_its_gradient():
+    """A redistribution keeps a transposed view's strides while the collective hands back a contiguous shard."""
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        local = torch.arange(24.0).reshape(2, 3, 4).requires_grad_()  # contiguous [b, s, h]
+        global_stride = (24, 1, 3)  # [b, h, s] storage seen as [b, s, h]: dims 1 and 2 swapped
+        x = DTensor.from_local(local, mesh, [Shard(2)], run_check=False, shape=(2, 3, 8), stride=global_stride)
+        y = _consistent(x)
+        assert y.stride() == x.stride() and y.placements == x.placements
+        assert y._local_tensor.stride() == (12, 1, 3)  # laid out as the strides say: s innermost
+        assert torch.equal(y.to_local(), local)
+        y.to_local().mul(torch.arange(24.0).reshape(2, 3, 4)).sum().backward()
+        assert torch.equal(local.grad, torch.arange(24.0).reshape(2, 3, 4))  # the gradient flows through
+        same = DTensor.from_local(torch.zeros(2, 3, 4), mesh, [Shard(2)], run_check=False)
+        assert _consistent(same) is same  # nothing to do: no copy
+    finally:
+        dist.destroy_process_group()

@@ -64,8 +64,11 @@ class StageEstimate:
     time_s: float  # per micro-batch, p2p included
     memory_bytes: float
     state_bytes: float  # parameters, gradients and optimizer state between steps (``PassContext.state_bytes``)
-    activation_bytes: float  # the rest of ``memory_bytes`` at its peak: saved activations of the micro-batches
-    # in flight and what is alive only while a unit runs (logits, gathered ZeRO-3 weights)
+    activation_bytes: float  # saved activations of the micro-batches in flight and what forward and
+    # recomputation hold only while a unit runs (the loss's fp32 logits, a recomputed layer): what torch's
+    # MemTracker files as activations
+    gathered_weight_bytes: float  # ZeRO-3's gathered weights (this unit's and the prefetched next) and an
+    # unsharded gradient, at the unit that peaks; ``memory_bytes`` = held state + the two above, at most
     tp_bytes: dict[str, float]  # collective kind -> bytes of the tp collectives of one micro-batch (``tp_bytes``)
     tp_sync_bytes: dict[str, float]  # the same for the once-per-iteration gradient synchronization on tp
 
@@ -107,7 +110,8 @@ class _UnitLoad:
     bwd_s: float
     state_bytes: float
     activation_bytes: float
-    extra_bytes: float
+    extra_bytes: float  # alive only while the unit runs: activation transients and ``gathered_bytes``
+    gathered_bytes: float  # ZeRO-3's gathered weights and unsharded gradient
 
 
 @functools.lru_cache(maxsize=4096)
@@ -169,7 +173,7 @@ def _unit_load(u: UnitCost, is_layer: bool, layout: Layout, dp_link: AxisLink, c
     dp, z = layout.dp, layout.zero
     state = ctx.state_bytes(u.params_local, dp, z) + ctx.held_bytes(u.params_local, dp, z, layout.pp,
                                                                      layout.num_microbatches)
-    zero3 = 0.0
+    zero3 = gathered_bytes = 0.0
     if z >= 3 and dp > 1 and u.params_local > 0:
         count, gathered = _zero3_collectives(u, ctx)
         copies = fw.list_collectives
@@ -182,9 +186,10 @@ def _unit_load(u: UnitCost, is_layer: bool, layout: Layout, dp_link: AxisLink, c
         zero3 = _exposed(comm, compute + recompute, cluster) if fw.zero3_prefetch else comm
         zero3 += memory_s(cluster, u.params_local * fw.zero3_copy_bytes_per_param)
         # the gathered weights of this unit and the prefetched next one, and one unsharded gradient
-        extra += 2 * gathered * pol.weight_bytes + gathered * fw.grad_reduce_bytes
+        gathered_bytes = 2 * gathered * pol.weight_bytes + gathered * fw.grad_reduce_bytes
+        extra += gathered_bytes
     time = compute + tp_exposed + recompute + zero3
-    return _UnitLoad(time, compute, tp_exposed, recompute, zero3, u.fwd_s, u.bwd_s, state, act, extra)
+    return _UnitLoad(time, compute, tp_exposed, recompute, zero3, u.fwd_s, u.bwd_s, state, act, extra, gathered_bytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -290,7 +295,8 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
         state = ctx.state_bytes(local, layout.dp, layout.zero) - tie_state
         memory = split.stage_memory_bytes[k] - tie_bytes
         held = sum(x.state_bytes for x in units) - tie_bytes  # the state and the copies held through the step
-        stages.append(StageEstimate(k, (a, b), layers, t, memory, state, memory - held,
+        gathered = max(x.gathered_bytes for x in units)
+        stages.append(StageEstimate(k, (a, b), layers, t, memory, state, memory - held - gathered, gathered,
                                     tp_bytes(costs, keys[a:b], layout), _summed(costs[key].tp_sync_bytes
                                                                                 for key in keys[a:b])))
     bottleneck = max(range(p), key=lambda k: stage_times[k])

@@ -22,7 +22,7 @@ import copy
 import logging
 import operator
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,12 +89,13 @@ def meta_copy(module: nn.Module) -> nn.Module:
     return _copy_with(module, lambda shape, dtype: torch.empty(shape, dtype=dtype, device="meta"))
 
 
-def _copy_with(module: nn.Module, make: Any) -> nn.Module:
-    """A deep copy of ``module`` with every parameter and buffer replaced by ``make(global shape, dtype)``."""
+def _copy_with(module: nn.Module, make: Any, dtypes: Mapping[str, torch.dtype] | None = None) -> nn.Module:
+    """A deep copy of ``module`` with every parameter and buffer replaced by ``make(global shape, dtype)``,
+    in the dtype ``dtypes`` gives its name, else its own."""
     memo: dict[int, Any] = {}
-    for t in [*module.parameters(), *module.buffers()]:
+    for name, t in [*module.named_parameters(), *module.named_buffers()]:
         local = t.to_local() if isinstance(t, DTensor) else t
-        new = make(t.shape, local.dtype)  # the global shape, for a DTensor
+        new = make(t.shape, (dtypes or {}).get(name, local.dtype))  # the global shape, for a DTensor
         memo[id(t)] = nn.Parameter(new, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else new
     return copy.deepcopy(module, memo)
 
@@ -182,7 +183,7 @@ def _place_inputs(args: tuple, placements: Sequence[str | None], mesh: DeviceMes
             if target.is_replicate():
                 return x  # a tensor made inside the region: DTensor reads it as replicated
             x = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
-        return x if x.placements == (target,) else x.redistribute(mesh, [target])
+        return _consistent(x if x.placements == (target,) else x.redistribute(mesh, [target]))
 
     out = []
     for a in args:
@@ -191,6 +192,25 @@ def _place_inputs(args: tuple, placements: Sequence[str | None], mesh: DeviceMes
         else:
             out.append(place(a))
     return tuple(out)
+
+
+def _consistent(x: DTensor) -> DTensor:
+    """``x`` with its local tensor laid out in the dim order DTensor's own strides give.  A redistribution
+    keeps the strides of a transposed view while the collective hands back a contiguous shard; the ops
+    after it then disagree (a CPU attention kernel returns its output in its inputs' layout while DTensor,
+    from the strides, expects the other), and a ``reshape`` that DTensor turns into a ``view`` fails."""
+    local = x._local_tensor
+    order = sorted(range(local.dim()), key=lambda d: (-x.stride()[d], d))  # outermost first
+    want = [0] * local.dim()
+    step = 1
+    for d in reversed(order):
+        want[d], step = step, step * local.shape[d]
+    if all(local.stride()[d] == want[d] for d in range(local.dim()) if local.shape[d] > 1):
+        return x
+    relaid = torch.empty_strided(local.shape, want, dtype=local.dtype, device=local.device)
+    relaid.copy_(x.to_local())  # differentiable: the gradient flows back through the copy
+    return DTensor.from_local(relaid, x.device_mesh, x.placements, run_check=False, shape=x.shape,
+                              stride=x.stride())
 
 
 def _structure(module: nn.Module) -> tuple:
@@ -218,17 +238,22 @@ class PlannedRegion:
         self.structure = _structure(self.shadow)
         self.name = type(module).__name__
 
-    def graph_for(self, training: bool, args: tuple, kwargs: dict) -> RegionGraph | None:
-        key = (self.structure, self.ops, training, _signature(args, kwargs))
+    def graph_for(self, module: nn.Module, args: tuple, kwargs: dict) -> RegionGraph | None:
+        """The graph of a call of ``module`` (the live region) on ``args``: exported with the parameters
+        in the dtype they have now (FSDP2's mixed precision hands the forward bf16 ones)."""
+        dtypes = {name: (p.to_local() if isinstance(p, DTensor) else p).dtype for name, p in module.named_parameters()}
+        key = (self.structure, self.ops, module.training, tuple(sorted((k, str(v)) for k, v in dtypes.items())),
+               _signature(args, kwargs))
         if key not in _GRAPHS:
-            _GRAPHS[key] = self._export(training, args, kwargs)
+            _GRAPHS[key] = self._export(module.training, dtypes, args, kwargs)
         return _GRAPHS[key]
 
-    def _export(self, training: bool, args: tuple, kwargs: dict) -> RegionGraph | None:
+    def _export(self, training: bool, dtypes: Mapping[str, torch.dtype], args: tuple,
+                kwargs: dict) -> RegionGraph | None:
         device = next((x.device for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)),
                       torch.device("cpu"))
         mode = FakeTensorMode()
-        shadow = _copy_with(self.shadow, lambda shape, dtype: _fake_empty(mode, shape, dtype, device))
+        shadow = _copy_with(self.shadow, lambda shape, dtype: _fake_empty(mode, shape, dtype, device), dtypes)
         shadow.train(training)
         fake_args, fake_kwargs = tree_map(lambda x: _fake_like(x, mode, device), (args, kwargs))
         autocast = contextlib.nullcontext()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -45,9 +46,10 @@ def batch_for_step(plan: Plan, session: ModelSession, step: int, seed: int) -> t
 def reference_run(plan: Plan, steps: int, seed: int, config: TrainingConfig) -> dict[str, object]:
     """Single-process training on the full batch: losses, last-step gradients and final parameters.
 
-    Clipping and bf16 autocast are the distributed run's; with ``fp32`` and SGD the two agree to rounding.
+    Clipping and bf16 mixed precision are the distributed run's; with ``fp32`` and SGD the two agree to
+    rounding.
     """
-    from autopar.runtime.training import autocast, clip_grads, grad_norm
+    from autopar.runtime.training import bf16_parameters, clip_grads, fp32_loss, grad_norm
 
     s = build_model(plan, seed)
     device = torch.device("cpu")
@@ -57,9 +59,10 @@ def reference_run(plan: Plan, steps: int, seed: int, config: TrainingConfig) -> 
     for step in range(steps):
         inputs = batch_for_step(plan, s, step, seed)
         opt.zero_grad(set_to_none=True)
-        with autocast(device, config.precision):
-            loss = s.loss_fn(s.model(*inputs), *inputs)
-        loss.backward()
+        mixed = bf16_parameters(list(s.model.parameters())) if config.precision == "bf16" else nullcontext()
+        with mixed:
+            loss = fp32_loss(s.loss_fn, device, config.precision)(s.model(*inputs), *inputs)
+            loss.backward()
         if config.max_grad_norm is not None:
             named = list(s.model.named_parameters())
             clip_grads(named, config.max_grad_norm, grad_norm(named, 1, set(), device, reduce=False))

@@ -102,7 +102,7 @@ class PlacedParameters(ParallelStyle):
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             with implicit_replication():
-                graph = planned.graph_for(module.training, args, kwargs) if planned is not None else None
+                graph = planned.graph_for(module, args, kwargs) if planned is not None else None
                 if graph is None:
                     return inner(*args, **kwargs)
                 return graph.run(module, device_mesh, args, kwargs)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +36,7 @@ class TrainingConfig:
     min_lr_ratio: float = 0.1
     max_grad_norm: float | None = 1.0
     precision: str = "bf16"
-    """``bf16`` (FSDP2 bf16 parameters with fp32 reduction where data parallel, bf16 autocast) or ``fp32``."""
+    """``bf16`` (FSDP2 bf16 parameters with fp32 reduction and master weights, the loss in fp32) or ``fp32``."""
 
 
 #: ``autopar verify --numerics``: the exact fp32 check (plain SGD, nothing clipped, fp32 everywhere, so
@@ -84,11 +84,38 @@ def lr_factor(step: int, config: TrainingConfig) -> float:
     return config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
-    """bf16 autocast for ``bf16`` (matrix products in bf16, softmax and the loss in fp32), else nothing."""
-    if precision == "bf16":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+def fp32_loss(loss_fn: Callable[..., torch.Tensor], device: torch.device,
+              precision: str) -> Callable[..., torch.Tensor]:
+    """``loss_fn`` under bf16 autocast for ``bf16``: cross-entropy (on autocast's fp32 list) reads the bf16
+    logits and computes in fp32, as the plan prices the loss.  The model's own forward runs outside
+    autocast, on FSDP2's bf16 parameters (``autopar.runtime.parallelize``).  ``fp32``: ``loss_fn`` itself."""
+    if precision != "bf16":
+        return loss_fn
+
+    def loss(*args: object, **kwargs: object) -> torch.Tensor:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            return loss_fn(*args, **kwargs)
+
+    return loss
+
+
+@contextlib.contextmanager
+def bf16_parameters(params: Sequence[nn.Parameter]) -> Iterator[None]:
+    """FSDP2's bf16 mixed precision in one process without a process group: forward and backward run on
+    bf16 copies of the (fp32) parameters, whose gradients come back in fp32, as FSDP2 casts them for its
+    fp32 reduction.  For the single-process reference of ``autopar verify --numerics bf16``."""
+    masters = [p.data for p in params]
+    with torch.no_grad():
+        for p in params:
+            p.data = p.data.to(torch.bfloat16)
+    try:
+        yield
+    finally:
+        for p, master in zip(params, masters, strict=True):
+            grad, p.grad = p.grad, None
+            p.data = master
+            if grad is not None:
+                p.grad = grad.to(master.dtype)
 
 
 def whole(t: torch.Tensor) -> torch.Tensor:
@@ -141,14 +168,15 @@ class Trainer:
                  chunks: list[int], num_chunks: int, schedule: str, num_microbatches: int, micro_batch: int,
                  zero: int, tied: list[tuple[str, str]], config: TrainingConfig, device: torch.device,
                  loss_parallel: bool = False) -> None:
-        self.parts, self.mesh, self.loss_fn, self.config, self.device = parts, mesh, loss_fn, config, device
+        self.parts, self.mesh, self.config, self.device = parts, mesh, config, device
+        self.loss_fn = fp32_loss(loss_fn, device, config.precision)
         self.loss_parallel = loss_parallel  # the head leaves its logits sharded on the vocabulary
         self.num_microbatches, self.micro_batch, self.zero = num_microbatches, micro_batch, zero
         self.dp_rank, self.dp_size = mesh.get_local_rank("dp"), mesh["dp"].size()
         self.pipeline = None
         if mesh["pp"].size() > 1:
-            self.pipeline = PipelineRunner(parts, chunks, num_chunks, schedule, num_microbatches, loss_fn, mesh,
-                                           device, tied)
+            self.pipeline = PipelineRunner(parts, chunks, num_chunks, schedule, num_microbatches, self.loss_fn,
+                                           mesh, device, tied)
         params = [p for part in parts for p in part.parameters()]
         self.optimizer = build_optimizer(params, config, device)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, config))
@@ -165,7 +193,7 @@ class Trainer:
         """One iteration on this data-parallel rank's batch; returns the global mean loss (on every rank)."""
         local = [x.to(self.device) for x in local_inputs]
         self.optimizer.zero_grad(set_to_none=True)
-        with autocast(self.device, self.config.precision), self._loss_context():
+        with self._loss_context():
             loss = self.pipeline.step(local) if self.pipeline is not None else self._accumulate(local)
         if self.config.max_grad_norm is not None:
             norm = grad_norm(self.named_parameters(), self._stage_ranks, self._tied_copies, self.device)
@@ -198,5 +226,5 @@ class Trainer:
         return total
 
 
-__all__ = ["NUMERICS", "Trainer", "TrainingConfig", "autocast", "build_optimizer", "check_config", "clip_grads",
-           "grad_norm", "lr_factor"]
+__all__ = ["NUMERICS", "Trainer", "TrainingConfig", "bf16_parameters", "build_optimizer", "check_config", "clip_grads",
+           "fp32_loss", "grad_norm", "lr_factor"]

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -34,6 +34,9 @@ class VerifyResult:
     tolerance: float
     placements: dict[str, dict[str, str]]
     """How the distributed run held each DTensor parameter: placement per mesh axis (``S(k)``, ``R``)."""
+    activations: dict[int, tuple[int | None, float]] = field(default_factory=dict)
+    """With ``memory``: per pipeline stage, the activation bytes its first rank measured in the last step
+    (``None`` where torch's tracker cannot follow the stage) and the plan's ``estimated_activation_bytes``."""
 
     @property
     def sharded_parameters(self) -> bool:
@@ -77,9 +80,10 @@ _EXCEPTION_LINE = re.compile(r"^(?:\[rank\d+\]: )?(\w+(?:Error|Exception): .*)$"
 
 def run_plans(plan_paths: Sequence[str | Path], steps: int, *, seed: int = 0, lr: float = 0.1, start_step: int = 0,
               resume: str | Path | None = None, checkpoint: str | Path | None = None, numerics: str = "fp32",
-              timeout_s: float = 600) -> list[dict]:
+              memory: bool = False, timeout_s: float = 600) -> list[dict]:
     """Launch the plans (all of one world size) in turn on local CPU ranks, with one launch of torch's
-    launcher; per plan, the losses and every stage's grads and params."""
+    launcher; per plan, the losses and every stage's grads and params (and, with ``memory``, every
+    stage's measured activation peak of the last step)."""
     sizes = {Plan.load(path).num_devices for path in plan_paths}
     if len(sizes) != 1:
         raise AutoparError(f"plans run in one launch need one world size; these have {sorted(sizes)}")
@@ -93,6 +97,7 @@ def run_plans(plan_paths: Sequence[str | Path], steps: int, *, seed: int = 0, lr
                "--seed", str(seed), "--lr", str(lr), "--start-step", str(start_step), "--numerics", numerics]
         cmd += ["--resume", str(resume)] if resume else []
         cmd += ["--checkpoint", str(checkpoint)] if checkpoint else []
+        cmd += ["--memory"] if memory else []
         env = {**os.environ, "OMP_NUM_THREADS": "1", "AUTOPAR_DEVICE": "cpu"}
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s * len(plan_paths))
         done = all((out / str(i) / "rank0.pt").exists() for i in range(len(plan_paths)))
@@ -105,6 +110,11 @@ def run_plans(plan_paths: Sequence[str | Path], steps: int, *, seed: int = 0, lr
         return [_merge(out / str(i)) for i in range(len(plan_paths))]
 
 
+def _activations(plan: Plan, ran: dict) -> dict[int, tuple[int | None, float]]:
+    measured = ran.get("activation_peak", {})
+    return {s["index"]: (measured.get(s["index"]), float(s["estimated_activation_bytes"])) for s in plan.stages}
+
+
 def run_plan(plan_path: str | Path, steps: int, **options) -> dict:
     """``run_plans`` for one plan (``options``: its keywords)."""
     return run_plans([plan_path], steps, **options)[0]
@@ -115,7 +125,7 @@ def _merge(folder: Path) -> dict:
     merged = torch.load(folder / "rank0.pt", weights_only=True)
     for path in sorted(folder.glob("rank*.pt")):
         part = torch.load(path, weights_only=True)
-        for key in ("grads", "params", "placements"):
+        for key in ("grads", "params", "placements", "activation_peak"):
             for name, value in part[key].items():
                 merged[key].setdefault(name, value)
     return merged
@@ -132,13 +142,16 @@ CHECK_LR = {"fp32": 0.1, "bf16": 1e-4}
 
 
 def verify(plan_path: str | Path, steps: int = 3, seed: int = 0, lr: float | None = None,
-           tolerance: float | None = None, numerics: str = "fp32", timeout_s: float = 600) -> VerifyResult:
-    """Run the plan on local ranks and one process; compare losses, gradients and parameters."""
-    return verify_many([plan_path], steps, seed, lr, tolerance, numerics, timeout_s)[0]
+           tolerance: float | None = None, numerics: str = "fp32", memory: bool = False,
+           timeout_s: float = 600) -> VerifyResult:
+    """Run the plan on local ranks and one process; compare losses, gradients and parameters (and, with
+    ``memory``, measure the activation memory the plan estimates)."""
+    return verify_many([plan_path], steps, seed, lr, tolerance, numerics, memory, timeout_s)[0]
 
 
 def verify_many(plan_paths: Sequence[str | Path], steps: int = 3, seed: int = 0, lr: float | None = None,
-                tolerance: float | None = None, numerics: str = "fp32", timeout_s: float = 600) -> list[VerifyResult]:
+                tolerance: float | None = None, numerics: str = "fp32", memory: bool = False,
+                timeout_s: float = 600) -> list[VerifyResult]:
     """``verify`` for several plans, with one launch per world size; every plan is checked before any runs."""
     plans = [Plan.load(path) for path in plan_paths]
     traces: dict[tuple[str, str, int], object] = {}  # plans of one model share its trace (seconds each)
@@ -159,7 +172,7 @@ def verify_many(plan_paths: Sequence[str | Path], steps: int = 3, seed: int = 0,
     for n in sorted({plan.num_devices for plan in plans}):
         group = [i for i, plan in enumerate(plans) if plan.num_devices == n]
         ran = run_plans([plan_paths[i] for i in group], steps, seed=seed, lr=lr, numerics=numerics,
-                        timeout_s=timeout_s)
+                        memory=memory, timeout_s=timeout_s)
         got.update(zip(group, ran))
     floor = ZERO_FLOOR[numerics]
     results = []
@@ -170,5 +183,5 @@ def verify_many(plan_paths: Sequence[str | Path], steps: int = 3, seed: int = 0,
         results.append(VerifyResult(got[i]["losses"], want["losses"], _rel(losses, ref),
                                     _max_rel(got[i]["grads"], want["grads"], floor),
                                     _max_rel(got[i]["params"], want["params"], floor), tolerance,
-                                    got[i]["placements"]))
+                                    got[i]["placements"], _activations(plan, got[i]) if memory else {}))
     return results

@@ -20,6 +20,7 @@ from autopar.errors import AutoparError
 from autopar.plan import Plan
 from autopar.runtime import checkpoint
 from autopar.runtime.apply import apply
+from autopar.runtime.memory import activation_peak_bytes
 from autopar.runtime.session import batch_for_step, build_model
 from autopar.runtime.training import NUMERICS, check_config
 
@@ -45,8 +46,14 @@ def run_one(plan_path: str, out: Path, args: argparse.Namespace) -> None:
     steps = range(args.start_step, args.start_step + args.steps)
     local = plan.global_batch // trainer.dp_size
     lo = trainer.dp_rank * local
-    losses = [trainer.step([x[lo:lo + local] for x in batch_for_step(plan, session, step, args.seed)])
-              for step in steps]
+    losses, peak = [], None
+    for step in steps:
+        batch = [x[lo:lo + local] for x in batch_for_step(plan, session, step, args.seed)]
+        if args.memory and step == steps[-1]:
+            peak = activation_peak_bytes(trainer.parts, trainer.optimizer,
+                                         lambda b=batch: losses.append(trainer.step(b)))
+        else:
+            losses.append(trainer.step(batch))
     if args.checkpoint:
         checkpoint.save(trainer, args.checkpoint)
     named = trainer.named_parameters()
@@ -57,8 +64,8 @@ def run_one(plan_path: str, out: Path, args: argparse.Namespace) -> None:
     mesh, rank = trainer.mesh, dist.get_rank()
     if rank == 0 or (mesh.get_local_rank("dp") == 0 and mesh.get_local_rank("tp") == 0):
         out.mkdir(parents=True, exist_ok=True)
-        torch.save({"losses": losses, "grads": grads, "params": params, "placements": placements},
-                   out / f"rank{rank}.pt")
+        torch.save({"losses": losses, "grads": grads, "params": params, "placements": placements,
+                    "activation_peak": {mesh.get_local_rank("pp"): peak}}, out / f"rank{rank}.pt")
     dist.barrier()
 
 
@@ -70,6 +77,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lr", type=float, default=0.1)
     ap.add_argument("--numerics", choices=NUMERICS, default="fp32")
+    ap.add_argument("--memory", action="store_true",
+                    help="measure the last step's activation memory (torch's MemTracker)")
     ap.add_argument("--start-step", type=int, default=0, help="index of the first step (its data)")
     ap.add_argument("--resume", help="load the model state from this DCP checkpoint first (one plan only)")
     ap.add_argument("--checkpoint", help="save the model state to this DCP checkpoint at the end (one plan only)")
