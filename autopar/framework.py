@@ -87,12 +87,12 @@ class Framework:
     sequence_parallel: bool
     """Whether it implements Megatron-style sequence parallelism (the search offers it only then)."""
     sp_saves_sharded_input: bool
+    """Under sequence parallelism a column-parallel Linear saves its sequence-sharded input and all-gathers
+    it again in backward (Megatron-LM); ``False``: autograd saves the all-gathered input (DTensor)."""
     tp_splits_batch: bool
     """Whether ops may split the batch over the ``tp`` group (the intra-op ILP may find that cheaper for some
     ops); ``False`` where a tp group always works on whole micro-batches (Megatron's layers, and torch's
     tensor-parallel styles and DTensor regions, which take the batch whole)."""
-    """Under sequence parallelism a column-parallel Linear saves its sequence-sharded input and all-gathers
-    it again in backward (Megatron-LM); ``False``: autograd saves the all-gathered input (DTensor)."""
     state_layout: Literal["working-copy", "fsdp2"]
     """How model state is stored.  ``working-copy`` (Megatron-LM, DeepSpeed): persistent 16-bit weights next to
     the gradient buffer and the fp32 master weights and moments; ZeRO shards the optimizer state (1), the
