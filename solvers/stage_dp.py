@@ -9,7 +9,7 @@ per-stage memory limit as a hard constraint::
     f[k][j] = min over i < j of max(f[k-1][i], time(i..j))   subject to   memory_k(i..j) <= budget
 
 ``time(i..j)`` and ``memory_k(i..j)`` come from prefix sums: stage ``k`` holding units ``i..j-1`` costs
-``sum time`` and needs ``sum state + in_flight[k] * sum activation (+ peak extra)``.
+``sum time`` and needs ``stage_memory_bytes`` of them.
 """
 
 from __future__ import annotations
@@ -30,13 +30,30 @@ class StageSplit:
         return len(self.boundaries) - 1
 
 
+def stage_memory_bytes(state_bytes: list[float], activation_bytes: list[float], extra_bytes: list[float],
+                       in_flight: float) -> float:
+    """Peak memory of a stage running these units (in order), ``in_flight`` micro-batches deep.
+
+    Every unit's state, the saved activations of the other ``in_flight - 1`` micro-batches, and, for the
+    micro-batch at hand, the worst moment of its pass: while unit ``k`` runs (its forward, or its backward
+    with any recomputation) the activations of units ``<= k`` are held, plus ``extra_bytes[k]``; those of
+    the units after ``k`` are not yet made in forward and already freed in backward.  So a layer's
+    recomputation never coexists with the head's saved logits of the same micro-batch.
+    """
+    peak, held = 0.0, 0.0
+    for act, extra in zip(activation_bytes, extra_bytes, strict=True):
+        held += act
+        peak = max(peak, held + extra)
+    return sum(state_bytes) + (in_flight - 1) * sum(activation_bytes) + peak
+
+
 def split_stages(time_s: list[float], state_bytes: list[float], activation_bytes: list[float],
                  in_flight: list[float], budget_bytes: float, extra_bytes: list[float] | None = None,
                  ) -> StageSplit | None:
     """Best split of ``len(time_s)`` units into ``len(in_flight)`` non-empty stages; ``None`` if none fits.
 
     ``extra_bytes[u]``: memory unit ``u`` needs on top while it runs (e.g. a recomputed layer's
-    activations); a stage needs the largest of its units'.
+    activations); a stage needs ``stage_memory_bytes``.
     """
     n, p = len(time_s), len(in_flight)
     if p > n:
@@ -45,11 +62,12 @@ def split_stages(time_s: list[float], state_bytes: list[float], activation_bytes
     s = np.concatenate([[0.0], np.cumsum(state_bytes)])
     a = np.concatenate([[0.0], np.cumsum(activation_bytes)])
     extra = np.asarray(extra_bytes if extra_bytes is not None else [0.0] * n, dtype=float)
-    # peak[i, j] = max(extra[i:j]): a running max along each row of the upper triangle
+    # peak[i, j] = max over k in [i, j) of (a[k+1] + extra[k]) - a[i]: the worst moment of one micro-batch's
+    # pass (``stage_memory_bytes``), from a running max along each row of the upper triangle
     i_idx, j_idx = np.meshgrid(np.arange(n + 1), np.arange(n + 1), indexing="ij")
-    table = np.where(j_idx[:n, :n] >= i_idx[:n, :n], extra[None, :], -np.inf)
+    table = np.where(j_idx[:n, :n] >= i_idx[:n, :n], (a[1:] + extra)[None, :], -np.inf)
     peak = np.zeros((n + 1, n + 1))
-    peak[:n, 1:] = np.maximum(np.maximum.accumulate(table, axis=1), 0.0)
+    peak[:n, 1:] = np.maximum(np.maximum.accumulate(table, axis=1) - a[:n, None], 0.0)
     valid = j_idx > i_idx
     cost = np.where(valid, t[j_idx] - t[i_idx], np.inf)
     inf = np.inf
@@ -57,7 +75,7 @@ def split_stages(time_s: list[float], state_bytes: list[float], activation_bytes
     arg = np.zeros((p + 1, n + 1), dtype=int)
     f[0, 0] = 0.0
     for k in range(1, p + 1):
-        mem = s[j_idx] - s[i_idx] + in_flight[k - 1] * (a[j_idx] - a[i_idx]) + peak
+        mem = s[j_idx] - s[i_idx] + (in_flight[k - 1] - 1) * (a[j_idx] - a[i_idx]) + peak
         ok = valid & (mem <= budget_bytes)
         cand = np.where(ok, np.maximum(f[k - 1][:, None], cost), inf)
         arg[k] = np.argmin(cand, axis=0)
@@ -71,7 +89,7 @@ def split_stages(time_s: list[float], state_bytes: list[float], activation_bytes
         bounds.append(j)
     bounds.reverse()
     times = tuple(float(t[bounds[k + 1]] - t[bounds[k]]) for k in range(p))
-    mems = tuple(float(s[bounds[k + 1]] - s[bounds[k]] + in_flight[k] * (a[bounds[k + 1]] - a[bounds[k]])
+    mems = tuple(float(s[bounds[k + 1]] - s[bounds[k]] + (in_flight[k] - 1) * (a[bounds[k + 1]] - a[bounds[k]])
                        + peak[bounds[k], bounds[k + 1]]) for k in range(p))
     return StageSplit(tuple(bounds), times, mems)
 
@@ -99,25 +117,38 @@ def split_uniform_stages(pre: UnitLoad, layer: UnitLoad, post: UnitLoad, num_lay
     if p > n_layers or n_layers < 1:
         return None
 
-    def fixed(k: int) -> tuple[float, float, float, float]:
-        t = s = a = e = 0.0
-        for unit, present in ((pre, k == 0), (post, k == p - 1)):
-            if present:
-                t, s, a, e = t + unit.time_s, s + unit.state_bytes, a + unit.activation_bytes, max(e, unit.extra_bytes)
-        return t, s, a, e
+    def memory(k: int, n: int) -> float:
+        """``stage_memory_bytes`` of stage ``k`` with ``n`` layers, in closed form (the search calls it for
+        every layout): the layers' worst moment is the last one's, as activations only grow."""
+        first, last = (pre if k == 0 else None), (post if k == p - 1 else None)
+        a_first = first.activation_bytes if first else 0.0
+        held = a_first + n * layer.activation_bytes
+        peak = max(0.0, a_first + first.extra_bytes if first else 0.0, held + layer.extra_bytes if n else 0.0)
+        state = n * layer.state_bytes
+        if first:
+            state += first.state_bytes
+        if last:
+            held += last.activation_bytes
+            peak = max(peak, held + last.extra_bytes)
+            state += last.state_bytes
+        return state + (in_flight[k] - 1) * held + peak
 
-    fixed_parts = [fixed(k) for k in range(p)]
+    fixed_t = np.array([(pre.time_s if k == 0 else 0.0) + (post.time_s if k == p - 1 else 0.0) for k in range(p)])
 
     def mem_cap(k: int) -> int:
-        _, s, a, e = fixed_parts[k]
-        per = layer.state_bytes + in_flight[k] * layer.activation_bytes
-        room = budget_bytes - s - in_flight[k] * a - max(e, layer.extra_bytes)
-        if per <= 0 or room == float("inf"):
-            return n_layers if room >= 0 else 0
-        return max(0, min(n_layers, int(room // per)))
+        """The most layers stage ``k`` can hold (its memory grows with every layer): bisection."""
+        if memory(k, 0) > budget_bytes:
+            return 0
+        lo, hi = 0, n_layers
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if memory(k, mid) <= budget_bytes:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     mem_caps = np.array([mem_cap(k) for k in range(p)])
-    fixed_t = np.array([f[0] for f in fixed_parts])
 
     def caps(t_max: float) -> np.ndarray:
         slack = t_max - fixed_t
@@ -152,11 +183,6 @@ def split_uniform_stages(pre: UnitLoad, layer: UnitLoad, post: UnitLoad, num_lay
     for k in range(p):
         bounds.append(bounds[-1] + counts[k] + (1 if k == 0 else 0))
     bounds[-1] += 1  # post
-    times, mems = [], []
-    for k in range(p):
-        t, s, a, e = fixed_parts[k]
-        n = counts[k]
-        times.append(t + n * layer.time_s)
-        mems.append(s + n * layer.state_bytes + in_flight[k] * (a + n * layer.activation_bytes)
-                    + max(e, layer.extra_bytes if n else 0.0))
+    times = [float(fixed_t[k]) + counts[k] * layer.time_s for k in range(p)]
+    mems = [memory(k, counts[k]) for k in range(p)]
     return StageSplit(tuple(bounds), tuple(times), tuple(mems))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from autopar.solvers.pipeline import bubble_s, in_flight_microbatches, pipeline_time_s
-from autopar.solvers.stage_dp import UnitLoad, split_stages, split_uniform_stages
+from autopar.solvers.stage_dp import UnitLoad, split_stages, split_uniform_stages, stage_memory_bytes
 
 
 @pytest.mark.parametrize("p,m", [(4, 8), (4, 2), (8, 16)])
@@ -52,6 +52,20 @@ def test_stage_dp_respects_memory():
     assert split_stages(times, [0.0] * 4, act, [2.0, 1.0], 15.0) is None
 
 
+def test_a_layers_recomputation_does_not_stack_on_the_heads_saved_logits():
+    """Layers keep 1 (their checkpoint) and re-create 5 in backward; the head keeps 4 and needs 2 more for
+    the loss.  One micro-batch: the head's moment (3 + 4 + 2) beats any layer's (3 + 5), and the head's
+    logits are freed before the first layer recomputes."""
+    state, act, extra = [0.0] * 4, [1.0, 1.0, 1.0, 4.0], [5.0, 5.0, 5.0, 2.0]
+    assert stage_memory_bytes(state, act, extra, 1.0) == 9.0  # not 7 + 5
+    assert stage_memory_bytes(state, act, [9.0, 9.0, 9.0, 2.0], 1.0) == 12.0  # the last layer's: 3 + 9
+    # two micro-batches in flight: the other one holds everything it saved
+    assert stage_memory_bytes(state, act, extra, 2.0) == 7.0 + 9.0
+    assert stage_memory_bytes([2.0, 3.0], [0.0, 0.0], [0.0, 0.0], 3.0) == 5.0  # state alone
+    split = split_stages([1.0] * 4, state, act, [1.0], 9.0, extra)  # the DP prices a stage the same way
+    assert split is not None and split.stage_memory_bytes == (9.0,)
+
+
 @pytest.mark.parametrize("p", [1, 2, 3, 4])
 def test_uniform_split_matches_the_general_dp(p):
     pre, layer, post = UnitLoad(3.0, 1.0, 2.0), UnitLoad(2.0, 4.0, 3.0, 1.0), UnitLoad(5.0, 1.0, 6.0)
@@ -66,3 +80,8 @@ def test_uniform_split_matches_the_general_dp(p):
         if fast is not None:
             assert max(fast.stage_times_s) == pytest.approx(max(general.stage_times_s))
             assert all(m <= budget for m in fast.stage_memory_bytes)
+            for k, (a, b) in enumerate(zip(fast.boundaries, fast.boundaries[1:])):  # the closed form's memory
+                held = units[a:b]
+                assert fast.stage_memory_bytes[k] == pytest.approx(stage_memory_bytes(
+                    [u.state_bytes for u in held], [u.activation_bytes for u in held], [u.extra_bytes for u in held],
+                    in_flight[k]))

@@ -45,7 +45,7 @@ from autopar.kernels import memory_s
 from autopar.passes.context import PassContext
 from autopar.passes.flops import total_flops
 from autopar.solvers.pipeline import bubble_s, in_flight_microbatches
-from autopar.solvers.stage_dp import StageSplit, UnitLoad, split_stages, split_uniform_stages
+from autopar.solvers.stage_dp import StageSplit, UnitLoad, split_stages, split_uniform_stages, stage_memory_bytes
 
 ADAM_BYTES_PER_PARAM = 28  # read master, m, v (4 each), grad (2); write master, m, v (4 each), weights (2)
 FLOPS_CONVENTION = {
@@ -147,9 +147,11 @@ class LayerRecompute:
 
 def layer_recompute(u: UnitCost, mode: str, fw: Framework) -> LayerRecompute:
     """``mode`` (none/selective/op/full) on layer ``u``, as ``fw`` runs it."""
+    # transient: what the recomputation re-creates beside what the layer kept (its checkpointed input, the
+    # products per-op checkpointing saves), as for ``selective``
     if mode == "full":
         return LayerRecompute(u.full_recompute_s + u.tp_fwd_s, u.full_recompute_flops, u.input_bytes,
-                              u.activation_bytes)
+                              max(0.0, u.activation_bytes - u.input_bytes))
     if mode == "selective" and fw.selective_recompute == "attention_module":
         return LayerRecompute(u.attention_module_recompute_s, u.attention_module_recompute_flops,
                               u.activation_bytes - u.attention_module_saved_bytes, u.attention_module_saved_bytes)
@@ -157,8 +159,8 @@ def layer_recompute(u: UnitCost, mode: str, fw: Framework) -> LayerRecompute:
         return LayerRecompute(u.attention_fwd_s, u.attention_fwd_flops, u.activation_bytes - u.attention_saved_bytes,
                               0.0)
     if mode == "op":
-        return LayerRecompute(u.op_recompute_s, u.op_recompute_flops, min(u.op_saved_bytes, u.activation_bytes),
-                              u.activation_bytes)
+        kept = min(u.op_saved_bytes, u.activation_bytes)
+        return LayerRecompute(u.op_recompute_s, u.op_recompute_flops, kept, u.activation_bytes - kept)
     return LayerRecompute(0.0, 0.0, u.activation_bytes, 0.0)
 
 
@@ -386,8 +388,8 @@ def _uniform_split(loads: list[_UnitLoad], in_flight: list[float], budget: float
     for k in range(p):
         units = loads[bounds[k]:bounds[k + 1]]
         times.append(sum(u.time_s for u in units))
-        mems.append(sum(u.state_bytes for u in units) + in_flight[k] * sum(u.activation_bytes for u in units)
-                    + max(u.extra_bytes for u in units))
+        mems.append(stage_memory_bytes([u.state_bytes for u in units], [u.activation_bytes for u in units],
+                                       [u.extra_bytes for u in units], in_flight[k]))
     if max(mems) > budget:
         return None
     return StageSplit(tuple(bounds), tuple(times), tuple(mems))

@@ -29,18 +29,25 @@ def _recomputing() -> bool:
     return hooks is not None and "_recomputation_hook" in getattr(hooks[0], "__qualname__", "")
 
 
+def _in_backward() -> bool:
+    """Whether autograd's engine is running a backward pass now."""
+    return torch._C._current_graph_task_id() != -1
+
+
 class _PeakActivations:
-    """Records the largest ``Activation`` total seen after any op, with recomputation filed as activations
-    by what torch's checkpoint is doing: the trackers infer it from module hooks, which miss an activation
-    checkpoint inside an FSDP block (FSDPMemTracker watches FSDP modules only) and stay in recomputation
-    after one stops early (its module's forward never returns)."""
+    """Records the largest ``Activation`` total seen after any op.  What is made in backward is filed as
+    temporary unless an activation checkpoint is recomputing, by what autograd and torch's checkpoint are
+    doing: the trackers infer both from module hooks, which miss a pipeline stage's backward (its
+    gradients were filed as activations), an activation checkpoint inside an FSDP block (FSDPMemTracker
+    watches FSDP modules only), and the end of a recomputation that stops early (its module's forward
+    never returns)."""
 
     peak_activation_bytes = 0
 
     def _track(self, reftype, t: torch.Tensor) -> None:
         refs = self._ref_class
-        if reftype in (refs.ACT, refs.TEMP) and self._mod_tracker.is_bw:
-            reftype = refs.ACT if _recomputing() else refs.TEMP
+        if reftype in (refs.ACT, refs.TEMP):
+            reftype = refs.TEMP if _in_backward() and not _recomputing() else refs.ACT
         super()._track(reftype, t)
 
     def _update_peak_stats(self, peak_state) -> None:  # called by MemTracker after every op
@@ -85,20 +92,21 @@ class _FSDPTracker(_PeakActivations, FSDPMemTracker):
             yield
 
 
-def activation_peak_bytes(parts: Sequence[nn.Module], optimizer: torch.optim.Optimizer,
-                          step: Callable[[], object]) -> int | None:
-    """Run ``step`` (one training step of ``parts``, this rank's model chunks) under torch's memory
-    tracker; returns the peak bytes of activations, or ``None`` where the tracker cannot follow the
-    parts (several FSDP roots on one rank, as interleaved pipelining has)."""
+def activation_peak_bytes(parts: Sequence[nn.Module], forward_backward: Callable[[], object]) -> int | None:
+    """Run ``forward_backward`` (every micro-batch's forward and backward through ``parts``, this rank's
+    model chunks, as ``Trainer.forward_backward`` runs them) under torch's memory tracker; returns the
+    peak bytes of activations, or ``None`` where the tracker cannot follow the parts (several FSDP roots
+    on one rank, as interleaved pipelining has).  The optimizer step and gradient clipping stay outside:
+    their temporaries are no activations."""
     if len(parts) != 1:
         return None
     part = parts[0]
     if isinstance(part, FSDPModule):
-        tracker = _FSDPTracker(part, optimizer)
+        tracker = _FSDPTracker(part)
         filing = tracker.filing_fsdp_buffers()
     else:
         tracker = _Tracker()
-        tracker.track_external(part, optimizer)
+        tracker.track_external(part)
         filing = contextlib.nullcontext()
 
     def pre_forward(module: nn.Module, _args: object) -> None:
@@ -109,7 +117,7 @@ def activation_peak_bytes(parts: Sequence[nn.Module], optimizer: torch.optim.Opt
     handle = register_module_forward_pre_hook(pre_forward)  # global: runs before the trackers' own hooks
     try:
         with filing, tracker:
-            step()
+            forward_backward()
     finally:
         handle.remove()
     return int(tracker.peak_activation_bytes)

@@ -191,10 +191,19 @@ class Trainer:
 
     def step(self, local_inputs: Sequence[torch.Tensor]) -> float:
         """One iteration on this data-parallel rank's batch; returns the global mean loss (on every rank)."""
+        return self.update(self.forward_backward(local_inputs))
+
+    def forward_backward(self, local_inputs: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The first half of ``step``: every micro-batch's forward and backward, the gradients left in
+        ``.grad``; returns this rank's mean loss."""
         local = [x.to(self.device) for x in local_inputs]
         self.optimizer.zero_grad(set_to_none=True)
         with self._loss_context():
-            loss = self.pipeline.step(local) if self.pipeline is not None else self._accumulate(local)
+            return self.pipeline.step(local) if self.pipeline is not None else self._accumulate(local)
+
+    def update(self, loss: torch.Tensor) -> float:
+        """The second half of ``step``: clip, update the weights and the learning rate; returns the global
+        mean of ``loss`` (``forward_backward``'s)."""
         if self.config.max_grad_norm is not None:
             norm = grad_norm(self.named_parameters(), self._stage_ranks, self._tied_copies, self.device)
             self.last_grad_norm = float(norm)

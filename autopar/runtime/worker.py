@@ -49,9 +49,11 @@ def run_one(plan_path: str, out: Path, args: argparse.Namespace) -> None:
     losses, peak = [], None
     for step in steps:
         batch = [x[lo:lo + local] for x in batch_for_step(plan, session, step, args.seed)]
-        if args.memory and step == steps[-1]:
-            peak = activation_peak_bytes(trainer.parts, trainer.optimizer,
-                                         lambda b=batch: losses.append(trainer.step(b)))
+        if args.memory and step == steps[-1]:  # forward and backward: what activations are for
+            done: list[torch.Tensor] = []
+            peak = activation_peak_bytes(trainer.parts,
+                                         lambda b=batch, d=done: d.append(trainer.forward_backward(b)))
+            losses.append(trainer.update(done[0]))
         else:
             losses.append(trainer.step(batch))
     if args.checkpoint:
