@@ -2,9 +2,10 @@
 (``autopar verify --memory``).
 
 torch's ``MemTracker`` (``FSDPMemTracker`` for FSDP2 modules, which files FSDP's gathered parameters and
-its collective buffers under their own categories) sorts every allocation of the step by what made it;
-the figure taken is the peak of the ``Activation`` category over the step: what forward (and recomputation
-in backward) allocates and holds, on the device that runs the step.  It works on CPU and on CUDA.
+its collective buffers under their own categories) sorts every allocation by what made it; the figure
+taken is the peak of the ``Activation`` category over one step's forward and backward: what forward (and
+recomputation in backward) allocates and holds, on the device that runs the step.  It works on CPU and
+on CUDA.
 """
 
 from __future__ import annotations
@@ -62,11 +63,11 @@ class _Tracker(_PeakActivations, MemTracker):
 
 
 class _FSDPTracker(_PeakActivations, FSDPMemTracker):
-    """Files what FSDP2's all-gathers allocate as ``All Gather`` and the unsharded parameters they are
-    copied out to as ``Unsharded Param``.  torch's tracker retags them only when it sees the collective
-    between an FSDP pre-forward and its forward, so a gather issued earlier (a prefetch, or a block's
-    gather during the root's pre-forward) stays filed as an activation: measured on gloo, whole bf16
-    blocks of weights."""
+    """Files what FSDP2's all-gathers allocate as ``All Gather``, the unsharded parameters they are copied
+    out to as ``Unsharded Param`` and its gradient reductions' buffers as ``Reduce Scatter``.  torch's
+    tracker retags them only when it sees the collective between an FSDP pre-forward and its forward (or
+    a post-backward and its reduction), so a gather issued earlier (a prefetch, or a block's gather during
+    the root's pre-forward) stays filed as an activation: measured on gloo, whole bf16 blocks of weights."""
 
     filing_as = None
 
@@ -114,6 +115,7 @@ def activation_peak_bytes(parts: Sequence[nn.Module], forward_backward: Callable
         # the next micro-batch, and only the device totals are read, so the root's own statistics restart
         if module is part and module in tracker.memory_tracking and not tracker._mod_tracker.is_bw:
             del tracker.memory_tracking[module]
+
     handle = register_module_forward_pre_hook(pre_forward)  # global: runs before the trackers' own hooks
     try:
         with filing, tracker:
