@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from autopar.runtime.materialize import clean_fqn
 from autopar.runtime.parallelize import set_micro_batch
@@ -124,10 +125,14 @@ def whole(t: torch.Tensor) -> torch.Tensor:
 
 
 def _shards(t: torch.Tensor) -> int:
-    """Into how many distinct pieces a (DTensor) gradient is split across its mesh."""
+    """Into how many distinct pieces a (DTensor) gradient is split across its mesh.  FSDP2 over a dim that
+    tp already splits holds a ``_StridedShard``, which is no ``Shard`` (its ``is_shard()`` is false) but
+    splits all the same: counted as one, a 2-D (dp x tp) norm came out 2.6 % low, and clipping scaled every
+    gradient by that much."""
     if not hasattr(t, "placements"):
         return 1
-    return math.prod(t.device_mesh.size(i) for i, p in enumerate(t.placements) if p.is_shard())  # _StridedShard too
+    return math.prod(t.device_mesh.size(i) for i, p in enumerate(t.placements)
+                     if p.is_shard() or isinstance(p, _StridedShard))
 
 
 def grad_norm(named: Sequence[tuple[str, nn.Parameter]], stage_ranks: int, skip: set[str],
