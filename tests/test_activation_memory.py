@@ -34,6 +34,12 @@ LAYOUTS = {
 }
 
 
+#: A mixture of experts in a DTensor region (its dispatch buffers, einsum's copies), whose bf16 gradients
+#: exceed the tolerance where router logits tie differently than in one process (README); memory only.
+MOE = ["moe", "--config", "layers=2,hidden=128,heads=4,vocab=256,seq_len=16,experts=4", "--cluster", "cpu",
+       "--gpus", "4", "--global-batch", "8", "--fix", "dp=2,tp=2,sp=off"]
+
+
 @pytest.mark.slow
 def test_bf16_runs_hold_the_activations_the_plan_estimates(tmp_path):
     paths = []
@@ -41,13 +47,15 @@ def test_bf16_runs_hold_the_activations_the_plan_estimates(tmp_path):
         for name, fix in LAYOUTS.items():
             assert main(["plan", *GPT, "--fix", fix, "-o", str(tmp_path / name)]) == 0, name
             paths.append(str(tmp_path / name / "plan.json"))
+        assert main(["plan", *MOE, "-o", str(tmp_path / "moe")]) == 0
+        paths.append(str(tmp_path / "moe" / "plan.json"))
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         code = main(["verify", *paths, "--numerics", "bf16", "--memory", "--steps", "2", "--json"])
     reports = json.loads(out.getvalue())
-    assert code == 0, out.getvalue()[-2000:]
-    for name, report in zip(LAYOUTS, reports, strict=True):
-        assert report["ok"], (name, report)
+    assert code in (0, 1), out.getvalue()[-2000:]
+    for name, report in zip([*LAYOUTS, "moe"], reports, strict=True):
+        assert report["ok"] or name == "moe", (name, report)
         for stage in report["activations"]:
             ratio = stage["measured_bytes"] / stage["estimated_bytes"]
             assert 0.85 <= ratio <= 1.15, (name, stage, ratio)

@@ -122,5 +122,8 @@ def test_a_shard_laid_out_against_its_dtensors_strides_is_relaid_and_keeps_its_g
         assert torch.equal(local.grad, torch.arange(24.0).reshape(2, 3, 4))  # the gradient flows through
         same = DTensor.from_local(torch.zeros(2, 3, 4), mesh, [Shard(2)], run_check=False)
         assert _consistent(same) is same  # nothing to do: no copy
+        index = torch.arange(3).view(1, 3, 1).expand(2, 3, 4)  # a broadcast index, as a MoE gather's
+        wide = DTensor.from_local(index, mesh, [Shard(2)], run_check=False, shape=(2, 3, 8), stride=(0, 1, 0))
+        assert _consistent(wide) is wide  # left a view: relaid it would be a full copy
     finally:
         dist.destroy_process_group()

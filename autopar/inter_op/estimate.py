@@ -171,7 +171,8 @@ def _unit_load(u: UnitCost, is_layer: bool, layout: Layout, dp_link: AxisLink, c
     tp = u.tp_fwd_s + u.tp_bwd_s
     tp_exposed = _exposed(tp, compute, cluster) if fw.tp_comm_overlap and layout.sp else tp
     rc = layer_recompute(u, layout.recompute if is_layer else "none", fw)
-    act, extra, recompute = rc.saved_bytes, max(u.transient_bytes, rc.transient_bytes), rc.time_s
+    act, recompute = rc.saved_bytes, rc.time_s
+    extra = max(u.transient_bytes, rc.transient_bytes, u.forward_transient_bytes)
     dp, z = layout.dp, layout.zero
     state = ctx.state_bytes(u.params_local, dp, z) + ctx.held_bytes(u.params_local, dp, z, layout.pp,
                                                                      layout.num_microbatches)

@@ -68,6 +68,7 @@ class UnitCost:
     op_saved_bytes: float = 0.0  # what per-op checkpointing keeps: the unit's input and the saved ops' outputs
     op_recompute_flops: float = 0.0
     transient_bytes: float = 0.0  # memory alive only while the unit runs (fp32 logits and loss gradients)
+    forward_transient_bytes: float = 0.0  # the most its forward holds at once beside what it saves
     param_modules: int = 0  # modules holding parameters (one ZeRO-3 collective each for per-module runtimes)
     largest_module_params: float = 0.0  # elements one device holds of the largest of them
     params_local: float = field(init=False)  # elements one device holds of all of them (read per layout)
@@ -134,8 +135,11 @@ def unit_costs(graph: OpGraph, strategies: dict[str, Strategy], mesh: MeshSpec, 
     """Read per-unit costs off the chosen strategies."""
     out = {}
     units = _unit_nodes(graph)
+    users = graph.users()
     for key, names in units.items():
-        out[key] = _unit_cost(graph, names, strategies, mesh, mbs, cluster, ctx)
+        cost = _unit_cost(graph, names, strategies, mesh, mbs, cluster, ctx)
+        transient = _forward_transient_bytes(graph, names, strategies, mesh, mbs, ctx, users)
+        out[key] = dataclasses.replace(cost, forward_transient_bytes=transient)
     if graph.layers and sum(layer.structural_hash == graph.layers[0].structural_hash for layer in graph.layers) > 1:
         out[PRE] = _with_first_layer_input(out[PRE], graph, set(units[PRE]), strategies, mesh, mbs, ctx)
     return out
@@ -246,6 +250,45 @@ class _Reshards:
         collectives = redistribute_collectives(t, src, dst, self.mesh, self.mbs, self.ctx)
         _add_bytes(into, collectives)
         return collectives_s(collectives, self.mesh)
+
+
+def _forward_transient_bytes(graph: OpGraph, names: list[str], strategies: dict[str, Strategy], mesh: MeshSpec,
+                             mbs: int, ctx: PassContext, users: dict[str, list[str]]) -> float:
+    """The most the unit's forward holds at once of tensors nobody saves for backward: each op output
+    lives from its op to its last reader (through the views of it; to the unit's end if a later unit
+    reads it).  Saved ones count in ``activation_bytes``.  Dense layers hold a tensor or two this way;
+    a mixture of experts its dispatch buffers and the copies ``einsum`` makes."""
+    order = {name: i for i, name in enumerate(names)}
+    saved = {t.key for name in names for t in graph[name].annotations.get("saved", ())}
+    end = len(names)
+
+    def last_read(name: str) -> int:
+        last = order[name]
+        for user in users.get(name, ()):
+            if user not in order:
+                return end
+            last = max(last, last_read(user) if graph[user].alias_of == name else order[user])
+        return last
+
+    change = [0.0] * (end + 2)
+    for i, name in enumerate(names):
+        node = graph[name]
+        if node.alias_of is not None:
+            continue  # a view: no memory of its own
+        strat = strategies[name]
+        last = last_read(name)
+        for j, t in enumerate(node.outputs):
+            if t is None or f"{name}:{j}" in saved:
+                continue
+            width = graph.width(t, ctx.precision.activation_bytes) if t.is_floating else t.itemsize
+            nbytes = t.numel_at(mbs) * width / shard_factor(tuple(ax.outputs[j] for ax in strat), mesh)
+            change[i] += nbytes
+            change[last + 1] -= nbytes
+    peak = live = 0.0
+    for delta in change:
+        live += delta
+        peak = max(peak, live)
+    return peak
 
 
 def _unit_cost(graph: OpGraph, names: list[str], strategies: dict[str, Strategy], mesh: MeshSpec, mbs: int,

@@ -67,7 +67,8 @@ class _FSDPTracker(_PeakActivations, FSDPMemTracker):
     out to as ``Unsharded Param`` and its gradient reductions' buffers as ``Reduce Scatter``.  torch's
     tracker retags them only when it sees the collective between an FSDP pre-forward and its forward (or
     a post-backward and its reduction), so a gather issued earlier (a prefetch, or a block's gather during
-    the root's pre-forward) stays filed as an activation: measured on gloo, whole bf16 blocks of weights."""
+    the root's pre-forward) stays filed as an activation: measured on gloo, whole bf16 blocks of weights;
+    and ``replicate``, which gathers nothing, casts each parameter to bf16 outside any collective."""
 
     filing_as = None
 
@@ -85,10 +86,11 @@ class _FSDPTracker(_PeakActivations, FSDPMemTracker):
                     self.filing_as = None
             return call
 
-        group = _fsdp_param_group
+        group, unshard = _fsdp_param_group, _fsdp_param_group.FSDPParamGroup.wait_for_unshard
         with (mock.patch.object(group, "foreach_all_gather", filed(group.foreach_all_gather, _FSDPRefType.ALL_GATHER)),
-              mock.patch.object(group, "foreach_all_gather_copy_out",
-                                filed(group.foreach_all_gather_copy_out, _FSDPRefType.UNSHARDED_PARAM)),
+              # the copy out of the gather, or (replicate, one rank) the cast copy of each parameter
+              mock.patch.object(group.FSDPParamGroup, "wait_for_unshard",
+                                filed(unshard, _FSDPRefType.UNSHARDED_PARAM)),
               mock.patch.object(group, "foreach_reduce", filed(group.foreach_reduce, _FSDPRefType.REDUCE_SCATTER))):
             yield
 

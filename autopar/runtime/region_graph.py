@@ -200,6 +200,8 @@ def _consistent(x: DTensor) -> DTensor:
     after it then disagree (a CPU attention kernel returns its output in its inputs' layout while DTensor,
     from the strides, expects the other), and a ``reshape`` that DTensor turns into a ``view`` fails."""
     local = x._local_tensor
+    if any(st == 0 and n > 1 for st, n in zip(local.stride(), local.shape)):
+        return x  # a broadcast view (``expand``): laid out as DTensor made it, and a copy would fill it out
     order = sorted(range(local.dim()), key=lambda d: (-x.stride()[d], d))  # outermost first
     want = [0] * local.dim()
     step = 1
