@@ -177,9 +177,11 @@ def saved_tensors(graph: OpGraph, node: Node, ctx: PassContext, unknown: set[str
         # log-softmax of the logits kept in fp32 (autocast runs cross-entropy in fp32) plus the targets; a fused
         # loss keeps the 16-bit logits (and one fp32 log-sum-exp per row) to rewrite them in backward.
         (x_ref, x), (t_ref, _) = _arg(graph, node, 0), _arg(graph, node, 1)
-        width = ctx.precision.activation_bytes if ctx.framework.fused_cross_entropy else FP32_BYTES
-        per = x.numel_at(1) * width
-        s.synthetic("log_probs", BatchLinear(per, 0.0) if x.batch_dim is not None else BatchLinear(0.0, per))
+        if ctx.framework.fused_cross_entropy:
+            s.ref(x_ref)  # the logits themselves
+        else:
+            per = x.numel_at(1) * FP32_BYTES
+            s.synthetic("log_probs", BatchLinear(per, 0.0) if x.batch_dim is not None else BatchLinear(0.0, per))
         s.ref(t_ref)
     elif op in _SAVES_ONE:
         s.ref(_arg(graph, node, 0)[0])
