@@ -280,8 +280,8 @@ def _forward_transient_bytes(graph: OpGraph, names: list[str], strategies: dict[
         for j, t in enumerate(node.outputs):
             if t is None or f"{name}:{j}" in saved:
                 continue
-            width = graph.width(t, ctx.precision.activation_bytes) if t.is_floating else t.itemsize
-            nbytes = t.numel_at(mbs) * width / shard_factor(tuple(ax.outputs[j] for ax in strat), mesh)
+            nbytes = (t.numel_at(mbs) * graph.width(t, ctx.precision.activation_bytes)
+                      / shard_factor(tuple(ax.outputs[j] for ax in strat), mesh))
             change[i] += nbytes
             change[last + 1] -= nbytes
     peak = live = 0.0

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
+from typing import TypeVar
 from unittest import mock
 
 import torch
@@ -21,6 +22,8 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 from torch.nn.modules.module import register_module_forward_pre_hook
+
+T = TypeVar("T")
 
 
 def _recomputing() -> bool:
@@ -95,14 +98,14 @@ class _FSDPTracker(_PeakActivations, FSDPMemTracker):
             yield
 
 
-def activation_peak_bytes(parts: Sequence[nn.Module], forward_backward: Callable[[], object]) -> int | None:
+def activation_peak_bytes(parts: Sequence[nn.Module], forward_backward: Callable[[], T]) -> tuple[T, int | None]:
     """Run ``forward_backward`` (every micro-batch's forward and backward through ``parts``, this rank's
-    model chunks, as ``Trainer.forward_backward`` runs them) under torch's memory tracker; returns the
-    peak bytes of activations, or ``None`` where the tracker cannot follow the parts (several FSDP roots
-    on one rank, as interleaved pipelining has).  The optimizer step and gradient clipping stay outside:
-    their temporaries are no activations."""
+    model chunks, as ``Trainer.forward_backward`` runs them) under torch's memory tracker; returns what it
+    returned and the peak bytes of activations, ``None`` where the tracker cannot follow the parts
+    (several FSDP roots on one rank, as interleaved pipelining has: then it runs untracked).  The
+    optimizer step and gradient clipping stay outside: their temporaries are no activations."""
     if len(parts) != 1:
-        return None
+        return forward_backward(), None
     part = parts[0]
     if isinstance(part, FSDPModule):
         tracker = _FSDPTracker(part)
@@ -121,10 +124,10 @@ def activation_peak_bytes(parts: Sequence[nn.Module], forward_backward: Callable
     handle = register_module_forward_pre_hook(pre_forward)  # global: runs before the trackers' own hooks
     try:
         with filing, tracker:
-            forward_backward()
+            result = forward_backward()
     finally:
         handle.remove()
-    return int(tracker.peak_activation_bytes)
+    return result, int(tracker.peak_activation_bytes)
 
 
 __all__ = ["activation_peak_bytes"]

@@ -203,14 +203,10 @@ def _consistent(x: DTensor) -> DTensor:
     if any(st == 0 and n > 1 for st, n in zip(local.stride(), local.shape)):
         return x  # a broadcast view (``expand``): laid out as DTensor made it, and a copy would fill it out
     order = sorted(range(local.dim()), key=lambda d: (-x.stride()[d], d))  # outermost first
-    want = [0] * local.dim()
-    step = 1
-    for d in reversed(order):
-        want[d], step = step, step * local.shape[d]
-    if all(local.stride()[d] == want[d] for d in range(local.dim()) if local.shape[d] > 1):
+    if local.permute(order).is_contiguous():
         return x
-    relaid = torch.empty_strided(local.shape, want, dtype=local.dtype, device=local.device)
-    relaid.copy_(x.to_local())  # differentiable: the gradient flows back through the copy
+    back = sorted(range(local.dim()), key=order.__getitem__)
+    relaid = x.to_local().permute(order).contiguous().permute(back)  # differentiable, as every op here
     return DTensor.from_local(relaid, x.device_mesh, x.placements, run_check=False, shape=x.shape,
                               stride=x.stride())
 

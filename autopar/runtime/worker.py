@@ -50,10 +50,8 @@ def run_one(plan_path: str, out: Path, args: argparse.Namespace) -> None:
     for step in steps:
         batch = [x[lo:lo + local] for x in batch_for_step(plan, session, step, args.seed)]
         if args.memory and step == steps[-1]:  # forward and backward: what activations are for
-            done: list[torch.Tensor] = []
-            peak = activation_peak_bytes(trainer.parts,
-                                         lambda b=batch, d=done: d.append(trainer.forward_backward(b)))
-            losses.append(trainer.update(done[0]))
+            loss, peak = activation_peak_bytes(trainer.parts, lambda b=batch: trainer.forward_backward(b))
+            losses.append(trainer.update(loss))
         else:
             losses.append(trainer.step(batch))
     if args.checkpoint:
