@@ -23,7 +23,7 @@ from typing import Any, Literal
 from autopar.errors import AutoparError
 from autopar.spec_files import load_spec
 
-FRAMEWORKS = ("torch", "torchtitan", "megatron-lm", "megatron-core", "deepspeed", "llm-foundry")
+FRAMEWORKS = ("torch", "torchtitan", "megatron-lm", "megatron-core", "deepspeed", "llm-foundry", "aa-scaling")
 ZeroUnit = Literal["block", "module", "parameter"]
 ZERO_UNITS: tuple[ZeroUnit, ...] = ("block", "module", "parameter")
 
@@ -42,6 +42,9 @@ class Framework:
     """Bytes per gradient element in the data-parallel reduction (2: bf16/fp16, 4: fp32)."""
     grad_bucket_bytes: float
     """Size of one bucket of the data-parallel gradient reduction (one collective each)."""
+    sharded_grad_reduce: Literal["reduce_scatter", "all_reduce"]
+    """The collective ZeRO 1-2 reduce gradients with: a reduce-scatter that leaves each rank its shard, or a
+    whole all-reduce of which each rank keeps its shard (twice the bytes on the wire)."""
     overlap_grad_reduce: bool
     """ZeRO 0-2: buckets are reduced while backward still runs; ``False``: all of it after backward."""
     overlap_param_gather: bool
@@ -122,6 +125,9 @@ class Framework:
             levels = getattr(self, key)
             if not levels or any(z not in (0, 1, 2, 3) for z in levels):
                 raise FrameworkSpecError(f"framework {self.name}: {key} must list ZeRO levels 0-3")
+        if self.sharded_grad_reduce not in ("reduce_scatter", "all_reduce"):
+            raise FrameworkSpecError(f"framework {self.name}: sharded_grad_reduce must be reduce_scatter or "
+                                     "all_reduce")
         if self.state_layout not in ("working-copy", "fsdp2"):
             raise FrameworkSpecError(f"framework {self.name}: state_layout must be working-copy or fsdp2")
         if self.pipeline_split not in ("balanced", "uniform"):

@@ -100,6 +100,8 @@ def framework_of(case: dict[str, Any]) -> str:
     text = _lower(case.get("source"), lay.get("framework"), lay.get("dp_type"), case.get("case_id"))
     if "torchtitan" in text or "llama 3" in text or "llama team" in text:
         return "torchtitan"  # Llama 3 ran Meta's PyTorch-native FSDP + TP + PP stack that torchtitan opens up
+    if "hagemann" in text or "aleph alpha" in text:
+        return "aa-scaling"  # Hagemann et al. 2023 measured their sweeps on Aleph Alpha's Scaling codebase
     if "llm-foundry" in text or "mosaicml" in text:
         return "llm-foundry"
     if "zero-3" in case_id or "deepspeed" in text or "mt-nlg" in text:

@@ -20,6 +20,7 @@ from autopar.inter_op.to_plan import interleaved_chunks
 GPT = {"layers": 8, "hidden": 1024, "heads": 16, "vocab": 8192, "seq_len": 1024}
 A100 = load_cluster("a100-80gb").with_overrides(gpus=256)
 TORCH = load_framework("torch")
+NODE = load_cluster("a100-80gb").with_overrides(gpus=8)
 
 
 def _ctx(framework=TORCH, cluster=A100, attention="flash"):
@@ -56,6 +57,27 @@ def test_bucketed_gradient_reduction_hides_under_backward(gpt):
     during = _estimate(gpt, fix, TORCH)
     assert after.breakdown["dp_comm_exposed_s"] > 3 * during.breakdown["dp_comm_exposed_s"]
     assert after.breakdown["compute_s"] == pytest.approx(during.breakdown["compute_s"])
+
+
+def test_zero2_reduces_every_micro_batch_zero1_once(gpt):
+    """ZeRO-2 keeps only its shard of the gradients, so each micro-batch reduce-scatters its own; ZeRO-1
+    accumulates them whole and reduces once; under pipelining torch defers both to the last micro-batch."""
+    after = TORCH.with_overrides(overlap_grad_reduce=False)  # whole collectives, no overlap to subtract
+
+    def dp_s(zero: int, mbs: int, pp: int = 1, framework=after) -> float:
+        fix = f"dp={8 // pp},tp=1,pp={pp},mbs={mbs},recompute=full,zero={zero}" + (",schedule=1f1b" if pp > 1 else "")
+        return _estimate(gpt, fix, framework, NODE, batch=512).breakdown["dp_comm_exposed_s"]
+
+    extra_16 = dp_s(2, 4) - dp_s(1, 4)    # 16 micro-batches: 15 more reduce-scatters
+    extra_4 = dp_s(2, 16) - dp_s(1, 16)   # 4 micro-batches: 3 more
+    assert extra_16 > 0
+    assert extra_16 / extra_4 == pytest.approx(5.0)
+    assert dp_s(2, 64) == pytest.approx(dp_s(1, 64))  # one micro-batch: one reduction either way
+    assert dp_s(2, 4, pp=2) == pytest.approx(dp_s(1, 4, pp=2))
+    # a framework that all-reduces under ZeRO-1 (each rank keeping its part) moves twice a reduce-scatter's bytes
+    whole = after.with_overrides(sharded_grad_reduce="all_reduce")
+    reduce_scatter = extra_16 / 15
+    assert dp_s(1, 4, framework=whole) - dp_s(0, 4) == pytest.approx(dp_s(1, 4) - reduce_scatter)
 
 
 def test_zero3_per_parameter_collectives_cost_ring_latency_at_scale(gpt):

@@ -219,17 +219,30 @@ def _bucketed(collective, nbytes: float, link: AxisLink, bucket_bytes: float) ->
 
 def _dp_sync_exposed(local_params: float, bwd_window_s: float, fwd_window_s: float, layout: Layout,
                      dp_link: AxisLink, cluster: Cluster, ctx: PassContext) -> float:
-    """ZeRO 0-2: the once-per-iteration gradient reduction (and weight gather) that compute does not hide."""
+    """ZeRO 0-2: the gradient reduction (and weight gather) that compute does not hide.  ``bwd_window_s`` and
+    ``fwd_window_s``: one micro-batch's backward and forward."""
     if layout.dp <= 1 or layout.zero >= 3 or local_params <= 0:
         return 0.0
     fw = ctx.framework
-    reduce = all_reduce_s if layout.zero == 0 else reduce_scatter_s
+    reduce = all_reduce_s if layout.zero == 0 or fw.sharded_grad_reduce == "all_reduce" else reduce_scatter_s
     total, last = _bucketed(reduce, local_params * fw.grad_reduce_bytes, dp_link, fw.grad_bucket_bytes)
     exposed = max(_exposed(total, bwd_window_s, cluster), last) if fw.overlap_grad_reduce else total
+    exposed *= _reductions_per_step(layout)
     if layout.zero >= 1:
         gather, _ = _bucketed(all_gather_s, local_params * ctx.precision.weight_bytes, dp_link, fw.grad_bucket_bytes)
         exposed += _exposed(gather, fwd_window_s, cluster) if fw.overlap_param_gather else gather
     return exposed
+
+
+def _reductions_per_step(layout: Layout) -> int:
+    """How often ZeRO 0-2 reduce the gradients in one step.  ZeRO-2 keeps only its shard of the gradients
+    between micro-batches, so every micro-batch reduce-scatters what its backward made (DeepSpeed stage 2
+    reduces every micro-step; FSDP2 at ``set_requires_gradient_sync(True)``).  Each of them waits out its
+    own tail: FSDP2's post-backward callback makes the compute stream wait for the last reduce-scatter
+    (``_fsdp_state._root_post_backward_final_callback``), so nothing of it hides under the next forward.
+    Under pipelining torch's ``PipelineStage`` defers the sync to the last micro-batch (the gradients
+    accumulate whole, as ``PassContext.held_bytes`` counts), and levels 0-1 reduce once by definition."""
+    return layout.num_microbatches if layout.zero == 2 and layout.pp == 1 else 1
 
 
 def _p2p_s(boundary_bytes: float, layout: Layout, pp_link: AxisLink, tp_link: AxisLink, ctx: PassContext) -> float:
