@@ -126,6 +126,12 @@ def trace(
     return graph
 
 
+def _sized_by(val: Any, sentinel: int) -> bool:
+    """Whether a traced value has a dimension that is a multiple of the sentinel batch."""
+    vals = val if isinstance(val, (tuple, list)) else (val,)
+    return any(isinstance(v, torch.Tensor) and any(int(d) and int(d) % sentinel == 0 for d in v.shape) for v in vals)
+
+
 def _export(model: nn.Module, inputs: list[Any], loss_fn: LossFn | None) -> torch.export.ExportedProgram:
     wrapper = LossWrapper(model, loss_fn)
     was_training = model.training
@@ -312,7 +318,9 @@ def _to_opgraph(ep: torch.export.ExportedProgram, model: nn.Module, sentinel: in
             nodes.append(Node(name, "output", "output", args=convert(tuple(fx_node.args))))
             continue
         srcs = [a.name for a in fx_node.all_input_nodes]
-        batch_dep = any(flow[s][0] for s in srcs)
+        # batch-dependent: it reads a batch-dependent tensor, or it is sized by the batch (a mask expanded to
+        # ``input_ids.shape[0]`` reads no input tensor, but the sentinel divides no model dimension)
+        batch_dep = any(flow[s][0] for s in srcs) or _sized_by(val, sentinel)
         grad = any(flow[s][1] for s in srcs)
         flow[name] = (batch_dep, grad)
         if fx_node.target is operator.getitem:

@@ -8,7 +8,7 @@ from torch import nn
 
 from autopar import modelfile
 from autopar.cli import main
-from autopar.plan import Plan
+from autopar.plan_file import Plan
 from autopar.runtime.stages import prune_to_stage
 
 SMALL = "layers=4,hidden=64,heads=4,vocab=128,seq_len=16"
@@ -21,7 +21,7 @@ def _plan(tmp_path, model: str, config: str, fix: str = "pp=2,schedule=gpipe") -
 
 
 def _whole_and_chained(plan: Plan) -> tuple[torch.Tensor, torch.Tensor, list[nn.Module]]:
-    module = modelfile.load_module(plan.model.get("path") or plan.model["ref"])
+    module = modelfile.load_for(plan.model)
     torch.manual_seed(0)
     model = modelfile.build(module, dict(plan.model["config"]), plan.model["ref"]).eval()
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
@@ -37,7 +37,7 @@ def _whole_and_chained(plan: Plan) -> tuple[torch.Tensor, torch.Tensor, list[nn.
 @pytest.mark.parametrize("model", ["hf_llama", "hf_gpt2", "hf_mistral", "hf_qwen2"])
 def test_huggingface_stages_chain_to_the_whole_model(tmp_path, capsys, examples, fixtures, model):
     folder = examples if (examples / f"{model}.py").exists() else fixtures
-    config = SMALL + (",ffn=128" if model == "hf_llama" else "")
+    config = SMALL + (",ffn=128,kv_heads=4" if model == "hf_llama" else "")
     plan = _plan(tmp_path, str(folder / f"{model}.py"), config)
     whole, chained, stages = _whole_and_chained(plan)
     torch.testing.assert_close(chained, whole, rtol=1e-5, atol=1e-5)

@@ -110,8 +110,8 @@ def test_zoo_models_trace(name):
 
 @pytest.mark.parametrize("example", ["hf_gpt2.py", "hf_llama.py"])
 def test_huggingface_models_trace_from_config(example, examples):
-    traced = trace_model(str(examples / example), {"layers": 2, "hidden": 64, "heads": 4, "vocab": 128,
-                                                    "seq_len": 32})
+    small = {"layers": 2, "hidden": 64, "heads": 4, "vocab": 128, "seq_len": 32}
+    traced = trace_model(str(examples / example), {**small, **({"kv_heads": 4} if example == "hf_llama.py" else {})})
     g = traced.graph
     assert len(g.layers) == 2 and len(g.layer_types()) == 1
     assert g.num_parameters == sum(p.numel() for p in traced.model.parameters())
@@ -145,13 +145,13 @@ def _both_traces(ref: str, config: dict, seq: int):
     ("gpt", {"layers": 6, "hidden": 64, "heads": 4, "vocab": 128}, 16),
     ("llama", {"layers": 5, "hidden": 64, "heads": 4, "kv_heads": 2, "ffn": 96, "vocab": 128}, 16),
     ("moe", {"layers": 4, "hidden": 32, "heads": 4, "vocab": 64, "experts": 4}, 16),
-    ("hf_llama.py", {"layers": 5, "hidden": 64, "heads": 4, "vocab": 128}, 32),
+    ("hf_llama.py", {"layers": 5, "hidden": 64, "heads": 4, "kv_heads": 2, "ffn": 96, "vocab": 128}, 32),
     ("hf_gpt2.py", {"layers": 4, "hidden": 64, "heads": 4, "vocab": 128}, 32),
 ])
 def test_repeated_blocks_give_the_graph_of_a_full_trace(ref, config, seq, examples):
     from autopar.passes.flops import total_flops
 
-    from autopar.plan import model_fingerprint
+    from autopar.plan_file import model_fingerprint
 
     ref = str(examples / ref) if ref.endswith(".py") else ref
     _, config, full, short = _both_traces(ref, config, seq)
@@ -180,3 +180,20 @@ def test_blocks_that_differ_are_all_traced():
     same = autopar.trace(_stack([16] * 6), (torch.zeros(1, 8, dtype=torch.long),))
     assert len(same.layers) == 5 and len(same.layer_types()) == 1
     assert not _identical_blocks(_stack([16, 16, 16, 16, 32]), "blocks")
+
+
+@pytest.mark.parametrize("example", ["hf_gpt2.py", "hf_llama.py"])
+def test_per_sample_shapes_hold_no_trace_batch(example, examples):
+    # HuggingFace builds its causal mask from input_ids.shape[0] without reading input_ids: the mask is
+    # still per sample, not a constant holding the whole trace batch
+    from autopar.tracing import SENTINEL_BATCHES
+
+    traced = trace_model(str(examples / example), {"layers": 2, "hidden": 64, "heads": 4, "vocab": 128,
+                                                    "seq_len": 32, **({"kv_heads": 4, "ffn": 128}
+                                                                      if example == "hf_llama.py" else {})})
+    sized = [(n.name, o.shape) for n in traced.graph.nodes for o in n.outputs if o is not None
+             for d in o.shape if any(d and d % p == 0 for p in SENTINEL_BATCHES)]
+    assert not sized, sized[:3]
+    masks = [o for n in traced.graph.ops() for o in n.outputs if o is not None and o.dtype == "bool"
+             and o.shape[-2:] == (32, 32)]
+    assert masks and all(o.batch_dim == 0 for o in masks)
