@@ -1,5 +1,6 @@
 """The ``autopar`` command: ``plan`` (trace, search, write a plan), ``evaluate`` (estimate given layouts),
-``codegen`` (plan -> training script), ``verify`` (run a plan locally and compare with one process)."""
+``show`` and ``diff`` (look at saved plans), ``codegen`` (plan -> training script), ``verify`` (run a plan
+locally and compare with one process)."""
 
 from __future__ import annotations
 
@@ -15,18 +16,19 @@ from typing import Any, NoReturn
 from rich.console import Console
 
 from autopar import __version__
-from autopar.cluster import PRESETS, Cluster, cluster_from_args
+from autopar.api import plan_model, setup
+from autopar.cluster import PRESETS, Cluster
 from autopar.errors import AutoparError
-from autopar.framework import DEFAULT_FRAMEWORK, FRAMEWORKS, load_framework
+from autopar.framework import DEFAULT_FRAMEWORK, FRAMEWORKS
 from autopar.frontend import TracedModel, trace_model
-from autopar.inter_op.layout import FIX_KEYS, normalize_fix, parse_fix
+from autopar.inter_op.layout import FIX_KEYS, normalize_fix
 from autopar.inter_op.search import search
-from autopar.inter_op.to_plan import build_plan
 from autopar.modelfile import parse_config
 from autopar.passes import PassContext
 from autopar.passes.context import ATTENTION_KERNELS
+from autopar.plan_file import Plan
+from autopar.plan_view import plan_changes, render_diff, render_show
 from autopar.report import human_bytes, render_model_summary, render_plan
-from autopar.runnable import runtime_filter
 from autopar.summary import model_summary
 
 EXIT_OK, EXIT_INTERNAL, EXIT_USER = 0, 1, 2
@@ -107,6 +109,19 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     gen.set_defaults(run=cmd_codegen)
 
+    show = sub.add_parser("show", help="a saved plan at a glance: mesh, stages, sharding, time and memory")
+    show.add_argument("plan", metavar="PLAN.json")
+    show.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    show.set_defaults(run=cmd_show)
+
+    diff = sub.add_parser("diff", help="what changed between two plans, and the estimated effect "
+                                       "(exit 0: the same plan, 1: they differ)")
+    diff.add_argument("before", metavar="A.json")
+    diff.add_argument("after", metavar="B.json")
+    diff.add_argument("--json", action="store_true", help="print the changes as one JSON object")
+    diff.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    diff.set_defaults(run=cmd_diff)
+
     ver = sub.add_parser("verify", help="run plans locally (CPU, gloo) and compare with one process")
     ver.add_argument("plan", metavar="PLAN.json", nargs="+",
                      help="one or more plans; plans of one world size share one launch")
@@ -126,20 +141,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _setup(args: argparse.Namespace) -> tuple[Cluster, PassContext, TracedModel, int, float]:
-    cluster = cluster_from_args(args.cluster, args.gpus, args.gpus_per_node, args.inter_node_gbps)
-    if args.global_batch is not None and args.global_batch < 1:
-        raise AutoparError("--global-batch must be >= 1")
-    if args.time_limit <= 0:
-        raise AutoparError("--time-limit must be positive")
-    ctx = PassContext(cluster=cluster, attention=args.attention, framework=load_framework(args.framework))
+    cluster, ctx = setup(args.cluster, args.gpus, args.gpus_per_node, args.inter_node_gbps, args.global_batch,
+                         args.time_limit, args.memory_limit, args.attention, args.framework)
     traced = trace_model(args.model, parse_config(args.config), args.seq_len, ctx, args.trace_every_layer)
     batch = args.global_batch if args.global_batch is not None else max(256, cluster.gpus)
-    if args.memory_limit is not None:
-        if args.memory_limit <= 0:
-            raise AutoparError("--memory-limit must be positive")
-        budget = args.memory_limit * 2**30
-    else:
-        budget = cluster.usable_memory_bytes
+    budget = args.memory_limit * 2**30 if args.memory_limit is not None else cluster.usable_memory_bytes
     return cluster, ctx, traced, batch, budget
 
 
@@ -154,35 +160,24 @@ def _progress(console: Console | None):
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    fixed = parse_fix(args.fix)
-    if args.top < 1:
-        raise AutoparError("--top must be >= 1")
-    cluster, ctx, traced, batch, budget = _setup(args)
     stderr = Console(stderr=True)
     progress, tick = _progress(stderr if stderr.is_terminal else None)
     if progress is not None:
         progress.start()
-    runnable = runtime_filter(traced.graph, args.model, traced.config, cluster, ctx, batch)
     try:
-        res = search(traced.graph, cluster, ctx, batch, fixed, budget, args.solver, args.time_limit, args.top, tick,
-                     accept=runnable.accept if runnable else None)
+        planning = plan_model(args.model, config=parse_config(args.config), cluster=args.cluster, gpus=args.gpus,
+                              gpus_per_node=args.gpus_per_node, inter_node_gbps=args.inter_node_gbps,
+                              global_batch=args.global_batch, seq_len=args.seq_len, fix=args.fix,
+                              memory_limit_gb=args.memory_limit, attention=args.attention, solver=args.solver,
+                              time_limit_s=args.time_limit, top=args.top, framework=args.framework,
+                              every_layer=args.trace_every_layer, on_progress=tick)
     finally:
         if progress is not None:
             progress.stop()
+    plan, res, traced, cluster, batch = (planning.plan, planning.result, planning.traced, planning.cluster,
+                                         planning.global_batch)
     best = res.best
-    if best is None and runnable is not None and runnable.reasons:
-        raise AutoparError(f"no layout autopar's runtime can run (--fix {args.fix or 'none'}): "
-                           f"{runnable.reasons[0]}")
-    if best is None:
-        raise AutoparError("no layout of the search space divides the cluster and the global batch "
-                           f"({cluster.gpus} devices, global batch {batch}, --fix {args.fix or 'none'})")
-    if not best.estimate.fits:
-        raise AutoparError(
-            f"no layout fits in {human_bytes(budget)} per device: the leanest needs "
-            f"{human_bytes(best.estimate.peak_memory_bytes)} (try more GPUs, --memory-limit, or "
-            "--fix recompute=full,zero=3)")
-    plan = build_plan(graph=traced.graph, model_ref=args.model, config=traced.config, cluster=cluster, ctx=ctx,
-                      global_batch=batch, estimate=best.estimate, strategies=best.strategies)
+    assert best is not None
     plan_file = None
     if args.output:
         from autopar.codegen.train_script import write_train_script
@@ -254,12 +249,30 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 def cmd_codegen(args: argparse.Namespace) -> int:
     from autopar.codegen.train_script import write_train_script
-    from autopar.plan import Plan
 
     plan = Plan.load(args.plan)
     path = write_train_script(plan, args.output)
     print(f"wrote {path} (run: torchrun --nproc-per-node {plan.num_devices} {path})")
     return EXIT_OK
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    render_show(Plan.load(args.plan), Console())
+    return EXIT_OK
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    a, b = Plan.load(args.before), Plan.load(args.after)
+    changes = plan_changes(a, b)
+    if args.json:
+        print(json.dumps({"same": not changes, "changes": [{"what": c.what, "before": c.before, "after": c.after}
+                                                           for c in changes],
+                          "iteration_time_s": [a.estimate["iteration_time_s"], b.estimate["iteration_time_s"]],
+                          "peak_memory_bytes": [a.estimate["peak_memory_bytes"], b.estimate["peak_memory_bytes"]]},
+                         indent=2, sort_keys=True))
+    else:
+        render_diff(a, b, changes, Console(), (args.before, args.after))
+    return EXIT_OK if not changes else EXIT_INTERNAL
 
 
 def cmd_verify(args: argparse.Namespace) -> int:

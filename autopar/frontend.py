@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -69,15 +70,33 @@ def _to_trace_dtype(model: nn.Module) -> nn.Module:
     return model
 
 
+def fake_copy(model: nn.Module) -> nn.Module:
+    """A copy of a built module whose parameters and buffers are fake tensors of their shapes and dtypes:
+    no real memory is copied, and the module itself is left as it is.  Tied tensors stay tied."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    memo: dict[int, Any] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        if id(t) not in memo:
+            fake = mode.from_tensor(t.detach())
+            memo[id(t)] = nn.Parameter(fake, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else fake
+    return copy.deepcopy(model, memo)
+
+
 def trace_model(ref: str, config: dict[str, Any] | None = None, seq_len: int | None = None,
-                ctx: PassContext | None = None, every_layer: bool = False) -> TracedModel:
+                ctx: PassContext | None = None, every_layer: bool = False, *, example_inputs: str | None = None,
+                built: nn.Module | None = None) -> TracedModel:
     """Load ``ref``, build it on fake tensors, trace one sample and run the default pass pipeline.
 
     ``every_layer``: export every block of the stack instead of repeating a few identical ones.
+    ``example_inputs``: a ``SOURCE:FUNCTION`` that replaces the model's own.  ``built``: trace this module
+    (a fake copy of it) instead of building one from ``ref``.
     """
     config = dict(config or {})
-    module = modelfile.load_module(ref)
-    model, config = build_fake(module, config, ref, seq_len)
+    module = modelfile.load_module(ref, example_inputs)
+    if built is None:
+        model, config = build_fake(module, config, ref, seq_len)
+    else:
+        model = fake_copy(built)
     model = _to_trace_dtype(model)
     seq = seq_len if seq_len is not None else modelfile.infer_seq_len(model, config)
     if seq < 1:

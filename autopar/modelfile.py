@@ -13,7 +13,10 @@ A model file defines
 The model may define ``init_parameter(name, tensor)`` to initialize one parameter in place
 (``autopar.runtime.materialize``).
 
-``MODEL`` is a path to such a file or the name of a zoo model (``gpt``, ``llama``, ``mlp``, ``moe``).
+``MODEL`` is a path to such a file or the name of a zoo model (``gpt``, ``llama``, ``mlp``, ``moe``), or
+``SOURCE:FACTORY``: a module-level class or function of a file (``path/model.py:GPT``) or of an importable
+module (``mypkg.models:build``) that builds the model from the config, in place of ``build_model``.  The
+source's optional functions (``example_inputs``, ``loss_fn``, ...) apply to it as well.
 """
 
 from __future__ import annotations
@@ -53,8 +56,33 @@ class ModelSource:
         return self.ref in ZOO
 
 
+_QUALNAME = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+#: The functions of a model file that a ``SOURCE:FACTORY`` model takes from its source.
+HOOKS = ("example_inputs", "loss_fn", "batches", "init_parameter")
+
+
+def split_ref(ref: str) -> tuple[str, str | None]:
+    """``SOURCE:FACTORY`` -> (``SOURCE``, ``FACTORY``); a plain file or zoo name -> (``ref``, ``None``)."""
+    source, sep, factory = ref.rpartition(":")
+    if sep and source and _QUALNAME.match(factory) and not (len(source) == 1 and source.isalpha()):
+        return source, factory
+    return ref, None
+
+
+def factory_ref(factory: Callable[..., Any]) -> str:
+    """The ``FILE:QUALNAME`` reference of a module-level class or function, which the runtime re-imports."""
+    qualname = getattr(factory, "__qualname__", None)
+    module = sys.modules.get(getattr(factory, "__module__", None) or "")
+    path = getattr(module, "__file__", None)
+    if not qualname or "<locals>" in qualname or "<lambda>" in qualname or not path:
+        raise ModelFileError(f"{qualname or factory!r}: a model factory must be a class or function defined at the "
+                             "top level of a Python file, so that every rank can import it by name")
+    return f"{Path(path).resolve()}:{qualname}"
+
+
 def resolve(ref: str) -> Path:
     """The file behind a zoo name or a path; raises ``ModelFileError`` when there is none."""
+    ref = split_ref(ref)[0]
     if ref in ZOO:
         spec = importlib.util.find_spec(f"autopar.models.{ref}")
         assert spec is not None and spec.origin is not None
@@ -68,10 +96,73 @@ def resolve(ref: str) -> Path:
     return path
 
 
-def load_module(ref: str) -> ModuleType:
-    """Import the model file (by path, under a private module name) or the zoo module."""
-    if ref in ZOO:
-        return importlib.import_module(f"autopar.models.{ref}")
+def locate(ref: str) -> str:
+    """``ref`` as any process can load it: a zoo model's file, an absolute file path (with its ``:FACTORY``),
+    or an importable ``module:FACTORY`` as given."""
+    source, factory = split_ref(ref)
+    if factory is not None and not (source.endswith(".py") or Path(source).is_file()):
+        return ref
+    path = str(resolve(source).resolve())
+    return f"{path}:{factory}" if factory else path
+
+
+def load_module(ref: str, example_inputs: str | None = None) -> ModuleType:
+    """Import the model file (by path, under a private module name) or the zoo module; for ``SOURCE:FACTORY``,
+    a module whose ``build_model`` is the factory, beside the source's own optional functions.
+    ``example_inputs``: a ``SOURCE:FUNCTION`` that replaces the model's ``example_inputs``."""
+    source, factory = split_ref(ref)
+    if factory is not None:
+        module = _factory_module(ref, source, factory)
+    elif ref in ZOO:
+        module = importlib.import_module(f"autopar.models.{ref}")
+    else:
+        module = _import_file(ref, require_build_model=True)
+    if example_inputs is None:
+        return module
+    view = ModuleType(f"{module.__name__}+example_inputs")
+    view.__dict__.update({k: v for k, v in vars(module).items() if not k.startswith("__")})
+    view.example_inputs = load_callable(example_inputs)  # type: ignore[attr-defined]
+    return view
+
+
+def load_for(model: dict[str, Any]) -> ModuleType:
+    """The module of a plan's ``model`` entry (its ``path`` or ``ref``, and its ``example_inputs``)."""
+    return load_module(model.get("path") or model["ref"], model.get("example_inputs"))
+
+
+def load_callable(ref: str) -> Callable[..., Any]:
+    """The class or function a ``SOURCE:NAME`` reference names."""
+    source, name = split_ref(ref)
+    if name is None:
+        raise ModelFileError(f"{ref}: expected SOURCE:NAME (a file or module, and a name defined in it)")
+    return _factory_module(ref, source, name).build_model
+
+
+def _factory_module(ref: str, source: str, factory: str) -> ModuleType:
+    if source.endswith(".py") or Path(source).is_file():
+        module = _import_file(source, require_build_model=False)
+    else:
+        try:
+            module = importlib.import_module(source)
+        except Exception as exc:
+            raise ModelFileError(f"{ref}: cannot import module {source!r}: {type(exc).__name__}: {exc}") from exc
+    obj: Any = module
+    for part in factory.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            raise ModelFileError(f"{ref}: {source} defines no {factory}")
+    obj = getattr(obj, "__autopar_factory__", obj)  # a class under @autopar.parallelize builds as itself
+    if not callable(obj):
+        raise ModelFileError(f"{ref}: {factory} is not a class or function")
+    view = ModuleType(f"{module.__name__}:{factory}")
+    view.build_model = obj  # type: ignore[attr-defined]
+    for hook in HOOKS:
+        if callable(getattr(module, hook, None)):
+            setattr(view, hook, getattr(module, hook))
+    return view
+
+
+def _import_file(ref: str, require_build_model: bool) -> ModuleType:
     path = resolve(ref).resolve()
     name = "autopar_user_model_" + hashlib.sha1(str(path).encode()).hexdigest()[:10]
     if name in sys.modules:
@@ -86,7 +177,7 @@ def load_module(ref: str) -> ModuleType:
         except Exception as exc:
             del sys.modules[name]
             raise ModelFileError(f"{ref}: importing the model file failed: {type(exc).__name__}: {exc}") from exc
-    if not callable(getattr(module, "build_model", None)):
+    if require_build_model and not callable(getattr(module, "build_model", None)):
         raise ModelFileError(f"{ref}: the model file defines no build_model(**config) function")
     return module
 
@@ -135,6 +226,8 @@ def build(module: ModuleType, config: dict[str, Any], ref: str = "model") -> nn.
         raise ModelFileError(f"{ref}: build_model rejected the config: {exc}") from exc
     except (ValueError, AssertionError) as exc:
         raise ModelFileError(f"{ref}: build_model rejected the config: {exc}") from exc
+    except Exception as exc:
+        raise ModelFileError(f"{ref}: build_model raised {type(exc).__name__}: {exc}") from exc
     if not isinstance(model, nn.Module):
         raise ModelFileError(f"{ref}: build_model returned {type(model).__name__}, not an nn.Module")
     return model
@@ -167,7 +260,12 @@ def example_inputs(module: ModuleType, model: nn.Module, batch_size: int, seq_le
     """The model file's ``example_inputs`` or, by default, random token ids ``[batch, seq]``."""
     fn = getattr(module, "example_inputs", None)
     if fn is not None:
-        inputs = fn(batch_size, seq_len, **config)
+        rest = {k: v for k, v in config.items() if k != "seq_len"}  # seq_len is passed by position
+        try:
+            inputs = fn(batch_size, seq_len, **rest)
+        except Exception as exc:
+            raise ModelFileError(f"example_inputs(batch_size={batch_size}, seq_len={seq_len}, **config) raised "
+                                 f"{type(exc).__name__}: {exc}") from exc
         return tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
     vocab = vocab_size(model, config)
     return (torch.randint(0, vocab, (batch_size, seq_len), generator=generator),)

@@ -27,9 +27,9 @@ class RuntimeFilter:
     refused solution was refused (the first one makes the error when nothing is left)."""
 
     def __init__(self, graph: OpGraph, model_ref: str, config: dict[str, Any], cluster: Cluster, ctx: PassContext,
-                 global_batch: int) -> None:
+                 global_batch: int, example_inputs: str | None = None) -> None:
         self._plan_args = {"graph": graph, "model_ref": model_ref, "config": config, "cluster": cluster, "ctx": ctx,
-                           "global_batch": global_batch}
+                           "global_batch": global_batch, "example_inputs": example_inputs}
         self._model = None
         self._verdicts: dict[tuple[int, bool], str | None] = {}
         self.reasons: list[str] = []
@@ -54,12 +54,12 @@ class RuntimeFilter:
 
 
 def runtime_filter(graph: OpGraph, model_ref: str, config: dict[str, Any], cluster: Cluster, ctx: PassContext,
-                   global_batch: int) -> RuntimeFilter | None:
+                   global_batch: int, example_inputs: str | None = None) -> RuntimeFilter | None:
     """The filter for plans autopar's own runtime trains (the ``torch`` framework); ``None`` for plans that
     another framework runs."""
     if ctx.framework.name != "torch":
         return None
-    return RuntimeFilter(graph, model_ref, config, cluster, ctx, global_batch)
+    return RuntimeFilter(graph, model_ref, config, cluster, ctx, global_batch, example_inputs)
 
 
 Accept = Callable[[Estimate, dict[str, Strategy]], bool]

@@ -40,7 +40,7 @@ from torch.utils._pytree import tree_leaves
 from autopar.cli import main as cli
 from autopar.cluster import Cluster, mesh_links
 from autopar.collectives import collective_s
-from autopar.plan import Plan
+from autopar.plan_file import Plan
 from autopar.runtime.apply import apply
 from autopar.runtime.session import batch_for_step, build_model
 

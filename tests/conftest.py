@@ -1,6 +1,11 @@
 from __future__ import annotations
 
+import contextlib
+import importlib
+import sys
+from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -17,3 +22,14 @@ def fixtures() -> Path:
 @pytest.fixture
 def examples() -> Path:
     return EXAMPLES
+
+
+@contextlib.contextmanager
+def imported(path: Path) -> Iterator[ModuleType]:
+    """Import the Python file ``path`` under its own name, as a user's script imports its modules."""
+    sys.path.insert(0, str(path.parent))
+    try:
+        yield importlib.import_module(path.stem)
+    finally:
+        sys.path.remove(str(path.parent))
+        sys.modules.pop(path.stem, None)

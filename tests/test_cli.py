@@ -35,8 +35,8 @@ def test_plan_human_summary(capsys):
 
 
 def test_plan_model_file_path(capsys, examples):
-    code, out, err = run(capsys, "plan", str(examples / "hf_llama.py"), "--config", "layers=2,hidden=64,heads=4",
-                         "--json")
+    code, out, err = run(capsys, "plan", str(examples / "hf_llama.py"), "--config",
+                         "layers=2,hidden=64,heads=4,kv_heads=4", "--json")
     assert code == 0, err
     assert json.loads(out)["model"]["layers"] == 2
 
@@ -73,3 +73,13 @@ def test_debug_shows_traceback(capsys):
     code = main(["plan", "gpt", "--config", "layerz=2", "--debug"])
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" in err
+
+
+def test_evaluate_the_shipped_candidates(capsys, examples):
+    # the README's evaluate line: every layout of examples/candidates.jsonl is estimated (64 GPUs)
+    code, out, err = run(capsys, "evaluate", "gpt", "--config", "layers=8,hidden=256,heads=8,vocab=512,seq_len=128",
+                         "--gpus", "64", "--layouts", str(examples / "candidates.jsonl"))
+    assert code == 0, err
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert len(lines) == len((examples / "candidates.jsonl").read_text().splitlines()) == 5
+    assert all("error" not in line and line["estimate"]["fits"] for line in lines), lines

@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from autopar.cli import main
-from autopar.plan import Plan
+from autopar.plan_file import Plan
 from autopar.runtime import TrainingConfig, apply
 
 LLAMA2_70B = ["llama", "--config", "layers=80,hidden=8192,heads=64,kv_heads=8,ffn=28672,vocab=32000,seq_len=4096",

@@ -14,7 +14,7 @@ from autopar.errors import AutoparError
 from autopar.frontend import trace_model
 from autopar.inter_op.layout import parse_fix
 from autopar.inter_op.search import search
-from autopar.plan import Plan, PlanError
+from autopar.plan_file import Plan, PlanError
 
 GPT = {"layers": 8, "hidden": 512, "heads": 8, "vocab": 1024, "seq_len": 512}
 A100 = load_cluster("a100-80gb").with_overrides(gpus=16)

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from autopar.cli import main
-from autopar.plan import Plan
+from autopar.plan_file import Plan
 from autopar.runtime.region_graph import PlannedOp, PlannedRegion, _consistent, placement
 from autopar.runtime.support import model_on_meta
 from autopar.runtime.tensor_parallel import region_ops

@@ -231,7 +231,7 @@ def test_apply_checks_world_size_parameters_and_devices(tmp_path, capsys, monkey
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from autopar.errors import AutoparError
-    from autopar.plan import Plan
+    from autopar.plan_file import Plan
     from autopar.runtime import apply
 
     plan_file = _plan(tmp_path, "dp=4")
@@ -260,7 +260,7 @@ def test_apply_checks_world_size_parameters_and_devices(tmp_path, capsys, monkey
 
 @pytest.mark.slow
 def test_checkpoint_moves_between_plans(tmp_path, capsys):
-    from autopar.plan import Plan
+    from autopar.plan_file import Plan
     from autopar.runtime.session import reference_run
     from autopar.runtime.training import check_config
     from autopar.runtime.verify import run_plan
@@ -288,7 +288,7 @@ def test_generated_script_runs_the_plan(tmp_path, capsys, examples, model, confi
     import subprocess
     import sys
 
-    from autopar.plan import Plan
+    from autopar.plan_file import Plan
     from autopar.runtime.session import reference_run
     from autopar.runtime.training import TrainingConfig
 

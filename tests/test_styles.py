@@ -12,7 +12,7 @@ from torch.distributed.tensor.parallel import RowwiseParallel, SequenceParallel
 from autopar.cli import main
 from autopar.codegen.train_script import generate_train_script
 from autopar.errors import AutoparError
-from autopar.plan import Plan
+from autopar.plan_file import Plan
 from autopar.runtime.stages import prune_to_stage
 from autopar.runtime.styles import PlacedParameters, PrepareActivation, evaluate, make_style
 from autopar.runtime.support import check_runnable, model_on_meta

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from autopar.cli import main
-from autopar.plan import Plan
+from autopar.plan_file import Plan
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -10,14 +10,6 @@ BODY = r'''
 # Everything below only reads the literals above.
 
 
-def load_model_file(path):
-    spec = importlib.util.spec_from_file_location("user_model", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["user_model"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=10)
@@ -38,7 +30,7 @@ def main():
     if dist.get_world_size() != math.prod(MESH_SHAPE):
         raise SystemExit(f"this plan needs {math.prod(MESH_SHAPE)} ranks, got {dist.get_world_size()}")
     mesh = init_device_mesh(device.type, MESH_SHAPE, mesh_dim_names=("pp", "dp", "tp"))
-    module = load_model_file(MODEL_FILE)
+    module = load_module(MODEL_FILE)
     build = lambda: module.build_model(**CONFIG)  # noqa: E731
     chunks = list(range(mesh.get_local_rank("pp"), len(STAGE_LAYERS), MESH_SHAPE[0]))
     report = StepReport(ESTIMATE, GLOBAL_BATCH * SEQ_LEN, math.prod(MESH_SHAPE), PEAK_FLOPS, device)

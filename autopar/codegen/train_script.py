@@ -19,7 +19,7 @@ from torch import nn
 
 from autopar import __version__, modelfile
 from autopar.codegen.script_body import BODY
-from autopar.plan import Plan
+from autopar.plan_file import Plan
 from autopar.runtime.apply import run_shape
 from autopar.runtime.pipeline import tied_pairs
 from autopar.runtime.stages import prune_to_stage, stage_layer_ranges
@@ -28,16 +28,14 @@ from autopar.runtime.support import check_runnable, model_on_meta
 from autopar.runtime.tensor_parallel import runs_loss_parallel, tp_style_specs
 
 IMPORTS = """import argparse
-import importlib.util
 import math
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from autopar.modelfile import loss_fn_of
+from autopar.modelfile import load_module, loss_fn_of
 from autopar.runtime import checkpoint
 from autopar.runtime.apply import device_for_rank
 from autopar.runtime.data import run_batches
@@ -94,7 +92,7 @@ def generate_train_script(plan: Plan, script_name: str = "train.py") -> str:
     note = ""
     if tp != lay["tp"]:
         note = "# The plan shards no parameter on its tp axis, so that axis runs as data parallelism.\n"
-    path = plan.model.get("path") or modelfile.resolve(plan.model["ref"]).resolve()
+    path = plan.model.get("path") or modelfile.locate(plan.model["ref"])
     layout = ", ".join(f"{k}={v}" for k, v in sorted(lay.items()))
     est = plan.estimate
     estimate = {k: est[k] for k in ("iteration_time_s", "model_flops_per_iter", "mfu", "peak_memory_bytes",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from autopar.cluster import Cluster
@@ -10,9 +9,9 @@ from autopar.inter_op.estimate import Estimate
 from autopar.inter_op.unit_costs import POST, PRE, unit_sequence
 from autopar.intra_op.strategies import R, Strategy, param_tp_placements, tensor_refs
 from autopar.ir import OpGraph
-from autopar.modelfile import ZOO
+from autopar.modelfile import ZOO, locate
 from autopar.passes.context import PassContext
-from autopar.plan import Plan, model_fingerprint
+from autopar.plan_file import Plan, model_fingerprint
 
 MESH_AXES = ("pp", "dp", "tp")
 
@@ -72,7 +71,8 @@ def _param_stages(graph: OpGraph, est: Estimate) -> dict[str, int]:
 
 
 def build_plan(*, graph: OpGraph, model_ref: str, config: dict[str, Any], cluster: Cluster, ctx: PassContext,
-               global_batch: int, estimate: Estimate, strategies: dict[str, Strategy]) -> Plan:
+               global_batch: int, estimate: Estimate, strategies: dict[str, Strategy],
+               example_inputs: str | None = None, memory_limit_bytes: float | None = None) -> Plan:
     lay = estimate.layout
     tp_place = param_tp_placements(graph, strategies)
     stages_of = _param_stages(graph, estimate)
@@ -108,16 +108,19 @@ def build_plan(*, graph: OpGraph, model_ref: str, config: dict[str, Any], cluste
             strat = strategies[n.name]
             ops[n.name] = {"tp": {"outputs": list(strat[0].outputs), "inputs": list(strat[0].inputs)},
                            "module": n.module, "op": n.op, "order": order}
-    path = None if model_ref in ZOO else str(Path(model_ref).resolve())
+    path = None if model_ref in ZOO else locate(model_ref)
     model = {"ref": model_ref, "path": path, "config": config, "fingerprint": model_fingerprint(graph, config),
              "layer_container": graph.layer_container, "num_layers": len(graph.layers),
              "layer_types": {h: idx for h, idx in first_of_type.items()}, "units": [k for k in keys
                                                                                     if k not in (PRE, POST)]}
+    if example_inputs is not None:
+        model["example_inputs"] = example_inputs
     return Plan(
         model=model, cluster=cluster.to_dict(), global_batch=global_batch, seq_len=graph.seq_len,
         mesh={"axes": list(MESH_AXES), "shape": [lay.pp, lay.dp, lay.tp]}, layout=lay.to_dict(),
         stages=stages, schedule={"name": lay.schedule, "virtual_stages": lay.v,
                                  "num_microbatches": lay.num_microbatches, "chunks": [list(c) for c in chunks]},
-        zero=lay.zero, parameters=parameters, estimate=estimate.to_dict(), op_strategies=ops,
+        zero=lay.zero, parameters=parameters, op_strategies=ops,
+        estimate={**estimate.to_dict(), **({"memory_limit_bytes": memory_limit_bytes} if memory_limit_bytes else {})},
         attention=ctx.attention,
     )

@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from autopar import modelfile
 from autopar.errors import AutoparError
-from autopar.plan import Plan
+from autopar.plan_file import Plan
 from autopar.runtime.materialize import build_on_meta
 from autopar.runtime.parallelize import parallelize
 from autopar.runtime.pipeline import tied_pairs
@@ -88,7 +88,7 @@ def device_for_rank() -> torch.device:
 
 def plan_builder(plan: Plan) -> Callable[[], nn.Module]:
     """``build_model(**config)`` of the plan's model file."""
-    module = modelfile.load_module(plan.model.get("path") or plan.model["ref"])
+    module = modelfile.load_for(plan.model)
     config, ref = dict(plan.model["config"]), plan.model["ref"]
     return lambda: modelfile.build(module, config, ref)
 
@@ -111,7 +111,7 @@ def apply(plan: Plan, loss_fn: Callable[..., torch.Tensor] | None = None, *,
     build = build or plan_builder(plan)
     config = config or TrainingConfig()
     if loss_fn is None:
-        loss_fn = modelfile.loss_fn_of(modelfile.load_module(plan.model.get("path") or plan.model["ref"]))
+        loss_fn = modelfile.loss_fn_of(modelfile.load_for(plan.model))
     whole = build_on_meta(build)  # the unsharded model: what the plan describes, and every weight's recipe
     _check_launch(plan, whole.model)
     specs = tp_style_specs(plan, whole.model) if plan.layout["tp"] > 1 else None

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autopar.plan import Plan
+from autopar.plan_file import Plan
 from autopar.runtime.materialize import clean_fqn
 
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from autopar import modelfile
-from autopar.plan import Plan
+from autopar.plan_file import Plan
 from autopar.runtime.materialize import build_on_meta, materialize
 from autopar.runtime.training import TrainingConfig, build_optimizer, lr_factor
 
@@ -26,7 +26,7 @@ class ModelSession:
 def build_model(plan: Plan, seed: int | None) -> ModelSession:
     """The plan's whole model on the CPU, with the initial weights every layout starts from (``seed``);
     ``seed=None``: its structure only, on the meta device (enough for the synthetic data)."""
-    module = modelfile.load_module(plan.model.get("path") or plan.model["ref"])
+    module = modelfile.load_for(plan.model)
     config, ref = dict(plan.model["config"]), plan.model["ref"]
     model = build_on_meta(lambda: modelfile.build(module, config, ref)).model
     if seed is not None:

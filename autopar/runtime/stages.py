@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from autopar.errors import AutoparError
-from autopar.plan import Plan
+from autopar.plan_file import Plan
 
 
 def layer_chunks(num_layers: int, pp: int, v: int) -> list[tuple[int, int]]:

@@ -6,14 +6,14 @@ import torch
 from torch import nn
 
 from autopar import modelfile
-from autopar.plan import Plan
+from autopar.plan_file import Plan
 from autopar.runtime.stages import check_splittable
 from autopar.runtime.tensor_parallel import StyleSpec, tp_style_specs
 
 
 def model_on_meta(plan: Plan) -> nn.Module:
     """The plan's model built on the meta device (structure only, no memory)."""
-    module = modelfile.load_module(plan.model.get("path") or plan.model["ref"])
+    module = modelfile.load_for(plan.model)
     with torch.device("meta"):
         return modelfile.build(module, dict(plan.model["config"]), plan.model["ref"])
 

@@ -35,7 +35,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from autopar import modelfile
 from autopar.errors import AutoparError
-from autopar.plan import Plan
+from autopar.plan_file import Plan
 from autopar.runtime.region_graph import planned_op_source
 from autopar.runtime.styles import StyleSpec, make_style, placement_source
 
@@ -67,7 +67,7 @@ def runs_loss_parallel(specs: dict[str, StyleSpec] | None) -> bool:
 
 def default_loss(plan: Plan) -> bool:
     """Whether the plan's model file trains with autopar's default loss (no ``loss_fn`` of its own)."""
-    module = modelfile.load_module(plan.model.get("path") or plan.model["ref"])
+    module = modelfile.load_for(plan.model)
     return getattr(module, "loss_fn", None) is None
 
 

@@ -16,7 +16,7 @@ import torch
 
 from autopar.errors import AutoparError
 from autopar.frontend import trace_model
-from autopar.plan import Plan
+from autopar.plan_file import Plan
 from autopar.runtime.session import reference_run
 from autopar.runtime.support import check_runnable, model_on_meta
 from autopar.runtime.training import check_config

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.errors import AutoparError
-from autopar.plan import Plan
+from autopar.plan_file import Plan
 from autopar.runtime import checkpoint
 from autopar.runtime.apply import apply
 from autopar.runtime.memory import activation_peak_bytes

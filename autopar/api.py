@@ -1,0 +1,158 @@
+"""The Python API: ``autopar.plan(...)`` does what ``autopar plan`` does and returns the Plan.
+
+    plan = autopar.plan("gpt", gpus=16, global_batch=64)        # a zoo name
+    plan = autopar.plan("models/llama.py", config={"layers": 8})  # a model file
+    plan = autopar.plan(MyModel, config={"hidden": 1024})        # a module-level class or factory
+    plan = autopar.plan(MyModel(hidden=1024), config={"hidden": 1024})  # a built module
+    plan.save("out/plan.json")
+
+A factory (or a built module's class) must be defined at the top level of a file: the plan names it as
+``FILE:QUALNAME`` and every rank of the runtime imports it from there and calls it with ``config``.  A built
+module is traced as it is (on fake copies of its tensors); the runtime builds ``type(module)(**config)``
+and refuses to run if that is not the same model (the plan's fingerprint).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from autopar.cluster import Cluster, cluster_from_args
+from autopar.errors import AutoparError
+from autopar.framework import DEFAULT_FRAMEWORK, load_framework
+from autopar.frontend import TracedModel, trace_model
+from autopar.inter_op.layout import normalize_fix, parse_fix
+from autopar.inter_op.search import SearchResult, search
+from autopar.inter_op.to_plan import build_plan
+from autopar.modelfile import factory_ref
+from autopar.passes import PassContext
+from autopar.plan_file import Plan
+from autopar.report import human_bytes
+from autopar.runnable import runtime_filter
+
+DEFAULT_CLUSTER = "a100-80gb"
+DEFAULT_TIME_LIMIT_S = 60.0
+
+ModelLike = str | Callable[..., nn.Module] | nn.Module
+
+
+@dataclass(frozen=True, slots=True)
+class Planning:
+    """A planning run: the best plan and what the search saw (the CLI prints all of it)."""
+
+    plans: list[Plan]
+    """The best plan first, then the next distinct layouts (``top``)."""
+    result: SearchResult
+    traced: TracedModel
+    cluster: Cluster
+    global_batch: int
+    memory_budget_bytes: float
+    solver: str
+
+    @property
+    def plan(self) -> Plan:
+        return self.plans[0]
+
+
+def model_ref(model: ModelLike) -> tuple[str, nn.Module | None]:
+    """The reference a plan records for ``model``, and the built module to trace (``None``: build from it)."""
+    if isinstance(model, str):
+        return model, None
+    if isinstance(model, nn.Module):
+        return factory_ref(type(model)), model
+    if callable(model):
+        return factory_ref(model), None
+    raise AutoparError(f"model must be a zoo name, a model file path, an nn.Module class or factory, or a built "
+                       f"nn.Module, not {type(model).__name__}")
+
+
+def _fixed(fix: str | dict[str, Any] | None) -> dict[str, Any]:
+    if fix is None or isinstance(fix, str):
+        return parse_fix(fix)
+    if isinstance(fix, dict):
+        return normalize_fix(fix)
+    raise AutoparError(f"fix must be a 'key=value,...' string or a dict, not {type(fix).__name__}")
+
+
+def setup(cluster: str | Cluster, gpus: int | None, gpus_per_node: int | None, inter_node_gbps: float | None,
+          global_batch: int | None, time_limit_s: float, memory_limit_gb: float | None, attention: str,
+          framework: str) -> tuple[Cluster, PassContext]:
+    """Check the planning options and make the cluster and the pass context."""
+    if global_batch is not None and global_batch < 1:
+        raise AutoparError("global batch (--global-batch) must be >= 1")
+    if time_limit_s <= 0:
+        raise AutoparError("time limit (--time-limit) must be positive")
+    if memory_limit_gb is not None and memory_limit_gb <= 0:
+        raise AutoparError("memory limit (--memory-limit) must be positive")
+    if isinstance(cluster, Cluster):
+        spec = cluster.with_overrides(gpus=gpus, gpus_per_node=gpus_per_node)
+    else:
+        spec = cluster_from_args(cluster, gpus, gpus_per_node, inter_node_gbps)
+    return spec, PassContext(cluster=spec, attention=attention, framework=load_framework(framework))
+
+
+def plan_model(model: ModelLike, *, config: dict[str, Any] | None = None,
+               example_inputs: Callable[..., Any] | None = None, cluster: str | Cluster = DEFAULT_CLUSTER,
+               gpus: int | None = None, gpus_per_node: int | None = None, inter_node_gbps: float | None = None,
+               global_batch: int | None = None, seq_len: int | None = None, fix: str | dict[str, Any] | None = None,
+               memory_limit_gb: float | None = None, attention: str = "flash", solver: str = "cbc",
+               time_limit_s: float | None = None, top: int = 1, framework: str = DEFAULT_FRAMEWORK,
+               every_layer: bool = False, on_progress: Callable[[int], None] | None = None) -> Planning:
+    """Trace ``model``, search its layouts on ``cluster`` and build the plan(s); raises ``AutoparError`` with
+    a one-line message when the input is bad or nothing fits."""
+    fixed = _fixed(fix)
+    if top < 1:
+        raise AutoparError("top (--top) must be >= 1")
+    time_limit_s = DEFAULT_TIME_LIMIT_S if time_limit_s is None else time_limit_s
+    spec, ctx = setup(cluster, gpus, gpus_per_node, inter_node_gbps, global_batch, time_limit_s, memory_limit_gb,
+                      attention, framework)
+    ref, built = model_ref(model)
+    inputs_ref = factory_ref(example_inputs) if example_inputs is not None else None
+    traced = trace_model(ref, config, seq_len, ctx, every_layer, example_inputs=inputs_ref, built=built)
+    batch = global_batch if global_batch is not None else max(256, spec.gpus)
+    budget = memory_limit_gb * 2**30 if memory_limit_gb is not None else spec.usable_memory_bytes
+    runnable = runtime_filter(traced.graph, ref, traced.config, spec, ctx, batch, inputs_ref)
+    res = search(traced.graph, spec, ctx, batch, fixed, budget, solver, time_limit_s, top, on_progress,
+                 accept=runnable.accept if runnable else None)
+    best = res.best
+    pinned = (fix if isinstance(fix, str) else ",".join(f"{k}={v}" for k, v in sorted(fixed.items()))) or "none"
+    if best is None and runnable is not None and runnable.reasons:
+        raise AutoparError(f"no layout autopar's runtime can run (--fix {pinned}): {runnable.reasons[0]}")
+    if best is None:
+        raise AutoparError("no layout of the search space divides the cluster and the global batch "
+                           f"({spec.gpus} devices, global batch {batch}, --fix {pinned})")
+    if not best.estimate.fits:
+        raise AutoparError(
+            f"no layout fits in {human_bytes(budget)} per device: the leanest needs "
+            f"{human_bytes(best.estimate.peak_memory_bytes)} (try more GPUs, --memory-limit, or "
+            "--fix recompute=full,zero=3)")
+    plans = [build_plan(graph=traced.graph, model_ref=ref, config=traced.config, cluster=spec, ctx=ctx,
+                        global_batch=batch, estimate=c.estimate, strategies=c.strategies, example_inputs=inputs_ref,
+                        memory_limit_bytes=budget)
+             for c in res.candidates[:top] if c.estimate.fits]
+    return Planning(plans, res, traced, spec, batch, budget, solver)
+
+
+def plan(model: ModelLike, *, config: dict[str, Any] | None = None,
+         example_inputs: Callable[..., Any] | None = None, cluster: str | Cluster = DEFAULT_CLUSTER,
+         gpus: int | None = None, gpus_per_node: int | None = None, global_batch: int | None = None,
+         seq_len: int | None = None, fix: str | dict[str, Any] | None = None, memory_limit_gb: float | None = None,
+         attention: str = "flash", solver: str = "cbc", time_limit_s: float | None = None, top: int = 1,
+         framework: str = DEFAULT_FRAMEWORK) -> Plan | list[Plan]:
+    """Plan ``model`` (a zoo name, a model file, an ``nn.Module`` class or factory, or a built module) as
+    ``autopar plan`` does: the best Plan, or with ``top > 1`` a list of the best distinct ones, best first.
+
+    ``config`` goes to the factory (or ``build_model``); ``example_inputs(batch_size, seq_len, **config)``,
+    a top-level function, replaces the model's own; ``fix`` pins layout keys (``"tp=8,pp=2"`` or a dict);
+    the defaults are those of the CLI (``a100-80gb``, all its GPUs, a global batch of max(256, GPUs))."""
+    planning = plan_model(model, config=config, example_inputs=example_inputs, cluster=cluster, gpus=gpus,
+                          gpus_per_node=gpus_per_node, global_batch=global_batch, seq_len=seq_len, fix=fix,
+                          memory_limit_gb=memory_limit_gb, attention=attention, solver=solver,
+                          time_limit_s=time_limit_s, top=top, framework=framework)
+    return planning.plan if top == 1 else planning.plans
+
+
+__all__ = ["DEFAULT_CLUSTER", "ModelLike", "Planning", "model_ref", "plan", "plan_model", "setup"]

@@ -1,0 +1,186 @@
+"""``@autopar.parallelize``: plan a model class (or factory) where it is defined, and run the plan under torchrun.
+
+    @autopar.parallelize(cluster="a100-80gb", gpus=64, global_batch=512, seq_len=4096, plan="plan.json")
+    class MyModel(nn.Module):
+        def __init__(self, layers=32, hidden=4096): ...
+
+    MyModel.autopar_plan(layers=32)   # the Plan (cached), anywhere, no GPU needed
+    model = MyModel(layers=32)        # outside torchrun: the plain model (an instance of MyModel)
+    trainer = MyModel(layers=32)      # under torchrun: this rank's autopar.runtime Trainer, *not* a MyModel
+
+Under torchrun, construction reads the plan file when it exists and is for this model (its fingerprint)
+and this world size; otherwise rank 0 plans and saves it atomically and every rank then reads that same
+file.  A plan file for another model or another world size is an error unless ``replan=True``.  Rank 0
+prints one line saying which happened.  The class must be defined at the top level of its file: every
+rank re-imports it from there (``autopar.modelfile``), and builds it with the keyword arguments given.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from autopar.api import DEFAULT_CLUSTER, plan_model
+from autopar.errors import AutoparError
+from autopar.framework import DEFAULT_FRAMEWORK
+from autopar.frontend import trace_model
+from autopar.modelfile import factory_ref
+from autopar.passes import PassContext
+from autopar.plan_file import Plan, PlanError, model_fingerprint
+
+
+@dataclass(kw_only=True)
+class _Options:
+    cluster: str
+    gpus: int | None
+    gpus_per_node: int | None
+    global_batch: int | None
+    seq_len: int | None
+    plan: str
+    fix: str | dict[str, Any] | None
+    memory_limit_gb: float | None
+    attention: str
+    framework: str
+    replan: bool
+    training: Any
+    cache: dict[str, Plan] = field(default_factory=dict)
+
+
+def in_torchrun() -> bool:
+    """Whether this process is one rank of a torchrun (or otherwise initialized) distributed job."""
+    import torch.distributed as dist
+
+    return dist.is_available() and (dist.is_initialized() or ("RANK" in os.environ and "WORLD_SIZE" in os.environ))
+
+
+def _planned(factory: Callable[..., nn.Module], config: dict[str, Any], opts: _Options, gpus: int | None) -> Plan:
+    return plan_model(factory, config=config, cluster=opts.cluster, gpus=gpus, gpus_per_node=opts.gpus_per_node,
+                      global_batch=opts.global_batch, seq_len=opts.seq_len, fix=opts.fix,
+                      memory_limit_gb=opts.memory_limit_gb, attention=opts.attention,
+                      framework=opts.framework).plan
+
+
+def _mismatch(plan: Plan, factory: Callable[..., nn.Module], config: dict[str, Any], opts: _Options,
+              world: int) -> str | None:
+    """Why ``plan`` is not this model's plan on ``world`` ranks (``None``: it is)."""
+    if plan.num_devices != world:
+        return f"it is for {plan.num_devices} devices and this run has {world} ranks"
+    traced = trace_model(factory_ref(factory), config, opts.seq_len, PassContext())
+    fingerprint = model_fingerprint(traced.graph, traced.config)
+    if fingerprint != plan.model.get("fingerprint"):
+        return f"it is for another model (fingerprint {plan.model.get('fingerprint')}, this one {fingerprint})"
+    return None
+
+
+def _rank0_plan_file(factory: Callable[..., nn.Module], config: dict[str, Any], opts: _Options,
+                     world: int) -> str:
+    """On rank 0: make sure the plan file holds this model's plan; returns the line to log."""
+    path = Path(opts.plan)
+    if path.exists():
+        plan = Plan.load(path)
+        why = _mismatch(plan, factory, config, opts, world)
+        if why is None:
+            return f"autopar: using {path} (fingerprint {plan.model['fingerprint']})"
+        if not opts.replan:
+            raise PlanError(f"{path} is not this run's plan: {why} (delete it, or pass replan=True)")
+    _planned(factory, config, opts, opts.gpus or world).save(path)  # atomic: a temporary file renamed
+    return f"autopar: planned, saved {path}"
+
+
+def _distributed_build(factory: Callable[..., nn.Module], config: dict[str, Any], opts: _Options) -> Any:
+    """Every rank: agree on the plan file through rank 0, then ``autopar.runtime.apply`` it."""
+    import torch.distributed as dist
+
+    from autopar.runtime.apply import apply
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    outcome: list[Any] = [None, None]  # [error, line to log]
+    if rank == 0:
+        try:
+            outcome[1] = _rank0_plan_file(factory, config, opts, world)
+        except AutoparError as exc:
+            outcome[0] = str(exc)
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[0] is not None:
+        raise AutoparError(outcome[0])
+    if rank == 0:
+        print(outcome[1], file=sys.stderr, flush=True)
+    plan = Plan.load(opts.plan)
+    return apply(plan, config=opts.training)
+
+
+def _plan_once(factory: Callable[..., nn.Module], config: dict[str, Any], opts: _Options) -> Plan:
+    key = json.dumps(config, sort_keys=True, default=repr)
+    if key not in opts.cache:
+        opts.cache[key] = _planned(factory, config, opts, opts.gpus)
+    return opts.cache[key]
+
+
+def _no_positional(name: str, args: tuple[Any, ...]) -> None:
+    if args:
+        raise AutoparError(f"{name}: a model under @autopar.parallelize takes its config as keyword arguments "
+                           "(the plan records them)")
+
+
+def _decorate_class(cls: type[nn.Module], opts: _Options) -> type[nn.Module]:
+    def __new__(klass, *args: Any, **config: Any) -> Any:
+        _no_positional(cls.__name__, args)
+        if in_torchrun():
+            return _distributed_build(cls, config, opts)  # not an instance: __init__ does not run on it
+        return nn.Module.__new__(klass)
+
+    def autopar_plan(klass, **config: Any) -> Plan:
+        """The plan of this model built with ``config`` (planned once, then cached)."""
+        return _plan_once(cls, config, opts)
+
+    namespace = {"__new__": __new__, "autopar_plan": classmethod(autopar_plan), "__autopar_factory__": cls,
+                 "__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__}
+    return type(cls.__name__, (cls,), namespace)
+
+
+def _decorate_function(fn: Callable[..., nn.Module], opts: _Options) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def build(*args: Any, **config: Any) -> Any:
+        _no_positional(fn.__name__, args)
+        return _distributed_build(fn, config, opts) if in_torchrun() else fn(**config)
+
+    build.autopar_plan = lambda **config: _plan_once(fn, config, opts)  # type: ignore[attr-defined]
+    build.__autopar_factory__ = fn  # type: ignore[attr-defined]
+    return build
+
+
+def parallelize(*, cluster: str = DEFAULT_CLUSTER, gpus: int | None = None, gpus_per_node: int | None = None,
+                global_batch: int | None = None, seq_len: int | None = None, plan: str = "plan.json",
+                fix: str | dict[str, Any] | None = None, memory_limit_gb: float | None = None,
+                attention: str = "flash", framework: str = DEFAULT_FRAMEWORK, replan: bool = False,
+                training: Any = None) -> Callable[[Any], Any]:
+    """Decorate a model class or factory (see the module docstring).  The planning options are those of
+    ``autopar.plan``; ``plan`` is the plan file torchrun runs share; ``training`` an
+    ``autopar.runtime.TrainingConfig`` for the Trainer."""
+    opts = _Options(cluster=cluster, gpus=gpus, gpus_per_node=gpus_per_node, global_batch=global_batch,
+                    seq_len=seq_len, plan=plan, fix=fix, memory_limit_gb=memory_limit_gb, attention=attention,
+                    framework=framework, replan=replan, training=training)
+
+    def decorate(target: Any) -> Any:
+        if isinstance(target, type) and issubclass(target, nn.Module):
+            return _decorate_class(target, opts)
+        if callable(target):
+            return _decorate_function(target, opts)
+        raise AutoparError(f"@autopar.parallelize decorates an nn.Module class or a factory, not "
+                           f"{type(target).__name__}")
+
+    return decorate
+
+
+__all__ = ["in_torchrun", "parallelize"]

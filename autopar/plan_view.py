@@ -1,0 +1,206 @@
+"""Looking at saved plans: ``autopar show`` (a plan at a glance) and ``autopar diff`` (what two plans differ in).
+
+Both read only the plan file (loading it runs no code): the mesh, the stages, how each layer type's weights
+are split, the estimated time and memory.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from autopar.cluster import Cluster
+from autopar.plan_file import Plan
+from autopar.report import human_bytes, human_time, layout_text
+
+
+def memory_limit_bytes(plan: Plan) -> float:
+    """The per-device memory the plan was searched under (the cluster's usable memory by default)."""
+    limit = plan.estimate.get("memory_limit_bytes")
+    return float(limit) if limit else Cluster.from_dict(plan.cluster).usable_memory_bytes
+
+
+def _placement_text(placements: dict[str, str]) -> str:
+    split = [f"dim {p[2:-1]} on {axis}" for axis, p in sorted(placements.items()) if p.startswith("S(")]
+    return ", ".join(split) if split else "replicated"
+
+
+def layer_type_prefixes(plan: Plan) -> dict[str, str]:
+    """Layer type hash -> the FQN prefix of its first layer (``blocks.3.``)."""
+    container = plan.model.get("layer_container")
+    if not container:
+        return {}
+    return {h: f"{container}.{idx}." for h, idx in sorted(plan.model.get("layer_types", {}).items(),
+                                                        key=lambda kv: kv[1])}
+
+
+def sharding_summary(plan: Plan) -> dict[str, list[tuple[str, list[int], str]]]:
+    """Per layer type (``layer type H (blocks.0)``) and for what lies outside the layers: each weight's name
+    (relative to its layer), global shape and how it is split over the mesh axes."""
+    prefixes = layer_type_prefixes(plan)
+    container = plan.model.get("layer_container") or ""
+    groups: dict[str, list[tuple[str, list[int], str]]] = defaultdict(list)
+    for fqn, p in sorted(plan.parameters.items()):
+        owner = next((h for h, pre in prefixes.items() if fqn.startswith(pre)), None)
+        if owner is not None:
+            groups[f"layer type {owner} ({prefixes[owner].rstrip('.')})"].append(
+                (fqn.removeprefix(prefixes[owner]), p["shape"], _placement_text(p["placements"])))
+        elif not (container and fqn.startswith(container + ".")):
+            groups["outside the layers"].append((fqn, p["shape"], _placement_text(p["placements"])))
+    return dict(groups)
+
+
+def render_show(plan: Plan, console: Console) -> None:
+    """The mesh, the stages, the sharding of each layer type, the time breakdown and memory per device."""
+    lay, est = plan.layout, plan.estimate
+    limit = memory_limit_bytes(plan)
+    head = Table(title="Plan", show_header=False, title_justify="left")
+    head.add_column("what", style="bold")
+    head.add_column("value")
+    model = plan.model
+    head.add_row("model", f"{model['ref']} ({model['num_layers']} layers, fingerprint {model['fingerprint'][:12]})")
+    head.add_row("cluster", f"{plan.cluster['name']}: {plan.cluster['gpus']} x {plan.cluster['device']}, "
+                            f"{plan.cluster['gpus_per_node']} per node")
+    axes = " x ".join(f"{a}={n}" for a, n in zip(plan.mesh["axes"], plan.mesh["shape"]))
+    head.add_row("mesh", f"{axes} = {plan.num_devices} devices (ranks: pp outermost, tp innermost)")
+    head.add_row("layout", layout_text(lay))
+    head.add_row("batch", f"global {plan.global_batch} x seq {plan.seq_len}; {lay['num_microbatches']} micro-batch(es) "
+                          f"of {lay['mbs']} per data-parallel rank")
+    head.add_row("iteration", f"{human_time(est['iteration_time_s'])} ({est['tokens_per_s']:,.0f} tokens/s, "
+                              f"MFU {est['mfu']:.1%}, {est.get('framework', 'torch')} runtime)")
+    console.print(head)
+
+    stages = Table(title="Stages", title_justify="left")
+    for col in ("stage", "layers", "ranks", "micro-batch", "recompute", "time / micro-batch", "memory", "of limit"):
+        stages.add_column(col)
+    for s in plan.stages:
+        extra = (" +emb" if s["has_embedding"] else "") + (" +head" if s["has_head"] else "")
+        spans = [f"{lo}-{hi - 1}" if hi > lo else "none" for lo, hi in (s.get("chunks") or [s["layers"]])]
+        mem = s["estimated_memory_bytes"]
+        stages.add_row(str(s["index"]), ", ".join(spans) + extra, f"{s['ranks'][0]}-{s['ranks'][1] - 1}",
+                       str(s["micro_batch"]), s["recompute"], human_time(s["estimated_time_per_microbatch_s"]),
+                       human_bytes(mem), f"{mem / limit:.0%}")
+    console.print(stages)
+
+    for group, rows in sharding_summary(plan).items():
+        table = Table(title=f"Sharding: {group}", title_justify="left")
+        for col in ("weight", "shape", "split"):
+            table.add_column(col)
+        for name, shape, split in rows:
+            table.add_row(name, "x".join(map(str, shape)), split)
+        console.print(table)
+
+    times = Table(title="Time per iteration", title_justify="left")
+    times.add_column("part")
+    times.add_column("time", justify="right")
+    times.add_column("share", justify="right")
+    total = est["iteration_time_s"]
+    for key, value in est["breakdown"].items():
+        times.add_row(key.removesuffix("_s").replace("_", " "), human_time(value), f"{value / total:.1%}")
+    times.add_row("iteration", human_time(total), "100%", style="bold")
+    console.print(times)
+
+    memory = Table(title="Memory per device", title_justify="left")
+    for col in ("stage", "state", "activations", "gathered weights", "peak", "limit"):
+        memory.add_column(col, justify="right")
+    for s in plan.stages:
+        memory.add_row(str(s["index"]), human_bytes(s["estimated_state_bytes"]),
+                       human_bytes(s["estimated_activation_bytes"]),
+                       human_bytes(s.get("estimated_gathered_weight_bytes", 0.0)),
+                       human_bytes(s["estimated_memory_bytes"]), human_bytes(limit))
+    console.print(memory)
+    console.print(f"peak {human_bytes(est['peak_memory_bytes'])} of {human_bytes(limit)} per device: "
+                  f"{'fits' if est['fits'] else 'DOES NOT FIT'}")
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """One difference between two plans."""
+
+    what: str
+    before: Any
+    after: Any
+
+
+def _stage_key(s: dict[str, Any]) -> dict[str, Any]:
+    return {k: s[k] for k in ("layers", "ranks", "micro_batch", "recompute", "has_embedding", "has_head")} | {
+        "chunks": s.get("chunks")}
+
+
+def plan_changes(a: Plan, b: Plan) -> list[Change]:
+    """What differs between ``a`` and ``b``: model, cluster, batch, layout, stages and parameter placements."""
+    out: list[Change] = []
+    if a.model["fingerprint"] != b.model["fingerprint"]:
+        out.append(Change("model", a.model["ref"], b.model["ref"]))
+    for key in ("name", "gpus", "gpus_per_node", "device"):
+        if a.cluster.get(key) != b.cluster.get(key):
+            out.append(Change(f"cluster {key}", a.cluster.get(key), b.cluster.get(key)))
+    for key in ("global_batch", "seq_len", "attention"):
+        if getattr(a, key) != getattr(b, key):
+            out.append(Change(key, getattr(a, key), getattr(b, key)))
+    for key in sorted(set(a.layout) | set(b.layout)):
+        if a.layout.get(key) != b.layout.get(key):
+            out.append(Change(f"layout {key}", a.layout.get(key), b.layout.get(key)))
+    if len(a.stages) != len(b.stages):
+        out.append(Change("stages", len(a.stages), len(b.stages)))
+    else:
+        for sa, sb in zip(a.stages, b.stages):
+            ka, kb = _stage_key(sa), _stage_key(sb)
+            for key in ka:
+                if ka[key] != kb[key]:
+                    out.append(Change(f"stage {sa['index']} {key}", ka[key], kb[key]))
+    for fqn in sorted(set(a.parameters) | set(b.parameters)):
+        pa, pb = a.parameters.get(fqn), b.parameters.get(fqn)
+        if pa is None or pb is None:
+            out.append(Change(f"parameter {fqn}", "absent" if pa is None else "present",
+                              "absent" if pb is None else "present"))
+        elif pa["placements"] != pb["placements"]:
+            out.append(Change(f"parameter {fqn}", _placement_text(pa["placements"]),
+                              _placement_text(pb["placements"])))
+    return out
+
+
+def _delta(before: float, after: float) -> str:
+    return f"{(after / before - 1):+.1%}" if before else "-"
+
+
+def render_diff(a: Plan, b: Plan, changes: list[Change], console: Console, names: tuple[str, str]) -> None:
+    """The changes (parameter placements grouped when many share one change) and the estimated effect."""
+    if not changes:
+        console.print(f"{names[0]} and {names[1]} are the same plan")
+        return
+    table = Table(title=f"{names[0]} -> {names[1]}", title_justify="left")
+    for col in ("what", "before", "after"):
+        table.add_column(col)
+    params: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for c in changes:
+        if c.what.startswith("parameter "):
+            params[(str(c.before), str(c.after))].append(c.what.removeprefix("parameter "))
+        else:
+            table.add_row(c.what, str(c.before), str(c.after))
+    for (before, after), fqns in sorted(params.items()):
+        shown = ", ".join(fqns[:3]) + (f" and {len(fqns) - 3} more" if len(fqns) > 3 else "")
+        table.add_row(f"{len(fqns)} parameter{'s' if len(fqns) != 1 else ''}: {shown}", before, after)
+    console.print(table)
+    effect = Table(title="Estimated effect", title_justify="left")
+    for col in ("", "before", "after", "change"):
+        effect.add_column(col, justify="right")
+    ea, eb = a.estimate, b.estimate
+    effect.add_row("iteration", human_time(ea["iteration_time_s"]), human_time(eb["iteration_time_s"]),
+                   _delta(ea["iteration_time_s"], eb["iteration_time_s"]))
+    for key in sorted(set(ea["breakdown"]) | set(eb["breakdown"])):
+        x, y = ea["breakdown"].get(key, 0.0), eb["breakdown"].get(key, 0.0)
+        if x or y:
+            effect.add_row(f"  {key.removesuffix('_s').replace('_', ' ')}", human_time(x), human_time(y), _delta(x, y))
+    effect.add_row("MFU", f"{ea['mfu']:.1%}", f"{eb['mfu']:.1%}", f"{(eb['mfu'] - ea['mfu']) * 100:+.1f} pt")
+    effect.add_row("peak memory", human_bytes(ea["peak_memory_bytes"]), human_bytes(eb["peak_memory_bytes"]),
+                   _delta(ea["peak_memory_bytes"], eb["peak_memory_bytes"]))
+    console.print(effect)
+
+
+__all__ = ["Change", "layer_type_prefixes", "memory_limit_bytes", "plan_changes", "render_diff", "render_show",
+           "sharding_summary"]

@@ -1,0 +1,88 @@
+"""``@autopar.parallelize``: the plain model outside torchrun, one shared plan file under it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import imported
+from torch import nn
+
+import autopar
+import autopar.cli
+from autopar.errors import AutoparError
+from autopar.plan_file import Plan
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "decorated.py"
+SMALL = {"layers": 2, "hidden": 64, "heads": 4, "vocab": 256, "seq_len": 32}
+
+
+@pytest.fixture(scope="module")
+def example():
+    with imported(EXAMPLE) as module:
+        yield module
+
+
+def test_outside_torchrun_construction_is_the_plain_model(example):
+    model = example.TinyGPT(**SMALL)
+    assert isinstance(model, example.TinyGPT) and isinstance(model, nn.Module)
+    assert type(model).__qualname__ == "TinyGPT"
+    assert sum(p.numel() for p in model.parameters()) > 0
+    assert not any(hasattr(p, "fake_mode") for p in model.parameters())
+
+
+def test_autopar_plan_plans_once_and_names_the_class(example):
+    first = example.TinyGPT.autopar_plan(**SMALL)
+    assert isinstance(first, Plan)
+    assert first.model["ref"].endswith("decorated.py:TinyGPT")
+    assert first.num_devices == 4 and first.global_batch == example.GLOBAL_BATCH
+    assert example.TinyGPT.autopar_plan(**SMALL) is first  # cached
+    # the runtime re-imports the file and builds the undecorated class
+    from autopar.modelfile import load_for
+
+    factory = load_for(first.model).build_model
+    assert factory.__qualname__ == "TinyGPT" and "autopar_plan" not in vars(factory)
+
+
+def test_decorator_takes_keyword_config_and_classes_or_factories():
+    with pytest.raises(AutoparError, match=r"nn\.Module class or a factory"):
+        autopar.parallelize(gpus=4)(3)
+    plain = autopar.parallelize(cluster="cpu", gpus=4)(nn.Linear)
+    with pytest.raises(AutoparError, match="keyword arguments"):
+        plain(4, 4)
+
+
+def _torchrun(cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                           str(EXAMPLE), "--steps", "2"], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+@pytest.mark.slow
+def test_under_torchrun_it_plans_once_then_reuses_the_plan(tmp_path):
+    first = _torchrun(tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "autopar: planned, saved decorated_plan.json" in first.stderr
+    assert "step 1: loss" in first.stdout
+    saved = (tmp_path / "decorated_plan.json").read_bytes()
+    second = _torchrun(tmp_path)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "autopar: using decorated_plan.json (fingerprint " in second.stderr
+    assert second.stdout == first.stdout  # the same plan and seeds train the same losses
+    assert (tmp_path / "decorated_plan.json").read_bytes() == saved
+    # a plan of another model in its place is refused, not trained
+    other = tmp_path / "other"
+    assert autopar.cli.main(["plan", "gpt", "--config", ",".join(f"{k}={v}" for k, v in SMALL.items()),
+                             "--cluster", "cpu", "--gpus", "4", "--global-batch", "8", "-o", str(other),
+                             "--json"]) == 0
+    shutil.copy(other / "plan.json", tmp_path / "decorated_plan.json")
+    third = _torchrun(tmp_path)
+    assert third.returncode != 0
+    assert "decorated_plan.json is not this run's plan: it is for another model" in third.stderr
+    assert "replan=True" in third.stderr
