@@ -15,12 +15,16 @@ building, edges whose matrix is additive (``M[s][t] = a[s] + b[t]``, e.g. all-ze
 node costs (:func:`fold_additive_edges`); they need no ``y`` at all.
 
 CBC works on costs scaled to microseconds; CP-SAT on integers (nanoseconds, bytes).  Both run with one
-thread and a fixed seed, so the same request gives the same answer.
+thread and a fixed seed.  That alone does not make the answer unique: where several choices cost exactly
+the same (symmetric shardings), CBC returned one or another from run to run, and their unit costs (which
+price more than the ILP does) differ.  So every strategy pays ``TIE_BREAK_S`` per step of its index: ties go
+to the lower index, and the same request gives the same answer.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
 import time
@@ -36,6 +40,10 @@ BACKENDS: tuple[Backend, ...] = ("cbc", "highs", "cpsat")
 _US = 1e6  # CBC objective scale: seconds -> microseconds
 _NS = 1e9  # CP-SAT integer scale: seconds -> nanoseconds
 _ADDITIVE_TOL = 1e-12  # seconds; below this an edge matrix counts as additive
+#: Seconds a strategy pays per step of its index, to break exact ties.  One nanosecond: CP-SAT's unit, above
+#: CBC's cut-off increment (1e-5 of its microsecond objective), and far below any difference that matters
+#: (a few hundred nodes x a few dozen strategies: microseconds per solve at most).
+TIE_BREAK_S = 1e-9
 
 
 def fold_additive_edges(request: SolverRequest) -> tuple[list[list[float]], list[int]]:
@@ -64,9 +72,14 @@ def solve_ilp(request: SolverRequest, backend: Backend = "cbc") -> SolverResult:
     if request.memory_budget_bytes is not None and need > request.memory_budget_bytes:
         return SolverResult(status="infeasible", solver=backend, min_memory_bytes=need,
                             num_variables=request.num_variables, num_constraints=request.num_constraints)
-    if backend == "cpsat":
-        return _solve_cpsat(request)
-    return _solve_pulp(request, backend)
+    broken = dataclasses.replace(request, node_cost_s=[[c + TIE_BREAK_S * k for k, c in enumerate(row)]
+                                                       for row in request.node_cost_s])
+    result = _solve_cpsat(broken) if backend == "cpsat" else _solve_pulp(broken, backend)
+    if not result.choice:
+        return result
+    obj = objective_s(request, result.choice)  # reported without the tie-break
+    bound = None if result.bound_s is None else min(result.bound_s, obj)
+    return dataclasses.replace(result, objective_s=obj, bound_s=bound)
 
 
 def _solve_pulp(request: SolverRequest, backend: Backend) -> SolverResult:

@@ -56,6 +56,17 @@ def test_hand_computed_three_node_chain():
         assert r.choice == (1, 1, 1) and r.objective_s == pytest.approx(4.0)
 
 
+def test_exact_ties_go_to_the_lowest_index_on_every_backend():
+    # symmetric shardings cost exactly the same; the solvers may return any optimum, the plan may not vary
+    mirror = ((0.0, 3.0, 3.0), (3.0, 0.0, 3.0), (3.0, 3.0, 0.0))
+    req = SolverRequest(node_names=("a", "b", "c", "d"), node_cost_s=((2, 1, 1), (1, 1, 1), (5, 5, 5), (1, 1, 1)),
+                        memory_bytes=((0, 0, 0),) * 4, edges=((0, 1), (1, 2), (2, 3)), edge_cost_s=(mirror,) * 3)
+    for backend in ("cbc", "highs", "cpsat"):
+        r = solve_ilp(req, backend)
+        assert r.choice == (1, 1, 1, 1), backend
+        assert r.objective_s == pytest.approx(8.0)  # reported without the tie-break
+
+
 def test_memory_budget_forces_the_cheaper_layout():
     # strategy 0 is fast but needs 10 B, strategy 1 slow but needs 1 B
     req = SolverRequest(node_names=("a", "b"), node_cost_s=((1, 3), (1, 3)), memory_bytes=((10, 1), (10, 1)),
