@@ -30,6 +30,7 @@ from autopar.plan_file import Plan
 from autopar.plan_view import plan_changes, render_diff, render_show
 from autopar.report import human_bytes, render_model_summary, render_plan
 from autopar.summary import model_summary
+from autopar.timeline import write_trace
 
 EXIT_OK, EXIT_INTERNAL, EXIT_USER = 0, 1, 2
 
@@ -92,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--fix", metavar="KEY=VALUE,...", help=f"pin layout keys: {', '.join(FIX_KEYS)}")
     plan.add_argument("--top", type=int, default=1, metavar="K", help="report the K best distinct layouts")
     plan.add_argument("-o", "--output", metavar="DIR", help="write DIR/plan.json and DIR/train.py")
+    plan.add_argument("--trace", metavar="FILE.json",
+                      help="write the simulated iteration as a Chrome trace (Perfetto, chrome://tracing)")
     plan.set_defaults(run=cmd_plan)
 
     ev = sub.add_parser("evaluate", help="estimate candidate layouts given as JSON lines")
@@ -111,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     show = sub.add_parser("show", help="a saved plan at a glance: mesh, stages, sharding, time and memory")
     show.add_argument("plan", metavar="PLAN.json")
+    show.add_argument("--trace", metavar="FILE.json",
+                      help="also write the simulated iteration as a Chrome trace (Perfetto, chrome://tracing)")
     show.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     show.set_defaults(run=cmd_show)
 
@@ -187,6 +192,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             write_train_script(plan, Path(args.output) / "train.py")
         except AutoparError as exc:  # a layout the runtime cannot run yet: the plan itself is still good
             print(f"autopar: note: train.py not written: {exc}", file=sys.stderr)
+    if args.trace:  # the plan as its file holds it (rounded), so that 'autopar show --trace' writes the same
+        write_trace(Plan.from_json(plan.to_json()), args.trace)
     result: dict[str, Any] = {
         "autopar_version": __version__,
         "model": model_summary(traced.graph, batch),
@@ -196,7 +203,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         "estimate": best.estimate.to_dict(),
         "solve": {"time_s": res.solve_time_s, "solver": args.solver, "status": res.ilp_status,
                   "layouts_evaluated": res.evaluated, "ilp_solves": res.ilp_solves},
-        "plan_file": plan_file,
+        "plan_file": plan_file, "trace_file": args.trace,
         "stages": plan.stages,
         "candidates": [{"layout": c.estimate.layout.to_dict(), "estimate": c.estimate.to_dict()}
                        for c in res.candidates],
@@ -257,7 +264,10 @@ def cmd_codegen(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    render_show(Plan.load(args.plan), Console())
+    plan = Plan.load(args.plan)
+    render_show(plan, Console())
+    if args.trace:
+        Console().print(f"wrote {write_trace(plan, args.trace)} (open it in ui.perfetto.dev or chrome://tracing)")
     return EXIT_OK
 
 

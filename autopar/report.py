@@ -88,6 +88,8 @@ def render_plan(result: dict[str, Any], console: Console) -> None:
                            f"{solve['layouts_evaluated']} layouts, {solve['ilp_solves']} ILP solves)")
     if result.get("plan_file"):
         table.add_row("plan file", result["plan_file"])
+    if result.get("trace_file"):
+        table.add_row("trace", f"{result['trace_file']} (ui.perfetto.dev or chrome://tracing)")
     console.print(table)
     stages = Table(title="Stages", title_justify="left")
     for col in ("stage", "layers", "ranks", "time / micro-batch", "memory"):

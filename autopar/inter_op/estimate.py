@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from autopar.cluster import AxisLink, Cluster, axis_link
@@ -71,6 +71,14 @@ class StageEstimate:
     # unsharded gradient, at the unit that peaks; ``memory_bytes`` = held state + the two above, at most
     tp_bytes: dict[str, float]  # collective kind -> bytes of the tp collectives of one micro-batch (``tp_bytes``)
     tp_sync_bytes: dict[str, float]  # the same for the once-per-iteration gradient synchronization on tp
+    parts_s: dict[str, float] = field(default_factory=dict)
+    """One micro-batch of ``time_s`` by what the stage does (``STAGE_PARTS``; they add up to it), and the
+    exposed communication inside them: ``tp_forward_s``, ``tp_backward_s``, ``zero3_s``."""
+
+
+#: What a stage's time per micro-batch is made of (``StageEstimate.parts_s``): the forward, the recomputation
+#: before the backward, the backward (exposed tp and ZeRO-3 communication included), the pipeline transfers.
+STAGE_PARTS = ("forward_s", "recompute_s", "backward_s", "p2p_s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +112,7 @@ class _UnitLoad:
     time_s: float
     compute_s: float
     tp_s: float
+    tp_fwd_s: float  # the forward's share of ``tp_s``
     recompute_s: float
     zero3_exposed_s: float
     fwd_s: float
@@ -192,7 +201,9 @@ def _unit_load(u: UnitCost, is_layer: bool, layout: Layout, dp_link: AxisLink, c
         gathered_bytes = 2 * gathered * pol.weight_bytes + gathered * fw.grad_reduce_bytes
         extra += gathered_bytes
     time = compute + tp_exposed + recompute + zero3
-    return _UnitLoad(time, compute, tp_exposed, recompute, zero3, u.fwd_s, u.bwd_s, state, act, extra, gathered_bytes)
+    tp_fwd = tp_exposed * u.tp_fwd_s / tp if tp > 0 else 0.0
+    return _UnitLoad(time, compute, tp_exposed, tp_fwd, recompute, zero3, u.fwd_s, u.bwd_s, state, act, extra,
+                     gathered_bytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -312,9 +323,15 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
         memory = split.stage_memory_bytes[k] - tie_bytes
         held = sum(x.state_bytes for x in units) - tie_bytes  # the state and the copies held through the step
         gathered = max(x.gathered_bytes for x in units)
+        tp_fwd = sum(x.tp_fwd_s for x in units)
+        zero3 = sum(x.zero3_exposed_s for x in units)
+        parts = {"forward_s": sum(x.fwd_s for x in units) + tp_fwd, "recompute_s": sum(x.recompute_s for x in units),
+                 "backward_s": sum(x.bwd_s for x in units) + sum(x.tp_s for x in units) - tp_fwd + zero3,
+                 "p2p_s": p2p_cost, "tp_forward_s": tp_fwd, "tp_backward_s": sum(x.tp_s for x in units) - tp_fwd,
+                 "zero3_s": zero3}
         stages.append(StageEstimate(k, (a, b), layers, t, memory, state, memory - held - gathered, gathered,
                                     tp_bytes(costs, keys[a:b], layout), _summed(costs[key].tp_sync_bytes
-                                                                                for key in keys[a:b])))
+                                                                                for key in keys[a:b]), parts))
     bottleneck = max(range(p), key=lambda k: stage_times[k])
     bn = per_stage[bottleneck]
     accumulation_s = max(s["accumulate"] for s in per_stage)

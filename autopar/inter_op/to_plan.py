@@ -93,6 +93,7 @@ def build_plan(*, graph: OpGraph, model_ref: str, config: dict[str, Any], cluste
             "ranks": [s.index * per_stage, (s.index + 1) * per_stage],
             "micro_batch": lay.mbs, "recompute": lay.recompute,
             "estimated_time_per_microbatch_s": s.time_s, "estimated_memory_bytes": s.memory_bytes,
+            "estimated_parts_per_microbatch_s": dict(sorted(s.parts_s.items())),
             "estimated_state_bytes": s.state_bytes, "estimated_activation_bytes": s.activation_bytes,
             "estimated_gathered_weight_bytes": s.gathered_weight_bytes,
             "estimated_tp_bytes_per_microbatch": dict(sorted(s.tp_bytes.items())),
