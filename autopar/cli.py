@@ -39,7 +39,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse with one-line usage errors (exit 2)."""
 
     def error(self, message: str) -> NoReturn:
-        print(f"autopar: error: {message} (see 'autopar {self.prog.split()[-1]} --help')", file=sys.stderr)
+        print(f"autopar: error: {message} (see '{self.prog} --help')", file=sys.stderr)
         raise SystemExit(EXIT_USER)
 
 
@@ -192,6 +192,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
             write_train_script(plan, Path(args.output) / "train.py")
         except AutoparError as exc:  # a layout the runtime cannot run yet: the plan itself is still good
             print(f"autopar: note: train.py not written: {exc}", file=sys.stderr)
+    if res.ilp_status != "optimal":
+        print(f"autopar: note: an intra-op ILP stopped at its time limit ({args.time_limit:g} s): the plan uses the "
+              f"best solution found, within {res.ilp_gap:.1%} of optimal (raise --time-limit to close the gap)",
+              file=sys.stderr)
     if args.trace:  # the plan as its file holds it (rounded), so that 'autopar show --trace' writes the same
         write_trace(Plan.from_json(plan.to_json()), args.trace)
     result: dict[str, Any] = {
@@ -202,7 +206,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         "layout": best.estimate.layout.to_dict(),
         "estimate": best.estimate.to_dict(),
         "solve": {"time_s": res.solve_time_s, "solver": args.solver, "status": res.ilp_status,
-                  "layouts_evaluated": res.evaluated, "ilp_solves": res.ilp_solves},
+                  "gap": res.ilp_gap, "layouts_evaluated": res.evaluated, "ilp_solves": res.ilp_solves},
         "plan_file": plan_file, "trace_file": args.trace,
         "stages": plan.stages,
         "candidates": [{"layout": c.estimate.layout.to_dict(), "estimate": c.estimate.to_dict()}

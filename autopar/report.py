@@ -84,7 +84,8 @@ def render_plan(result: dict[str, Any], console: Console) -> None:
     for key, value in est["breakdown"].items():
         table.add_row(f"  {key.removesuffix('_s').replace('_', ' ')}", human_time(value))
     solve = result["solve"]
-    table.add_row("solve", f"{solve['time_s']:.2f} s ({solve['solver']}, {solve['status']}, "
+    status = solve["status"] + (f", within {solve['gap']:.1%} of optimal" if solve["status"] != "optimal" else "")
+    table.add_row("solve", f"{solve['time_s']:.2f} s ({solve['solver']}, {status}, "
                            f"{solve['layouts_evaluated']} layouts, {solve['ilp_solves']} ILP solves)")
     if result.get("plan_file"):
         table.add_row("plan file", result["plan_file"])

@@ -28,9 +28,13 @@ import hashlib
 import io
 import logging
 import operator
+import re
+import sysconfig
 import time
+import traceback
 import warnings
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -132,6 +136,25 @@ def _sized_by(val: Any, sentinel: int) -> bool:
     return any(isinstance(v, torch.Tensor) and any(int(d) and int(d) % sentinel == 0 for d in v.shape) for v in vals)
 
 
+_RAISED_AT = re.compile(r'The following call raised this error:\s*File "([^"]+)", line (\d+), in \w+\s*\n\s*(.+)')
+
+
+def _model_source_line(exc: BaseException) -> str:
+    """`` at FILE:LINE (`code`)``: the model's own line that torch.export stopped at, when it can be found (the
+    call torch names in its message, else the innermost frame outside torch and autopar)."""
+    found = _RAISED_AT.search(str(exc))
+    if found:
+        path, line, code = found.group(1), found.group(2), found.group(3).split("#")[0].strip()
+        return f" at {path}:{line} ({code})"
+    skip = (str(Path(torch.__file__).parent), str(Path(__file__).parent), sysconfig.get_paths()["stdlib"])
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not f.filename.startswith(skip) and not f.filename.startswith("<")]
+    if frames:
+        f = frames[-1]
+        return f" at {f.filename}:{f.lineno} ({(f.line or '').strip()})"
+    return ""
+
+
 def _export(model: nn.Module, inputs: list[Any], loss_fn: LossFn | None) -> torch.export.ExportedProgram:
     wrapper = LossWrapper(model, loss_fn)
     was_training = model.training
@@ -142,7 +165,9 @@ def _export(model: nn.Module, inputs: list[Any], loss_fn: LossFn | None) -> torc
             return torch.export.export(wrapper, tuple(inputs), strict=False)
     except Exception as exc:  # torch.export raises many exception types; all mean "cannot trace"
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise TraceError(f"torch.export could not trace the model: {type(exc).__name__}: {first_line}") from exc
+        where = _model_source_line(exc)
+        raise TraceError(f"torch.export could not trace the model{where}: {type(exc).__name__}: "
+                         f"{first_line}") from exc
     finally:
         model.train(was_training)
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from autopar.models.config_checks import require_fraction, require_positive_ints
 from torch import nn
 
 
@@ -27,8 +28,11 @@ class GPTConfig:
     dropout: float = 0.0
 
     def __post_init__(self) -> None:
+        require_positive_ints(self, "layers", "hidden", "heads", "vocab", "seq_len")
+        require_fraction(self, "dropout")
         if self.ffn is None:
             self.ffn = 4 * self.hidden
+        require_positive_ints(self, "ffn")
         if self.hidden % self.heads:
             raise ValueError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads})")
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from autopar.models.config_checks import require_positive_ints
 from torch import nn
 
 
@@ -32,6 +33,7 @@ class LlamaConfig:
     def __post_init__(self) -> None:
         if self.kv_heads is None:
             self.kv_heads = self.heads
+        require_positive_ints(self, "layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq_len")
         if self.hidden % self.heads:
             raise ValueError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads})")
         if self.heads % self.kv_heads:

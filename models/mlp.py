@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from autopar.models.config_checks import require_positive_ints
 from torch import nn
 
 
@@ -19,6 +20,9 @@ class MLPConfig:
     hidden: int = 4096
     in_dim: int = 1024
     classes: int = 1000
+
+    def __post_init__(self) -> None:
+        require_positive_ints(self, "layers", "hidden", "in_dim", "classes")
 
 
 class Block(nn.Module):

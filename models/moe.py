@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from autopar.models import gpt
+from autopar.models.config_checks import require_positive_ints
 from torch import nn
 
 
@@ -32,6 +33,9 @@ class MoEConfig(gpt.GPTConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        require_positive_ints(self, "experts", "top_k")
+        if not isinstance(self.capacity_factor, (int, float)) or self.capacity_factor <= 0:
+            raise ValueError(f"capacity_factor must be a positive number, got {self.capacity_factor!r}")
         if not 1 <= self.top_k <= self.experts:
             raise ValueError(f"top_k ({self.top_k}) must be between 1 and experts ({self.experts})")
 

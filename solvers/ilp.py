@@ -78,7 +78,11 @@ def solve_ilp(request: SolverRequest, backend: Backend = "cbc") -> SolverResult:
     if not result.choice:
         return result
     obj = objective_s(request, result.choice)  # reported without the tie-break
-    bound = None if result.bound_s is None else min(result.bound_s, obj)
+    # a solve stopped by its time limit: the solver's own bound where it gives one (CP-SAT), else the bound
+    # every answer respects (each node at its cheapest strategy, edges at their cheapest pair)
+    floor = sum(min(row) for row in request.node_cost_s) + sum(min(min(r) for r in mat) for mat in request.edge_cost_s)
+    bound = max(result.bound_s or floor, floor) if result.status != "optimal" else result.bound_s
+    bound = None if bound is None else min(bound, obj)
     return dataclasses.replace(result, objective_s=obj, bound_s=bound)
 
 

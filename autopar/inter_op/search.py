@@ -61,6 +61,8 @@ class SearchResult:
     ilp_status: str = "optimal"
     """The weakest status of the intra-op solves: ``optimal``, or ``feasible`` when a time limit stopped
     one before it proved optimality (no ILP: ``optimal``, the replicated layout is the only one)."""
+    ilp_gap: float = 0.0
+    """With ``feasible``: the largest relative gap between a stopped solve's answer and its lower bound."""
 
     @property
     def best(self) -> Candidate | None:
@@ -95,6 +97,7 @@ class UnitCostCache:
         self._shards: dict[int, bool] = {}
         self.solves = 0
         self.statuses: set[str] = set()
+        self.gap = 0.0  # the largest relative optimality gap of a solve a time limit stopped
 
     def serves(self, graph: OpGraph, cluster: Cluster, ctx: PassContext) -> bool:
         """Whether these unit costs hold for ``graph`` on ``cluster`` under ``ctx``: the same graph and context
@@ -117,6 +120,9 @@ class UnitCostCache:
             if sol is not None:
                 self.solves += 1
                 self.statuses.add(sol.result.status)
+                r = sol.result
+                if r.status != "optimal" and r.objective_s and r.bound_s is not None:
+                    self.gap = max(self.gap, (r.objective_s - r.bound_s) / r.objective_s)
             self._solved[key] = (mesh, strategies)
         return self._solved[key]
 
@@ -293,7 +299,8 @@ def search(graph: OpGraph, cluster: Cluster, ctx: PassContext, global_batch: int
             del bucket[max(top_k, 1) * 4:]
     chosen = _distinct(fitting, top_k) if fitting else _distinct(sorted(spill, key=_spill_rank), top_k)
     status = "feasible" if cache.statuses - {"optimal"} else "optimal"
-    return SearchResult(chosen, evaluated, cache.solves - solves_before, time.perf_counter() - t0, status)
+    return SearchResult(chosen, evaluated, cache.solves - solves_before, time.perf_counter() - t0, status,
+                        cache.gap if status != "optimal" else 0.0)
 
 
 def _layout_key(layout: Layout) -> tuple:
