@@ -131,7 +131,7 @@ def plan_model(model: ModelLike, *, config: dict[str, Any] | None = None,
             "--fix recompute=full,zero=3)")
     plans = [build_plan(graph=traced.graph, model_ref=ref, config=traced.config, cluster=spec, ctx=ctx,
                         global_batch=batch, estimate=c.estimate, strategies=c.strategies, example_inputs=inputs_ref,
-                        memory_limit_bytes=budget)
+                        memory_limit_bytes=budget, alternatives=c.alternatives)
              for c in res.candidates[:top] if c.estimate.fits]
     return Planning(plans, res, traced, spec, batch, budget, solver)
 

@@ -27,7 +27,7 @@ from autopar.modelfile import parse_config
 from autopar.passes import PassContext
 from autopar.passes.context import ATTENTION_KERNELS
 from autopar.plan_file import Plan
-from autopar.plan_view import plan_changes, render_diff, render_show
+from autopar.plan_view import plan_changes, render_diff, render_explain, render_show
 from autopar.report import human_bytes, render_model_summary, render_plan
 from autopar.summary import model_summary
 from autopar.timeline import write_trace
@@ -118,6 +118,13 @@ def build_parser() -> argparse.ArgumentParser:
                       help="also write the simulated iteration as a Chrome trace (Perfetto, chrome://tracing)")
     show.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     show.set_defaults(run=cmd_show)
+
+    explain = sub.add_parser("explain", help="why an op or parameter is split as it is: its strategy and the "
+                                             "cheapest alternatives with their time and memory")
+    explain.add_argument("plan", metavar="PLAN.json")
+    explain.add_argument("name", metavar="NAME", help="an op name or a parameter FQN (or module path) of the plan")
+    explain.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    explain.set_defaults(run=cmd_explain)
 
     diff = sub.add_parser("diff", help="what changed between two plans, and the estimated effect "
                                        "(exit 0: the same plan, 1: they differ)")
@@ -272,6 +279,11 @@ def cmd_show(args: argparse.Namespace) -> int:
     render_show(plan, Console())
     if args.trace:
         Console().print(f"wrote {write_trace(plan, args.trace)} (open it in ui.perfetto.dev or chrome://tracing)")
+    return EXIT_OK
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    render_explain(Plan.load(args.plan), args.name, Console())
     return EXIT_OK
 
 

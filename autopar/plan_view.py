@@ -1,4 +1,5 @@
-"""Looking at saved plans: ``autopar show`` (a plan at a glance) and ``autopar diff`` (what two plans differ in).
+"""Looking at saved plans: ``autopar show`` (a plan at a glance), ``autopar explain`` (why an op or weight is
+split as it is) and ``autopar diff`` (what two plans differ in).
 
 Both read only the plan file (loading it runs no code): the mesh, the stages, how each layer type's weights
 are split, the estimated time and memory.
@@ -14,6 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from autopar.cluster import Cluster
+from autopar.errors import AutoparError
 from autopar.plan_file import Plan
 from autopar.report import human_bytes, human_time, layout_text
 
@@ -117,6 +119,68 @@ def render_show(plan: Plan, console: Console) -> None:
                   f"{'fits' if est['fits'] else 'DOES NOT FIT'}")
 
 
+def representative(plan: Plan, name: str) -> str:
+    """``name`` (a module or parameter path) in the layer the plan lists for its type: the plan keeps op
+    strategies for the first layer of each type (``blocks.7.attn.q`` -> ``blocks.0.attn.q``)."""
+    container = plan.model.get("layer_container")
+    units, first = plan.model.get("units", []), plan.model.get("layer_types", {})
+    if not container or not name.startswith(container + "."):
+        return name
+    index, _, rest = name.removeprefix(container + ".").partition(".")
+    if not index.isdigit() or int(index) >= len(units) or units[int(index)] not in first:
+        return name
+    return f"{container}.{first[units[int(index)]]}" + (f".{rest}" if rest else "")
+
+
+def explained_ops(plan: Plan, name: str) -> list[str]:
+    """The ops ``autopar explain NAME`` shows: the op itself, or those of the module holding the parameter
+    ``name`` (or of the module ``name``), in graph order.  Raises ``AutoparError`` for anything else."""
+    ops = plan.op_strategies
+    if name in ops:
+        return [name]
+    module = name.rpartition(".")[0] if name in plan.parameters else name
+    rep = representative(plan, module)
+    found = sorted((k for k, v in ops.items() if v.get("module") == rep), key=lambda k: ops[k].get("order", 0))
+    if not found:
+        listed = sorted({v.get("module") or "(root)" for v in ops.values()})
+        raise AutoparError(f"{name!r} is neither an op nor a parameter or module with listed ops in this plan "
+                           f"(modules with ops: {', '.join(listed[:8])}{', ...' if len(listed) > 8 else ''})")
+    return found
+
+
+def _strategy_text(tp: dict[str, list[str | None]]) -> str:
+    ins = ", ".join(str(x) if x is not None else "-" for x in tp["inputs"])
+    return f"({ins}) -> {', '.join(str(x) for x in tp['outputs'])}"
+
+
+def render_explain(plan: Plan, name: str, console: Console) -> None:
+    """The chosen tp strategy of each op behind ``name`` and the cheapest alternatives the ILP weighed."""
+    ops = explained_ops(plan, name)
+    if name in plan.parameters:
+        p = plan.parameters[name]
+        console.print(f"parameter {name}: {'x'.join(map(str, p['shape']))} {p['dtype']}, stage {p['stage']}, "
+                      f"{_placement_text(p['placements'])}")
+    shown = representative(plan, name)
+    if shown != name:
+        console.print(f"(its layer type is listed as {shown}: every layer of a type gets the same strategies)")
+    for op in ops:
+        entry = plan.op_strategies[op]
+        table = Table(title=f"{op}: {entry['op']} in {entry.get('module') or '(root)'}", title_justify="left")
+        for col in ("", "tp placements (inputs) -> outputs", "time", "memory"):
+            table.add_column(col)
+        table.add_row("chosen", _strategy_text(entry["tp"]), "-", "-", style="bold")
+        for alt in entry.get("alternatives", []):
+            dt, dm = alt["extra_time_s"], alt["extra_memory_bytes"]
+            table.add_row("instead", _strategy_text(alt["tp"]), ("+" if dt >= 0 else "-") + human_time(abs(dt)),
+                          ("+" if dm >= 0 else "-") + human_bytes(abs(dm)))
+        console.print(table)
+        if not entry.get("alternatives"):
+            console.print("  no alternative: the op has a single strategy on this mesh (or tp = 1)")
+    console.print("time and memory: what the intra-op ILP's objective (per micro-batch, resharding with its "
+                  "neighbours included) and per-device memory would change by if this op alone switched, "
+                  "summed over the identical ops of its layer type")
+
+
 @dataclass(frozen=True, slots=True)
 class Change:
     """One difference between two plans."""
@@ -202,5 +266,5 @@ def render_diff(a: Plan, b: Plan, changes: list[Change], console: Console, names
     console.print(effect)
 
 
-__all__ = ["Change", "layer_type_prefixes", "memory_limit_bytes", "plan_changes", "render_diff", "render_show",
-           "sharding_summary"]
+__all__ = ["Change", "explained_ops", "layer_type_prefixes", "memory_limit_bytes", "plan_changes", "render_diff",
+           "render_explain", "render_show", "representative", "sharding_summary"]

@@ -85,3 +85,17 @@ def test_request_validation():
     with pytest.raises(ValueError, match="self-edges"):
         SolverRequest(node_names=("a",), node_cost_s=((1,),), memory_bytes=((0,),), edges=((0, 0),),
                       edge_cost_s=(((0.0,),),))
+
+
+def test_alternatives_price_a_lone_switch_with_its_resharding():
+    from autopar.solvers.evaluate import alternatives
+
+    same = ((0.0, 10.0), (10.0, 0.0))
+    req = SolverRequest(node_names=("a", "b", "c"), node_cost_s=((1, 2), (5, 1), (1, 1)),
+                        memory_bytes=((4, 1), (0, 0), (0, 0)), edges=((0, 1), (1, 2)), edge_cost_s=(same, same))
+    choice = solve_ilp(req, "cbc").choice  # (1, 1, 1)
+    alt = alternatives(req, choice)
+    # a alone to strategy 0: its cost 1 instead of 2, and the edge to b now mismatches (+10); 3 more bytes
+    assert alt[0] == [(0, pytest.approx(9.0), pytest.approx(3.0))]
+    # b alone to 0: +4 on itself and two mismatched edges
+    assert alt[1] == [(0, pytest.approx(24.0), pytest.approx(0.0))]

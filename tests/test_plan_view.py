@@ -5,13 +5,18 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import EXAMPLES
 
 from autopar.cli import main
+from autopar.plan_file import Plan
 
 CPU = ["--cluster", "cpu", "--gpus", "4", "--global-batch", "8"]
 GPT = "layers=2,hidden=64,heads=4,vocab=256,seq_len=32"
 LLAMA = "layers=2,hidden=64,heads=4,kv_heads=2,ffn=128,vocab=256,seq_len=32"
 MOE = "layers=2,hidden=64,heads=4,vocab=256,seq_len=32,experts=4,top_k=2"
+MLP = "layers=2,hidden=512,in_dim=64,classes=16"  # big enough that tp splits weights on 4 CPU ranks
+HF_LLAMA = "layers=2,hidden=256,heads=4,kv_heads=4,ffn=1024,vocab=256,seq_len=32"
+HF_GPT2 = "layers=2,hidden=256,heads=4,vocab=256,seq_len=32"
 
 
 @pytest.fixture(autouse=True)
@@ -32,7 +37,10 @@ def plans(tmp_path_factory):
             "pp2": _plan(tmp, "pp2", "gpt", GPT, "pp=2,tp=1,dp=2,schedule=1f1b,mbs=1"),
             "dp4": _plan(tmp, "dp4", "gpt", GPT, "tp=1,pp=1,dp=4"),
             "llama": _plan(tmp, "llama", "llama", LLAMA, "tp=2,dp=2"),
-            "moe": _plan(tmp, "moe", "moe", MOE, "tp=2,dp=2")}
+            "moe": _plan(tmp, "moe", "moe", MOE, "tp=2,dp=2"),
+            "mlp": _plan(tmp, "mlp", "mlp", MLP, "tp=2,dp=2"),
+            "hf_llama": _plan(tmp, "hf_llama", str(EXAMPLES / "hf_llama.py"), HF_LLAMA, "tp=2,dp=2"),
+            "hf_gpt2": _plan(tmp, "hf_gpt2", str(EXAMPLES / "hf_gpt2.py"), HF_GPT2, "tp=2,dp=2")}
 
 
 def _lines(capsys) -> list[str]:
@@ -60,11 +68,37 @@ def test_show_lists_every_pipeline_stage(plans, capsys):
     assert "+emb" in stage_rows[0] and "+head" in stage_rows[1]
 
 
-@pytest.mark.parametrize("name", ["llama", "moe"])
-def test_show_works_on_the_other_zoo_models(plans, capsys, name):
+@pytest.mark.parametrize("name", ["llama", "moe", "mlp", "hf_llama", "hf_gpt2"])
+def test_show_and_explain_work_on_every_zoo_model_and_the_hf_examples(plans, capsys, name):
     assert main(["show", plans[name]]) == 0
     out = "\n".join(_lines(capsys))
     assert "Sharding: layer type" in out and "on tp" in out
+    plan = Plan.load(plans[name])
+    # a weight of the last layer: explained through the layer its type is listed under
+    explained = {v["module"] for v in plan.op_strategies.values() if v.get("alternatives")}
+    prefix = plan.model["layer_container"]
+    weight = next(f for f in sorted(plan.parameters) if f.startswith(f"{prefix}.1.")
+                  and f.rpartition(".")[0].replace(f"{prefix}.1.", f"{prefix}.0.", 1) in explained)
+    assert main(["explain", plans[name], weight]) == 0
+    out = "\n".join(_lines(capsys))
+    assert f"parameter {weight}" in out and "chosen" in out and "instead" in out
+    assert main(["diff", plans[name], plans["dp4"]]) == 1
+
+
+def test_explain_an_op_shows_its_strategy_and_the_cheaper_losers(plans, capsys):
+    plan = Plan.load(plans["tp2"])
+    op = next(k for k, v in plan.op_strategies.items() if v["module"].endswith("mlp.fc"))
+    assert main(["explain", plans["tp2"], op]) == 0
+    out = "\n".join(_lines(capsys))
+    rows = [line for line in out.splitlines() if line.startswith("│ instead")]
+    assert rows and all("+" in row for row in rows)  # the chosen one is the cheapest: every switch costs time
+    assert "R, S(0)" in out  # the column-parallel fc: its weight split on dim 0
+
+
+def test_explain_an_unknown_name_is_a_one_line_error(plans, capsys):
+    assert main(["explain", plans["tp2"], "blocks.9.nothing"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is neither an op nor a parameter" in err
 
 
 def test_diff_names_the_changes_and_their_effect(plans, capsys):

@@ -50,6 +50,9 @@ class Candidate:
     estimate: Estimate
     variant: str  # which intra-op solution the unit costs came from
     strategies: dict[str, Strategy] = field(compare=False, repr=False, default_factory=dict)
+    alternatives: dict[str, list[tuple[Strategy, float, float]]] = field(compare=False, repr=False,
+                                                                         default_factory=dict)
+    """Op name -> the ILP's next cheapest strategies for it (``IntraOpSolution.alternatives``)."""
 
 
 @dataclass(slots=True)
@@ -98,6 +101,7 @@ class UnitCostCache:
         self.solves = 0
         self.statuses: set[str] = set()
         self.gap = 0.0  # the largest relative optimality gap of a solve a time limit stopped
+        self._alternatives: dict[int, dict[str, list[tuple[Strategy, float, float]]]] = {}
 
     def serves(self, graph: OpGraph, cluster: Cluster, ctx: PassContext) -> bool:
         """Whether these unit costs hold for ``graph`` on ``cluster`` under ``ctx``: the same graph and context
@@ -118,6 +122,7 @@ class UnitCostCache:
             mesh, strategies, sol = solve_tp(self.graph, self.cluster, self.ctx, tp, ref, sp, self.backend,
                                              self.time_limit_s, grad_sync_weight=1 / 16, memory_slack=slack)
             if sol is not None:
+                self._alternatives[id(strategies)] = sol.alternatives
                 self.solves += 1
                 self.statuses.add(sol.result.status)
                 r = sol.result
@@ -125,6 +130,10 @@ class UnitCostCache:
                     self.gap = max(self.gap, (r.objective_s - r.bound_s) / r.objective_s)
             self._solved[key] = (mesh, strategies)
         return self._solved[key]
+
+    def alternatives(self, strategies: dict[str, Strategy]) -> dict[str, list[tuple[Strategy, float, float]]]:
+        """The next cheapest strategies of each op of one of this cache's solutions (none for tp = 1)."""
+        return self._alternatives.get(id(strategies), {})
 
     def shards_parameters(self, strategies: dict[str, Strategy]) -> bool:
         """``shards_parameters_on_tp`` of one of this cache's solutions, walked once per solution."""
@@ -294,7 +303,7 @@ def search(graph: OpGraph, cluster: Cluster, ctx: PassContext, global_batch: int
             if est is None or (accept is not None and not accept(est, strategies)):
                 continue
             bucket = fitting if est.fits else spill
-            bucket.append(Candidate(est, variant, strategies))
+            bucket.append(Candidate(est, variant, strategies, cache.alternatives(strategies)))
             bucket.sort(key=_rank)
             del bucket[max(top_k, 1) * 4:]
     chosen = _distinct(fitting, top_k) if fitting else _distinct(sorted(spill, key=_spill_rank), top_k)

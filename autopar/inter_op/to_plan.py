@@ -72,7 +72,8 @@ def _param_stages(graph: OpGraph, est: Estimate) -> dict[str, int]:
 
 def build_plan(*, graph: OpGraph, model_ref: str, config: dict[str, Any], cluster: Cluster, ctx: PassContext,
                global_batch: int, estimate: Estimate, strategies: dict[str, Strategy],
-               example_inputs: str | None = None, memory_limit_bytes: float | None = None) -> Plan:
+               example_inputs: str | None = None, memory_limit_bytes: float | None = None,
+               alternatives: dict[str, list[tuple[Strategy, float, float]]] | None = None) -> Plan:
     lay = estimate.layout
     tp_place = param_tp_placements(graph, strategies)
     stages_of = _param_stages(graph, estimate)
@@ -109,6 +110,10 @@ def build_plan(*, graph: OpGraph, model_ref: str, config: dict[str, Any], cluste
             strat = strategies[n.name]
             ops[n.name] = {"tp": {"outputs": list(strat[0].outputs), "inputs": list(strat[0].inputs)},
                            "module": n.module, "op": n.op, "order": order}
+            if alternatives and alternatives.get(n.name):
+                ops[n.name]["alternatives"] = [
+                    {"tp": {"outputs": list(alt[0].outputs), "inputs": list(alt[0].inputs)},
+                     "extra_time_s": dt, "extra_memory_bytes": dm} for alt, dt, dm in alternatives[n.name]]
     path = None if model_ref in ZOO else locate(model_ref)
     model = {"ref": model_ref, "path": path, "config": config, "fingerprint": model_fingerprint(graph, config),
              "layer_container": graph.layer_container, "num_layers": len(graph.layers),

@@ -36,7 +36,7 @@ from autopar.intra_op.sharding_costs import (
 from autopar.intra_op.strategies import AxisStrategy, R, Strategy, divides, mesh_strategies, shard, tensor_refs
 from autopar.ir import Node, OpGraph, Ref, TensorInfo
 from autopar.passes.context import PassContext
-from autopar.solvers.evaluate import min_memory_bytes
+from autopar.solvers.evaluate import alternatives, min_memory_bytes
 from autopar.solvers.ilp import Backend, solve_ilp
 from autopar.solvers.request import SolverRequest, SolverResult
 
@@ -103,6 +103,9 @@ class IntraOpSolution:
     build_time_s: float
     num_groups: int
     mesh_names: tuple[str, ...] = ()
+    alternatives: dict[str, list[tuple[Strategy, float, float]]] = field(default_factory=dict)
+    """Op name -> its group's cheapest other strategies, as ``(strategy, extra s, extra bytes)`` if the group
+    alone switched (``autopar.solvers.evaluate.alternatives``; summed over the identical ops it stands for)."""
 
     def placements_by_axis(self) -> dict[str, dict[str, str]]:
         """Parameter FQN -> {mesh axis name: placement}, the form the Plan stores.  A parameter consumed as a
@@ -437,7 +440,13 @@ def solve_intra_op(graph: OpGraph, node_names: Iterable[str], mesh: MeshSpec, cf
     result = solve_ilp(request, cfg.backend)
     node_strategies: dict[str, Strategy] = {}
     params: dict[str, tuple[str, ...]] = {}
+    others: dict[str, list[tuple[Strategy, float, float]]] = {}
     if result.choice:
+        per_group = alternatives(request, result.choice)
+        for name, rep in problem.rep_of.items():
+            if rep in problem.group_of:
+                gi = problem.group_of[rep]
+                others[name] = [(problem.groups[gi].place[rep][k], dt, dm) for k, dt, dm in per_group[gi]]
         for name, rep in problem.rep_of.items():
             if rep in problem.group_of:
                 g = problem.groups[problem.group_of[rep]]
@@ -450,4 +459,5 @@ def solve_intra_op(graph: OpGraph, node_names: Iterable[str], mesh: MeshSpec, cf
                 src = graph[r.name]
                 if src.kind == "param" and src.target not in params:
                     params[src.target] = tuple(ax.inputs[k] or R for ax in strat)
-    return IntraOpSolution(result, node_strategies, params, problem.build_time_s, len(problem.groups), mesh.names)
+    return IntraOpSolution(result, node_strategies, params, problem.build_time_s, len(problem.groups), mesh.names,
+                           others)
