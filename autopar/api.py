@@ -100,9 +100,10 @@ def plan_model(model: ModelLike, *, config: dict[str, Any] | None = None,
                global_batch: int | None = None, seq_len: int | None = None, fix: str | dict[str, Any] | None = None,
                memory_limit_gb: float | None = None, attention: str = "flash", solver: str = "cbc",
                time_limit_s: float | None = None, top: int = 1, framework: str = DEFAULT_FRAMEWORK,
-               every_layer: bool = False, on_progress: Callable[[int], None] | None = None) -> Planning:
+               every_layer: bool = False, on_progress: Callable[[str], None] | None = None) -> Planning:
     """Trace ``model``, search its layouts on ``cluster`` and build the plan(s); raises ``AutoparError`` with
-    a one-line message when the input is bad or nothing fits."""
+    a one-line message when the input is bad or nothing fits.  ``on_progress`` is told what runs now (the
+    trace, each intra-op solve, the search's count)."""
     fixed = _fixed(fix)
     if top < 1:
         raise AutoparError("top (--top) must be >= 1")
@@ -111,6 +112,8 @@ def plan_model(model: ModelLike, *, config: dict[str, Any] | None = None,
                       attention, framework)
     ref, built = model_ref(model)
     inputs_ref = factory_ref(example_inputs) if example_inputs is not None else None
+    if on_progress is not None:
+        on_progress(f"tracing {ref}")
     traced = trace_model(ref, config, seq_len, ctx, every_layer, example_inputs=inputs_ref, built=built)
     batch = global_batch if global_batch is not None else max(256, spec.gpus)
     budget = memory_limit_gb * 2**30 if memory_limit_gb is not None else spec.usable_memory_bytes

@@ -5,11 +5,13 @@ locally and compare with one process)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import os
 import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -80,6 +82,26 @@ def _add_search_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
 
 
+def _add_quiet_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="print nothing but errors (the exit code says how it went)")
+
+
+@contextlib.contextmanager
+def _silenced(quiet: bool) -> Iterator[None]:
+    """With ``--quiet``: no output, notes, warnings or progress (errors are printed after, by ``main``)."""
+    if not quiet:
+        yield
+        return
+    logging.disable(logging.WARNING)
+    try:
+        with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull), \
+                contextlib.redirect_stderr(devnull):
+            yield
+    finally:
+        logging.disable(logging.NOTSET)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="autopar", description="Automatic parallelization planner for PyTorch training.")
     parser.add_argument("--version", action="version", version=f"autopar {__version__}")
@@ -95,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("-o", "--output", metavar="DIR", help="write DIR/plan.json and DIR/train.py")
     plan.add_argument("--trace", metavar="FILE.json",
                       help="write the simulated iteration as a Chrome trace (Perfetto, chrome://tracing)")
+    _add_quiet_arg(plan)
     plan.set_defaults(run=cmd_plan)
 
     ev = sub.add_parser("evaluate", help="estimate candidate layouts given as JSON lines")
@@ -104,12 +127,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_search_args(ev)
     ev.add_argument("--layouts", required=True, metavar="FILE.jsonl",
                     help="one JSON object per line with --fix keys; the rest of each layout is searched")
+    _add_quiet_arg(ev)
     ev.set_defaults(run=cmd_evaluate)
 
     gen = sub.add_parser("codegen", help="write a torchrun training script for a plan (the plan's choices as literals)")
     gen.add_argument("plan", metavar="PLAN.json")
     gen.add_argument("-o", "--output", metavar="FILE", default="train.py", help="script to write (train.py)")
     gen.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    _add_quiet_arg(gen)
     gen.set_defaults(run=cmd_codegen)
 
     show = sub.add_parser("show", help="a saved plan at a glance: mesh, stages, sharding, time and memory")
@@ -148,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     ver.add_argument("--json", action="store_true",
                      help="print one JSON object on stdout (a list of them for several plans)")
     ver.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    _add_quiet_arg(ver)
     ver.set_defaults(run=cmd_verify)
     return parser
 
@@ -164,11 +190,12 @@ def _setup(args: argparse.Namespace) -> tuple[Cluster, PassContext, TracedModel,
 def _progress(console: Console | None):
     if console is None:
         return None, None
-    from rich.progress import Progress, SpinnerColumn, TextColumn
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), console=console, transient=True)
-    task = progress.add_task("searching layouts", total=None)
-    return progress, lambda n: progress.update(task, description=f"searching layouts: {n} evaluated")
+    progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
+                        transient=True)
+    task = progress.add_task("planning", total=None)
+    return progress, lambda what: progress.update(task, description=what)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -340,7 +367,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     debug = getattr(args, "debug", False) or os.environ.get("AUTOPAR_DEBUG") == "1"
     try:
-        return args.run(args)
+        with _silenced(getattr(args, "quiet", False)):
+            return args.run(args)
     except AutoparError as exc:
         if debug:
             traceback.print_exc()

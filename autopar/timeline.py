@@ -3,7 +3,7 @@
 It reads only the plan: each stage's time per micro-batch by part (``estimated_parts_per_microbatch_s``)
 and the estimate's breakdown.  Every rank of a stage runs the stage's chunks in its schedule's order
 (GPipe: all forwards, then all backwards; 1F1B: ``p - 1 - k`` warm-up forwards, then one forward and one
-backward; interleaved: Megatron's order over chunks, in rounds of ``p`` micro-batches), each op starting
+backward; interleaved: torch's and Megatron's order over chunks, in rounds of micro-batches), each op starting
 once its rank is free and its inputs are there (the previous chunk's forward, the next chunk's backward).
 After the pipeline drains, each stage waits out what the estimate adds once per iteration: the optimizer
 step and gradient accumulation, the tp gradient sync, the exposed data-parallel sync.
@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from autopar.plan_file import Plan
+from autopar.solvers.pipeline import simulate_pipeline
 
 TRACKS = ("compute", "tp comm", "dp comm", "p2p")
 _US = 1e6  # trace-event times are microseconds
@@ -37,80 +38,25 @@ class Slice:
     args: tuple[tuple[str, Any], ...] = ()
 
 
-def _order(schedule: str, rank: int, p: int, m: int, v: int) -> list[tuple[str, int, int]]:
-    """The ops one rank runs, in order: (``F`` or ``B``, local chunk, micro-batch)."""
-    if schedule == "gpipe" or p == 1:
-        fwd = [("F", j, i) for i in range(m) for j in range(v)]
-        bwd = [("B", j, i) for i in range(m) for j in reversed(range(v))]
-        if p == 1:  # gradient accumulation: each micro-batch's backward before the next forward
-            return [op for i in range(m) for op in (*[("F", j, i) for j in range(v)],
-                                                      *[("B", j, i) for j in reversed(range(v))])]
-        return fwd + bwd
-    if v == 1:  # 1F1B
-        warm = min(p - 1 - rank, m)
-        ops = [("F", 0, i) for i in range(warm)]
-        f, b = warm, 0
-        while b < m:
-            if f < m:
-                ops.append(("F", 0, f))
-                f += 1
-            ops.append(("B", 0, b))
-            b += 1
-        return ops
-    # interleaved (Megatron-LM's schedule): micro-batches in rounds of p, each round through every chunk
-    def nth(k: int, forward: bool) -> tuple[str, int, int]:
-        group, within = divmod(k, p * v)
-        chunk, offset = divmod(within, p)
-        return ("F" if forward else "B", chunk if forward else v - 1 - chunk, group * p + offset)
-
-    total = m * v
-    warm = min((p - rank - 1) * 2 + (v - 1) * p, total)
-    ops = [nth(k, True) for k in range(warm)]
-    for k in range(total - warm):
-        ops.append(nth(warm + k, True))
-        ops.append(nth(k, False))
-    ops += [nth(k, False) for k in range(total - warm, total)]
-    return ops
-
-
 def simulate(plan: Plan) -> list[Slice]:
-    """Every slice of one simulated iteration of ``plan``."""
+    """Every slice of one simulated iteration of ``plan`` (``autopar.solvers.pipeline.simulate_pipeline``)."""
     lay = plan.layout
-    p, v, m = lay["pp"], lay["v"], lay["num_microbatches"]
+    v, m = lay["v"], lay["num_microbatches"]
     parts = [s["estimated_parts_per_microbatch_s"] for s in plan.stages]
-    chunks = p * v
-    done: dict[tuple[str, int, int], float] = {}  # (F/B, global chunk, micro-batch) -> end time
-    queues = {k: _order(lay["schedule"], k, p, m, v) for k in range(p)}
-    free = [0.0] * p
+    runs = simulate_pipeline(lay["schedule"], [_op_s("F", part) for part in parts],
+                             [_op_s("B", part) for part in parts], m, v)
     slices: list[Slice] = []
-    while any(queues.values()):
-        progressed = False
-        for k in range(p):
-            while queues[k]:
-                kind, local, i = queues[k][0]
-                c = local * p + k  # chunk j of rank k is the model's chunk j * p + k
-                deps = [("F", c - 1, i)] if kind == "F" and c > 0 else []
-                if kind == "B":
-                    deps = [("F", c, i)] + ([("B", c + 1, i)] if c < chunks - 1 else [])
-                if any(d not in done for d in deps):
-                    break
-                start = max([free[k], *(done[d] for d in deps)])
-                slices += _op_slices(k, kind, local, i, start, parts[k], v)
-                end = start + _op_s(kind, parts[k], v)
-                done[(kind, c, i)] = free[k] = end
-                queues[k].pop(0)
-                progressed = True
-        if not progressed:
-            raise RuntimeError("pipeline schedule deadlocked")  # a bug in _order, not a user error
-    drained = max(free)
-    slices += _tail_slices(plan, parts, drained)
-    return slices
+    for k, ops in enumerate(runs):
+        for (kind, local, i), start, _ in ops:
+            slices += _op_slices(k, kind, local, i, start, parts[k], v)
+    drained = max(end for ops in runs for _, _, end in ops)
+    return slices + _tail_slices(plan, parts, drained)
 
 
-def _op_s(kind: str, part: dict[str, float], v: int) -> float:
+def _op_s(kind: str, part: dict[str, float]) -> float:
+    """One micro-batch's forward (or recompute and backward) through the whole stage, its transfer included."""
     half_p2p = part["p2p_s"] / 2  # the stage's transfers: one after its forward, one after its backward
-    own = part["forward_s"] if kind == "F" else part["recompute_s"] + part["backward_s"]
-    return (own + half_p2p) / v
+    return half_p2p + (part["forward_s"] if kind == "F" else part["recompute_s"] + part["backward_s"])
 
 
 def _op_slices(stage: int, kind: str, chunk: int, mb: int, start: float, part: dict[str, float],

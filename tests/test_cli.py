@@ -83,3 +83,25 @@ def test_evaluate_the_shipped_candidates(capsys, examples):
     lines = [json.loads(line) for line in out.splitlines()]
     assert len(lines) == len((examples / "candidates.jsonl").read_text().splitlines()) == 5
     assert all("error" not in line and line["estimate"]["fits"] for line in lines), lines
+
+
+def test_quiet_prints_nothing_but_errors(capsys, tmp_path, examples):
+    out = tmp_path / "out"
+    code, stdout, stderr = run(capsys, "plan", "gpt", "--config", SMALL, "--gpus", "8", "--global-batch", "8",
+                               "-o", str(out), "--quiet")
+    assert code == 0 and stdout == stderr == "" and (out / "plan.json").exists()
+    code, stdout, stderr = run(capsys, "codegen", str(out / "plan.json"), "-o", str(tmp_path / "t.py"), "-q")
+    assert code == 0 and stdout == stderr == "" and (tmp_path / "t.py").exists()
+    code, stdout, stderr = run(capsys, "evaluate", "gpt", "--config", SMALL, "--gpus", "64", "--layouts",
+                               str(examples / "candidates.jsonl"), "-q")
+    assert code == 0 and stdout == stderr == ""
+    code, stdout, stderr = run(capsys, "plan", "gpt", "--config", "layers=-1", "-q")
+    assert code == 2 and stdout == "" and stderr.count("\n") == 1 and "layers must be a positive integer" in stderr
+
+
+def test_json_prints_only_json(capsys, tmp_path):
+    code, stdout, _ = run(capsys, "plan", "gpt", "--config", SMALL, "--gpus", "8", "--global-batch", "8", "--json",
+                          "-o", str(tmp_path / "o"), "--trace", str(tmp_path / "t.json"))
+    assert code == 0
+    data = json.loads(stdout)  # the whole of stdout is one JSON object
+    assert data["plan_file"].endswith("plan.json") and data["trace_file"].endswith("t.json")

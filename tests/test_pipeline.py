@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from autopar.solvers.pipeline import bubble_s, in_flight_microbatches, pipeline_time_s
 from autopar.solvers.stage_dp import UnitLoad, split_stages, split_uniform_stages, stage_memory_bytes
@@ -23,6 +25,15 @@ def test_interleaving_divides_the_bubble():
     assert pipeline_time_s(times, 8, 1) == pytest.approx(8 + 3)
     # interleaved warm-up keeps more chunks in flight on early stages
     assert in_flight_microbatches("interleaved", 0, 4, 8, 2) > in_flight_microbatches("1f1b", 0, 4, 8)
+
+
+@pytest.mark.parametrize("p,v,m", [(2, 2, 1), (4, 2, 2), (4, 4, 3), (8, 4, 1), (4, 2, 4), (8, 2, 16)])
+def test_interleaving_cannot_beat_one_micro_batch_path(p, v, m):
+    # fewer micro-batches than stages never fill the pipeline: one micro-batch still passes every chunk, as
+    # the simulated schedule shows (uniform stages of 1 s); with m >= p the usual bubble / v holds
+    times = [1.0] * p
+    expected = p + (m - 1) / v if m < p else m + (p - 1) / v
+    assert pipeline_time_s(times, m, v) == pytest.approx(expected)
 
 
 @pytest.mark.parametrize("p,m,v", [(4, 8, 2), (4, 6, 2), (16, 32, 4), (16, 20, 2), (4, 3, 2), (2, 6, 3)])
@@ -85,3 +96,16 @@ def test_uniform_split_matches_the_general_dp(p):
                 assert fast.stage_memory_bytes[k] == pytest.approx(stage_memory_bytes(
                     [u.state_bytes for u in held], [u.activation_bytes for u in held], [u.extra_bytes for u in held],
                     in_flight[k]))
+
+
+@pytest.mark.parametrize("schedule,p,v,m", [("1f1b", 4, 1, 8), ("gpipe", 4, 1, 8), ("1f1b", 8, 1, 3),
+                                            ("interleaved", 4, 2, 8), ("interleaved", 4, 4, 16),
+                                            ("interleaved", 8, 2, 3), ("1f1b", 1, 1, 4)])
+def test_simulated_schedule_meets_the_closed_form_on_equal_stages(schedule, p, v, m):
+    from autopar.solvers.pipeline import schedule_order, simulate_pipeline
+
+    runs = simulate_pipeline(schedule, [1.0] * p, [2.0] * p, m, v)
+    assert max(end for ops in runs for _, _, end in ops) == pytest.approx(pipeline_time_s([3.0] * p, m, v))
+    for k, ops in enumerate(runs):  # every rank runs each of its chunks' forward and backward once per micro-batch
+        assert len(ops) == 2 * m * v == len(schedule_order(schedule, k, p, m, v))
+        assert all(a[2] <= b[1] + 1e-12 for a, b in itertools.pairwise(ops))  # one op at a time

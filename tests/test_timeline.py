@@ -16,13 +16,14 @@ CASES = {
     "1f1b": "pp=4,tp=2,dp=2,schedule=1f1b,mbs=2",
     "gpipe": "pp=4,tp=1,dp=4,schedule=gpipe,mbs=2",
     "interleaved": "pp=2,tp=1,dp=8,schedule=interleaved,v=2,mbs=1",
+    "interleaved, fewer micro-batches than stages": "pp=4,tp=2,dp=2,schedule=interleaved,v=2,mbs=16",
     "no pipeline": "pp=1,tp=2,dp=8,mbs=2,recompute=full",
 }
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
 def planned(request, tmp_path_factory):
-    out = tmp_path_factory.mktemp(request.param.replace(" ", "_"))
+    out = tmp_path_factory.mktemp("".join(c if c.isalnum() else "_" for c in request.param))
     trace = out / "trace.json"
     assert main(["plan", "gpt", "--config", GPT, "--gpus", "16", "--global-batch", "64", "--fix",
                  CASES[request.param], "-o", str(out), "--trace", str(trace), "--json"]) == 0

@@ -44,7 +44,7 @@ from autopar.ir import OpGraph
 from autopar.kernels import memory_s
 from autopar.passes.context import PassContext
 from autopar.passes.flops import total_flops
-from autopar.solvers.pipeline import bubble_s, in_flight_microbatches
+from autopar.solvers.pipeline import bubble_s, in_flight_microbatches, simulate_pipeline
 from autopar.solvers.stage_dp import StageSplit, UnitLoad, split_stages, split_uniform_stages, stage_memory_bytes
 
 ADAM_BYTES_PER_PARAM = 28  # read master, m, v (4 each), grad (2); write master, m, v (4 each), weights (2)
@@ -245,6 +245,20 @@ def _dp_sync_exposed(local_params: float, bwd_window_s: float, fwd_window_s: flo
     return exposed
 
 
+def _bubble_s(stages: list[StageEstimate], stage_times: list[float], layout: Layout) -> float:
+    """The pipeline's time beyond ``m`` slots of its slowest stage.  With interleaving and fewer micro-batches
+    than stages the closed form is only a bound (the pipeline never fills, and the waits depend on every
+    stage's times), so the schedule is simulated op by op; it is a few hundred ops at most."""
+    p, m, v = layout.pp, layout.num_microbatches, layout.v
+    if not (v > 1 and m < p):
+        return bubble_s(stage_times, v, m)
+    half = [s.parts_s["p2p_s"] / 2 for s in stages]
+    forward = [s.parts_s["forward_s"] + h for s, h in zip(stages, half)]
+    backward = [s.parts_s["recompute_s"] + s.parts_s["backward_s"] + h for s, h in zip(stages, half)]
+    runs = simulate_pipeline(layout.schedule, forward, backward, m, v)
+    return max(end for ops in runs for _, _, end in ops) - m * max(stage_times)
+
+
 def _reductions_per_step(layout: Layout) -> int:
     """How often ZeRO 0-2 reduce the gradients in one step.  ZeRO-2 keeps only its shard of the gradients
     between micro-batches, so every micro-batch reduce-scatters what its backward made (DeepSpeed stage 2
@@ -338,7 +352,7 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
     local_opt = max(s["local"] for s in per_stage) / (layout.dp if layout.zero >= 1 else 1)
     optimizer_s = memory_s(cluster, local_opt * ADAM_BYTES_PER_PARAM)
     tp_sync = max(sum(costs[key].tp_sync_s for key in keys[s.units[0]:s.units[1]]) for s in stages)
-    bubble = bubble_s(stage_times, v)
+    bubble = _bubble_s(stages, stage_times, layout)
     breakdown = {
         "compute_s": m * bn["compute"] + optimizer_s + accumulation_s,
         "tp_comm_s": m * bn["tp"] + tp_sync,

@@ -102,6 +102,7 @@ class UnitCostCache:
         self.statuses: set[str] = set()
         self.gap = 0.0  # the largest relative optimality gap of a solve a time limit stopped
         self._alternatives: dict[int, dict[str, list[tuple[Strategy, float, float]]]] = {}
+        self.progress: Callable[[str], None] | None = None  # told of each intra-op solve as it starts
 
     def serves(self, graph: OpGraph, cluster: Cluster, ctx: PassContext) -> bool:
         """Whether these unit costs hold for ``graph`` on ``cluster`` under ``ctx``: the same graph and context
@@ -118,6 +119,9 @@ class UnitCostCache:
         ref = min(REFERENCE_MBS, key=lambda r: (abs(math.log2(r) - math.log2(mbs)), r))
         key = (tp, ref, sp, variant if tp > 1 else "fast")
         if key not in self._solved:
+            if self.progress is not None and tp > 1:
+                self.progress(f"solving the intra-op ILP: tp={tp}, micro-batch {ref}, sp={'on' if sp else 'off'}, "
+                              f"{variant}")
             slack = 0.02 if variant == "lean" else None
             mesh, strategies, sol = solve_tp(self.graph, self.cluster, self.ctx, tp, ref, sp, self.backend,
                                              self.time_limit_s, grad_sync_weight=1 / 16, memory_slack=slack)
@@ -270,7 +274,7 @@ def _lower_bound(costs: dict[str, UnitCost], sequence: list[str], layout: Layout
 
 def search(graph: OpGraph, cluster: Cluster, ctx: PassContext, global_batch: int, fixed: dict[str, Any],
            memory_budget_bytes: float, backend: Backend = "cbc", time_limit_s: float = 60.0, top_k: int = 1,
-           progress: Callable[[int], None] | None = None, cache: UnitCostCache | None = None,
+           progress: Callable[[str], None] | None = None, cache: UnitCostCache | None = None,
            accept: Callable[[Estimate, dict[str, Strategy]], bool] | None = None) -> SearchResult:
     """The ``top_k`` fastest layouts that fit (or, if none fits, the closest ones marked ``fits=False``).
 
@@ -281,6 +285,7 @@ def search(graph: OpGraph, cluster: Cluster, ctx: PassContext, global_batch: int
     check_fixed(graph, cluster, global_batch, fixed)
     if cache is None or not cache.serves(graph, cluster, ctx):
         cache = UnitCostCache(graph, cluster, ctx, backend, time_limit_s)
+    cache.progress = progress
     solves_before = cache.solves
     sequence = unit_sequence(graph)
     flops = ModelFlops.of(graph)
@@ -299,7 +304,7 @@ def search(graph: OpGraph, cluster: Cluster, ctx: PassContext, global_batch: int
                                   allow_spill=not fitting, prune_above_s=cutoff)
             evaluated += 1
             if progress is not None:
-                progress(evaluated)
+                progress(f"searching layouts: {evaluated} evaluated")
             if est is None or (accept is not None and not accept(est, strategies)):
                 continue
             bucket = fitting if est.fits else spill
