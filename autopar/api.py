@@ -6,10 +6,11 @@
     plan = autopar.plan(MyModel(hidden=1024), config={"hidden": 1024})  # a built module
     plan.save("out/plan.json")
 
-A factory (or a built module's class) must be defined at the top level of a file: the plan names it as
-``FILE:QUALNAME`` and every rank of the runtime imports it from there and calls it with ``config``.  A built
-module is traced as it is (on fake copies of its tensors); the runtime builds ``type(module)(**config)``
-and refuses to run if that is not the same model (the plan's fingerprint).
+A factory (or a built module's class) must be defined at the top level of a module: the plan names it as
+``module:QUALNAME`` (a package's) or ``FILE:QUALNAME`` (a script's), and every rank of the runtime imports it
+from there and calls it with ``config``.  A built module is traced as it is (on fake copies of its tensors);
+the runtime builds ``type(module)(**config)``: ``autopar.runtime.apply`` refuses it when its parameters'
+names or shapes differ from the plan's, and ``autopar verify`` when its graph does (the fingerprint).
 """
 
 from __future__ import annotations
@@ -88,7 +89,10 @@ def setup(cluster: str | Cluster, gpus: int | None, gpus_per_node: int | None, i
     if memory_limit_gb is not None and memory_limit_gb <= 0:
         raise AutoparError("memory limit (--memory-limit) must be positive")
     if isinstance(cluster, Cluster):
-        spec = cluster.with_overrides(gpus=gpus, gpus_per_node=gpus_per_node)
+        if (gpus is not None and gpus < 1) or (gpus_per_node is not None and gpus_per_node < 1):
+            raise AutoparError("gpus and gpus_per_node must be >= 1")
+        inter = inter_node_gbps * 1e9 / 8 if inter_node_gbps is not None else None
+        spec = cluster.with_overrides(gpus=gpus, gpus_per_node=gpus_per_node, inter_node_bandwidth_bytes_per_s=inter)
     else:
         spec = cluster_from_args(cluster, gpus, gpus_per_node, inter_node_gbps)
     return spec, PassContext(cluster=spec, attention=attention, framework=load_framework(framework))

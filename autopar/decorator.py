@@ -26,14 +26,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 from autopar.api import DEFAULT_CLUSTER, plan_model
 from autopar.errors import AutoparError
 from autopar.framework import DEFAULT_FRAMEWORK
 from autopar.frontend import trace_model
-from autopar.modelfile import factory_ref
+from autopar.modelfile import BUILDING, factory_ref
 from autopar.passes import PassContext
 from autopar.plan_file import Plan, PlanError, model_fingerprint
 
@@ -84,33 +83,41 @@ def _mismatch(plan: Plan, factory: Callable[..., nn.Module], config: dict[str, A
 def _rank0_plan_file(factory: Callable[..., nn.Module], config: dict[str, Any], opts: _Options,
                      world: int) -> str:
     """On rank 0: make sure the plan file holds this model's plan; returns the line to log."""
+    if opts.gpus is not None and opts.gpus != world:
+        raise AutoparError(f"@autopar.parallelize(gpus={opts.gpus}) but this run has {world} ranks (launch "
+                           f"{opts.gpus}, or leave gpus out to plan for the ranks there are)")
     path = Path(opts.plan)
     if path.exists():
-        plan = Plan.load(path)
-        why = _mismatch(plan, factory, config, opts, world)
+        try:
+            plan = Plan.load(path)
+            why = _mismatch(plan, factory, config, opts, world)
+        except PlanError as exc:  # unreadable, another schema, edited
+            why = str(exc)
         if why is None:
             return f"autopar: using {path} (fingerprint {plan.model['fingerprint']})"
         if not opts.replan:
             raise PlanError(f"{path} is not this run's plan: {why} (delete it, or pass replan=True)")
-    _planned(factory, config, opts, opts.gpus or world).save(path)  # atomic: a temporary file renamed
+    _planned(factory, config, opts, world).save(path)  # atomic: a temporary file renamed
     return f"autopar: planned, saved {path}"
 
 
 def _distributed_build(factory: Callable[..., nn.Module], config: dict[str, Any], opts: _Options) -> Any:
-    """Every rank: agree on the plan file through rank 0, then ``autopar.runtime.apply`` it."""
+    """Every rank: agree on the plan file through rank 0, then ``autopar.runtime.apply`` it.  The plan file's
+    path must be one every rank reads (a shared filesystem when the run spans nodes)."""
     import torch.distributed as dist
 
-    from autopar.runtime.apply import apply
+    from autopar.runtime.apply import apply, device_for_rank
 
+    device = device_for_rank()  # sets this rank's GPU first: NCCL's object collectives use the current one
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     outcome: list[Any] = [None, None]  # [error, line to log]
     if rank == 0:
         try:
             outcome[1] = _rank0_plan_file(factory, config, opts, world)
-        except AutoparError as exc:
-            outcome[0] = str(exc)
+        except Exception as exc:  # any failure must reach the other ranks, or they wait in the broadcast
+            outcome[0] = str(exc) if isinstance(exc, AutoparError) else f"planning failed: {type(exc).__name__}: {exc}"
     dist.broadcast_object_list(outcome, src=0)
     if outcome[0] is not None:
         raise AutoparError(outcome[0])
@@ -134,26 +141,32 @@ def _no_positional(name: str, args: tuple[Any, ...]) -> None:
 
 
 def _decorate_class(cls: type[nn.Module], opts: _Options) -> type[nn.Module]:
+    """The class itself, given a ``__new__`` and ``autopar_plan`` (no subclass: ``super(Cls, self)`` and
+    subclasses keep working).  While autopar builds the model (``modelfile.BUILDING``) it is the plain class."""
+    base_new = cls.__new__
+
     def __new__(klass, *args: Any, **config: Any) -> Any:
-        _no_positional(cls.__name__, args)
-        if in_torchrun():
-            return _distributed_build(cls, config, opts)  # not an instance: __init__ does not run on it
-        return nn.Module.__new__(klass)
+        if in_torchrun() and not BUILDING.get():
+            _no_positional(klass.__name__, args)
+            return _distributed_build(klass, config, opts)  # not an instance: __init__ does not run on it
+        return base_new(klass) if base_new is not object.__new__ else object.__new__(klass)
 
     def autopar_plan(klass, **config: Any) -> Plan:
         """The plan of this model built with ``config`` (planned once, then cached)."""
-        return _plan_once(cls, config, opts)
+        return _plan_once(klass, config, opts)
 
-    namespace = {"__new__": __new__, "autopar_plan": classmethod(autopar_plan), "__autopar_factory__": cls,
-                 "__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__}
-    return type(cls.__name__, (cls,), namespace)
+    cls.__new__ = staticmethod(__new__)  # type: ignore[assignment]
+    cls.autopar_plan = classmethod(autopar_plan)  # type: ignore[attr-defined]
+    return cls
 
 
 def _decorate_function(fn: Callable[..., nn.Module], opts: _Options) -> Callable[..., Any]:
     @functools.wraps(fn)
     def build(*args: Any, **config: Any) -> Any:
-        _no_positional(fn.__name__, args)
-        return _distributed_build(fn, config, opts) if in_torchrun() else fn(**config)
+        if in_torchrun() and not BUILDING.get():
+            _no_positional(fn.__name__, args)
+            return _distributed_build(fn, config, opts)
+        return fn(*args, **config)
 
     build.autopar_plan = lambda **config: _plan_once(fn, config, opts)  # type: ignore[attr-defined]
     build.__autopar_factory__ = fn  # type: ignore[attr-defined]

@@ -22,6 +22,7 @@ source's optional functions (``example_inputs``, ``loss_fn``, ...) apply to it a
 from __future__ import annotations
 
 import ast
+import contextvars
 import hashlib
 import importlib
 import importlib.util
@@ -70,14 +71,26 @@ def split_ref(ref: str) -> tuple[str, str | None]:
 
 
 def factory_ref(factory: Callable[..., Any]) -> str:
-    """The ``FILE:QUALNAME`` reference of a module-level class or function, which the runtime re-imports."""
+    """The reference of a module-level class or function, which every rank re-imports: ``module:QUALNAME`` for
+    one of a package (its relative imports need the package), else ``FILE:QUALNAME`` (a script or a top-level
+    file, which a rank need not find on its import path)."""
     qualname = getattr(factory, "__qualname__", None)
-    module = sys.modules.get(getattr(factory, "__module__", None) or "")
+    name = getattr(factory, "__module__", None) or ""
+    module = sys.modules.get(name)
     path = getattr(module, "__file__", None)
-    if not qualname or "<locals>" in qualname or "<lambda>" in qualname or not path:
+    if not qualname or "<locals>" in qualname or "<lambda>" in qualname or module is None:
         raise ModelFileError(f"{qualname or factory!r}: a model factory must be a class or function defined at the "
                              "top level of a Python file, so that every rank can import it by name")
+    if getattr(module, "__package__", None) and name != "__main__":
+        return f"{name}:{qualname}"
+    if not path:
+        raise ModelFileError(f"{qualname}: its module {name} has no file to import it from")
     return f"{Path(path).resolve()}:{qualname}"
+
+
+#: Set while autopar itself builds a model (tracing, the runtime's meta builds): a class under
+#: ``@autopar.parallelize`` then constructs as the plain class, even inside torchrun.
+BUILDING: contextvars.ContextVar[bool] = contextvars.ContextVar("autopar_building", default=False)
 
 
 def resolve(ref: str) -> Path:
@@ -217,6 +230,7 @@ _UNEXPECTED_KW = re.compile(r"unexpected keyword argument '(\w+)'")
 
 def build(module: ModuleType, config: dict[str, Any], ref: str = "model") -> nn.Module:
     """Call ``build_model(**config)``; an unknown key or a rejected value becomes a ``ModelFileError``."""
+    token = BUILDING.set(True)
     try:
         model = module.build_model(**config)
     except TypeError as exc:
@@ -228,6 +242,8 @@ def build(module: ModuleType, config: dict[str, Any], ref: str = "model") -> nn.
         raise ModelFileError(f"{ref}: build_model rejected the config: {exc}") from exc
     except Exception as exc:
         raise ModelFileError(f"{ref}: build_model raised {type(exc).__name__}: {exc}") from exc
+    finally:
+        BUILDING.reset(token)
     if not isinstance(model, nn.Module):
         raise ModelFileError(f"{ref}: build_model returned {type(model).__name__}, not an nn.Module")
     return model

@@ -217,6 +217,17 @@ def plan_changes(a: Plan, b: Plan) -> list[Change]:
             for key in ka:
                 if ka[key] != kb[key]:
                     out.append(Change(f"stage {sa['index']} {key}", ka[key], kb[key]))
+    fa, fb = a.estimate.get("framework"), b.estimate.get("framework")
+    if fa != fb:
+        out.append(Change("framework", fa, fb))
+    for key in sorted(set(a.cluster) | set(b.cluster)):  # the other cluster numbers the estimate used
+        if key not in ("name", "gpus", "gpus_per_node", "device") and a.cluster.get(key) != b.cluster.get(key):
+            out.append(Change(f"cluster {key}", a.cluster.get(key), b.cluster.get(key)))
+    ops_a = {k: (v["tp"], v.get("module")) for k, v in a.op_strategies.items()}
+    ops_b = {k: (v["tp"], v.get("module")) for k, v in b.op_strategies.items()}
+    changed_ops = sorted(k for k in set(ops_a) | set(ops_b) if ops_a.get(k) != ops_b.get(k))
+    if changed_ops:
+        out.append(Change(f"op strategies ({len(changed_ops)} ops)", ", ".join(changed_ops[:3]), "changed"))
     for fqn in sorted(set(a.parameters) | set(b.parameters)):
         pa, pb = a.parameters.get(fqn), b.parameters.get(fqn)
         if pa is None or pb is None:
@@ -225,6 +236,9 @@ def plan_changes(a: Plan, b: Plan) -> list[Change]:
         elif pa["placements"] != pb["placements"]:
             out.append(Change(f"parameter {fqn}", _placement_text(pa["placements"]),
                               _placement_text(pb["placements"])))
+    if not out and a.to_json() != b.to_json():  # anything else (the estimate, an older autopar's fields)
+        keys = sorted(k for k, v in a.to_dict().items() if b.to_dict().get(k) != v)
+        out.append(Change("other fields", ", ".join(keys), "differ"))
     return out
 
 

@@ -8,6 +8,9 @@ once its rank is free and its inputs are there (the previous chunk's forward, th
 After the pipeline drains, each stage waits out what the estimate adds once per iteration: the optimizer
 step and gradient accumulation, the tp gradient sync, the exposed data-parallel sync.
 
+The stages end at the estimate's ``iteration_time_s`` when they are balanced or the slowest is the last;
+very uneven splits part from the estimate's closed-form bubble (``autopar.solvers.pipeline``).
+
 The trace has one process per pipeline stage and four tracks (threads): compute (forward, recompute,
 backward slices per micro-batch and chunk, and the once-per-iteration work), tp, dp and p2p
 communication (the exposed communication inside those slices).  Gaps on the compute track are the bubble.
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from autopar.errors import AutoparError
 from autopar.plan_file import Plan
 from autopar.solvers.pipeline import simulate_pipeline
 
@@ -42,6 +46,9 @@ def simulate(plan: Plan) -> list[Slice]:
     """Every slice of one simulated iteration of ``plan`` (``autopar.solvers.pipeline.simulate_pipeline``)."""
     lay = plan.layout
     v, m = lay["v"], lay["num_microbatches"]
+    if any("estimated_parts_per_microbatch_s" not in s for s in plan.stages):
+        raise AutoparError("this plan has no per-part stage times (written by an older autopar): plan it again "
+                           "to draw its timeline")
     parts = [s["estimated_parts_per_microbatch_s"] for s in plan.stages]
     runs = simulate_pipeline(lay["schedule"], [_op_s("F", part) for part in parts],
                              [_op_s("B", part) for part in parts], m, v)

@@ -28,6 +28,7 @@ import hashlib
 import io
 import logging
 import operator
+import os
 import re
 import sysconfig
 import time
@@ -146,9 +147,15 @@ def _model_source_line(exc: BaseException) -> str:
     if found:
         path, line, code = found.group(1), found.group(2), found.group(3).split("#")[0].strip()
         return f" at {path}:{line} ({code})"
-    skip = (str(Path(torch.__file__).parent), str(Path(__file__).parent), sysconfig.get_paths()["stdlib"])
-    frames = [f for f in traceback.extract_tb(exc.__traceback__)
-              if not f.filename.startswith(skip) and not f.filename.startswith("<")]
+    own = (str(Path(torch.__file__).parent) + os.sep, str(Path(__file__).parent) + os.sep)
+    stdlib = sysconfig.get_paths()["stdlib"] + os.sep
+
+    def ours(name: str) -> bool:  # torch, autopar's own code (not its zoo models), the standard library
+        if name.startswith("<") or (name.startswith(own) and f"{os.sep}models{os.sep}" not in name):
+            return True
+        return name.startswith(stdlib) and "site-packages" not in name and "dist-packages" not in name
+
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not ours(f.filename)]
     if frames:
         f = frames[-1]
         return f" at {f.filename}:{f.lineno} ({(f.line or '').strip()})"

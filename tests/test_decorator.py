@@ -46,15 +46,53 @@ def test_autopar_plan_plans_once_and_names_the_class(example):
     from autopar.modelfile import load_for
 
     factory = load_for(first.model).build_model
-    assert factory.__qualname__ == "TinyGPT" and "autopar_plan" not in vars(factory)
+    assert factory.__qualname__ == "TinyGPT" and factory.__module__.startswith("autopar_user_model_")
+
+
+class OldStyle(nn.Module):
+    """Written as the PyTorch tutorials write it: super() named with the class."""
+
+    def __init__(self, width: int = 4):
+        super(OldStyle, self).__init__()  # noqa: UP008 (the pattern under test)
+        self.lin = nn.Linear(width, width)
+
+
+class Wider(OldStyle):
+    def __init__(self, width: int = 8):
+        super().__init__(width)
+
+
+def test_the_class_stays_itself_for_super_and_subclasses(monkeypatch):
+    decorated = autopar.parallelize(cluster="cpu", gpus=4)(OldStyle)
+    assert decorated is OldStyle and OldStyle(width=4).lin.in_features == 4
+    assert isinstance(Wider(width=8), OldStyle) and Wider(width=8).lin.in_features == 8
+    # under torchrun, a build by autopar itself (tracing, the runtime's meta builds) is the plain class
+    from autopar.modelfile import BUILDING
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    token = BUILDING.set(True)
+    try:
+        assert isinstance(OldStyle(width=4), OldStyle)
+    finally:
+        BUILDING.reset(token)
+
+
+def test_factory_refs_name_package_modules_by_import_path():
+    from autopar.modelfile import factory_ref, load_callable
+
+    assert factory_ref(nn.Linear) == "torch.nn.modules.linear:Linear"  # a file of its own would break its imports
+    assert load_callable(factory_ref(nn.Linear)) is nn.Linear
 
 
 def test_decorator_takes_keyword_config_and_classes_or_factories():
     with pytest.raises(AutoparError, match=r"nn\.Module class or a factory"):
         autopar.parallelize(gpus=4)(3)
-    plain = autopar.parallelize(cluster="cpu", gpus=4)(nn.Linear)
-    with pytest.raises(AutoparError, match="keyword arguments"):
-        plain(4, 4)
+    @autopar.parallelize(cluster="cpu", gpus=4)
+    def factory(**config):
+        return nn.Linear(4, 4)
+
+    assert isinstance(factory(), nn.Linear)  # outside torchrun: the plain model
 
 
 def _torchrun(cwd: Path) -> subprocess.CompletedProcess:

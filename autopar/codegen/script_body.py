@@ -30,8 +30,8 @@ def main():
     if dist.get_world_size() != math.prod(MESH_SHAPE):
         raise SystemExit(f"this plan needs {math.prod(MESH_SHAPE)} ranks, got {dist.get_world_size()}")
     mesh = init_device_mesh(device.type, MESH_SHAPE, mesh_dim_names=("pp", "dp", "tp"))
-    module = load_module(MODEL_FILE)
-    build = lambda: module.build_model(**CONFIG)  # noqa: E731
+    module = load_module(MODEL_FILE, EXAMPLE_INPUTS)
+    build = lambda: build_from(module, CONFIG, MODEL_FILE)  # noqa: E731
     chunks = list(range(mesh.get_local_rank("pp"), len(STAGE_LAYERS), MESH_SHAPE[0]))
     report = StepReport(ESTIMATE, GLOBAL_BATCH * SEQ_LEN, math.prod(MESH_SHAPE), PEAK_FLOPS, device)
 

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from autopar.modelfile import build as build_from
 from autopar.modelfile import load_module, loss_fn_of
 from autopar.runtime import checkpoint
 from autopar.runtime.apply import device_for_rank
@@ -109,6 +110,7 @@ def generate_train_script(plan: Plan, script_name: str = "train.py") -> str:
     )
     literals = (
         f"MODEL_FILE = {str(path)!r}\n"
+        f"EXAMPLE_INPUTS = {plan.model.get('example_inputs')!r}  # a SOURCE:FUNCTION replacing the model's own\n"
         f"CONFIG = {pprint.pformat(plan.model['config'], sort_dicts=True)}\n"
         f"GLOBAL_BATCH = {plan.global_batch}\n"
         f"SEQ_LEN = {plan.seq_len}\n"

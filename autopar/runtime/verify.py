@@ -160,7 +160,8 @@ def verify_many(plan_paths: Sequence[str | Path], steps: int = 3, seed: int = 0,
         key = (ref, json.dumps(plan.model["config"], sort_keys=True), plan.seq_len)
         try:
             if key not in traces:
-                traces[key] = trace_model(ref, dict(plan.model["config"]), plan.seq_len)
+                traces[key] = trace_model(ref, dict(plan.model["config"]), plan.seq_len,
+                                          example_inputs=plan.model.get("example_inputs"))
             traced = traces[key]
             plan.check_model(traced.graph, traced.config)
             check_runnable(plan, model_on_meta(plan))
