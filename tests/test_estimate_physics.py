@@ -74,6 +74,13 @@ def test_zero2_reduces_every_micro_batch_zero1_once(gpt):
     assert extra_16 / extra_4 == pytest.approx(5.0)
     assert dp_s(2, 64) == pytest.approx(dp_s(1, 64))  # one micro-batch: one reduction either way
     assert dp_s(2, 4, pp=2) == pytest.approx(dp_s(1, 4, pp=2))
+    # gradient accumulation: ZeRO-2 adds into its shard, except under pipelining, where the stage holds them whole
+    def accumulate_s(zero: int, pp: int = 1) -> float:
+        fix = f"dp={8 // pp},tp=1,pp={pp},mbs=4,recompute=full,zero={zero}" + (",schedule=1f1b" if pp > 1 else "")
+        return _estimate(gpt, fix, after, NODE, batch=512).breakdown["compute_s"]
+
+    assert accumulate_s(2) < accumulate_s(1)
+    assert accumulate_s(2, pp=2) == pytest.approx(accumulate_s(1, pp=2))
     # a framework that all-reduces under ZeRO-1 (each rank keeping its part) moves twice a reduce-scatter's bytes
     whole = after.with_overrides(sharded_grad_reduce="all_reduce")
     reduce_scatter = extra_16 / 15

@@ -398,12 +398,14 @@ def tp_bytes(costs: dict[str, UnitCost], keys: list[str], layout: Layout) -> dic
 def _grad_accumulation_s(local_params: float, layout: Layout, cluster: Cluster, ctx: PassContext) -> float:
     """Adding every micro-batch's gradients after the first into the gradient buffer: autograd's
     ``AccumulateGrad`` reads the buffer and the new gradient and writes the sum (3 passes over the gradient
-    bytes one device holds; ZeRO-2/3 accumulate their shard).  Megatron fuses it into the weight-gradient
-    GEMM (``Framework.grad_accumulation_fused``)."""
+    bytes one device holds; ZeRO-2/3 accumulate their shard, except under pipelining in FSDP2, whose
+    ``PipelineStage`` defers the reduction and accumulates the gradients whole, as ``held_bytes`` counts).
+    Megatron fuses it into the weight-gradient GEMM (``Framework.grad_accumulation_fused``)."""
     fw = ctx.framework
     if layout.num_microbatches <= 1 or fw.grad_accumulation_fused:
         return 0.0
-    shard = layout.dp if layout.zero >= 2 and layout.dp > 1 else 1
+    whole = layout.pp > 1 and fw.state_layout == "fsdp2"
+    shard = layout.dp if layout.zero >= 2 and layout.dp > 1 and not whole else 1
     return (layout.num_microbatches - 1) * memory_s(cluster, 3 * local_params * fw.main_grad_bytes / shard)
 
 
