@@ -50,8 +50,6 @@ class Planning:
     traced: TracedModel
     cluster: Cluster
     global_batch: int
-    memory_budget_bytes: float
-    solver: str
 
     @property
     def plan(self) -> Plan:
@@ -80,8 +78,9 @@ def _fixed(fix: str | dict[str, Any] | None) -> dict[str, Any]:
 
 def setup(cluster: str | Cluster, gpus: int | None, gpus_per_node: int | None, inter_node_gbps: float | None,
           global_batch: int | None, time_limit_s: float, memory_limit_gb: float | None, attention: str,
-          framework: str) -> tuple[Cluster, PassContext]:
-    """Check the planning options and make the cluster and the pass context."""
+          framework: str) -> tuple[Cluster, PassContext, int, float]:
+    """Check the planning options; the cluster, the pass context, the global batch (default max(256, GPUs))
+    and the per-device memory budget in bytes (default the cluster's usable memory)."""
     if global_batch is not None and global_batch < 1:
         raise AutoparError("global batch (--global-batch) must be >= 1")
     if time_limit_s <= 0:
@@ -95,7 +94,10 @@ def setup(cluster: str | Cluster, gpus: int | None, gpus_per_node: int | None, i
         spec = cluster.with_overrides(gpus=gpus, gpus_per_node=gpus_per_node, inter_node_bandwidth_bytes_per_s=inter)
     else:
         spec = cluster_from_args(cluster, gpus, gpus_per_node, inter_node_gbps)
-    return spec, PassContext(cluster=spec, attention=attention, framework=load_framework(framework))
+    ctx = PassContext(cluster=spec, attention=attention, framework=load_framework(framework))
+    batch = global_batch if global_batch is not None else max(256, spec.gpus)
+    budget = memory_limit_gb * 2**30 if memory_limit_gb is not None else spec.usable_memory_bytes
+    return spec, ctx, batch, budget
 
 
 def plan_model(model: ModelLike, *, config: dict[str, Any] | None = None,
@@ -112,15 +114,13 @@ def plan_model(model: ModelLike, *, config: dict[str, Any] | None = None,
     if top < 1:
         raise AutoparError("top (--top) must be >= 1")
     time_limit_s = DEFAULT_TIME_LIMIT_S if time_limit_s is None else time_limit_s
-    spec, ctx = setup(cluster, gpus, gpus_per_node, inter_node_gbps, global_batch, time_limit_s, memory_limit_gb,
-                      attention, framework)
+    spec, ctx, batch, budget = setup(cluster, gpus, gpus_per_node, inter_node_gbps, global_batch, time_limit_s,
+                                     memory_limit_gb, attention, framework)
     ref, built = model_ref(model)
     inputs_ref = factory_ref(example_inputs) if example_inputs is not None else None
     if on_progress is not None:
         on_progress(f"tracing {ref}")
     traced = trace_model(ref, config, seq_len, ctx, every_layer, example_inputs=inputs_ref, built=built)
-    batch = global_batch if global_batch is not None else max(256, spec.gpus)
-    budget = memory_limit_gb * 2**30 if memory_limit_gb is not None else spec.usable_memory_bytes
     runnable = runtime_filter(traced.graph, ref, traced.config, spec, ctx, batch, inputs_ref)
     res = search(traced.graph, spec, ctx, batch, fixed, budget, solver, time_limit_s, top, on_progress,
                  accept=runnable.accept if runnable else None)
@@ -140,7 +140,7 @@ def plan_model(model: ModelLike, *, config: dict[str, Any] | None = None,
                         global_batch=batch, estimate=c.estimate, strategies=c.strategies, example_inputs=inputs_ref,
                         memory_limit_bytes=budget, alternatives=c.alternatives)
              for c in res.candidates[:top] if c.estimate.fits]
-    return Planning(plans, res, traced, spec, batch, budget, solver)
+    return Planning(plans, res, traced, spec, batch)
 
 
 def plan(model: ModelLike, *, config: dict[str, Any] | None = None,

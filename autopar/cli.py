@@ -179,11 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _setup(args: argparse.Namespace) -> tuple[Cluster, PassContext, TracedModel, int, float]:
-    cluster, ctx = setup(args.cluster, args.gpus, args.gpus_per_node, args.inter_node_gbps, args.global_batch,
-                         args.time_limit, args.memory_limit, args.attention, args.framework)
+    cluster, ctx, batch, budget = setup(args.cluster, args.gpus, args.gpus_per_node, args.inter_node_gbps,
+                                        args.global_batch, args.time_limit, args.memory_limit, args.attention,
+                                        args.framework)
     traced = trace_model(args.model, parse_config(args.config), args.seq_len, ctx, args.trace_every_layer)
-    batch = args.global_batch if args.global_batch is not None else max(256, cluster.gpus)
-    budget = args.memory_limit * 2**30 if args.memory_limit is not None else cluster.usable_memory_bytes
     return cluster, ctx, traced, batch, budget
 
 

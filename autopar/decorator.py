@@ -34,7 +34,7 @@ from autopar.framework import DEFAULT_FRAMEWORK
 from autopar.frontend import trace_model
 from autopar.modelfile import BUILDING, factory_ref
 from autopar.passes import PassContext
-from autopar.plan_file import Plan, PlanError, model_fingerprint
+from autopar.plan_file import Plan, PlanError
 
 
 @dataclass(kw_only=True)
@@ -74,9 +74,10 @@ def _mismatch(plan: Plan, factory: Callable[..., nn.Module], config: dict[str, A
     if plan.num_devices != world:
         return f"it is for {plan.num_devices} devices and this run has {world} ranks"
     traced = trace_model(factory_ref(factory), config, opts.seq_len, PassContext())
-    fingerprint = model_fingerprint(traced.graph, traced.config)
-    if fingerprint != plan.model.get("fingerprint"):
-        return f"it is for another model (fingerprint {plan.model.get('fingerprint')}, this one {fingerprint})"
+    try:
+        plan.check_model(traced.graph, traced.config)
+    except PlanError as exc:
+        return f"it is for another model ({exc})"
     return None
 
 

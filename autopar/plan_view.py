@@ -17,7 +17,7 @@ from rich.table import Table
 from autopar.cluster import Cluster
 from autopar.errors import AutoparError
 from autopar.plan_file import Plan
-from autopar.report import human_bytes, human_time, layout_text
+from autopar.report import human_bytes, human_time, layout_text, stage_layers_text
 
 
 def memory_limit_bytes(plan: Plan) -> float:
@@ -80,10 +80,8 @@ def render_show(plan: Plan, console: Console) -> None:
     for col in ("stage", "layers", "ranks", "micro-batch", "recompute", "time / micro-batch", "memory", "of limit"):
         stages.add_column(col)
     for s in plan.stages:
-        extra = (" +emb" if s["has_embedding"] else "") + (" +head" if s["has_head"] else "")
-        spans = [f"{lo}-{hi - 1}" if hi > lo else "none" for lo, hi in (s.get("chunks") or [s["layers"]])]
         mem = s["estimated_memory_bytes"]
-        stages.add_row(str(s["index"]), ", ".join(spans) + extra, f"{s['ranks'][0]}-{s['ranks'][1] - 1}",
+        stages.add_row(str(s["index"]), stage_layers_text(s), f"{s['ranks'][0]}-{s['ranks'][1] - 1}",
                        str(s["micro_batch"]), s["recompute"], human_time(s["estimated_time_per_microbatch_s"]),
                        human_bytes(mem), f"{mem / limit:.0%}")
     console.print(stages)
@@ -200,7 +198,8 @@ def plan_changes(a: Plan, b: Plan) -> list[Change]:
     out: list[Change] = []
     if a.model["fingerprint"] != b.model["fingerprint"]:
         out.append(Change("model", a.model["ref"], b.model["ref"]))
-    for key in ("name", "gpus", "gpus_per_node", "device"):
+    first = ("name", "gpus", "gpus_per_node", "device")  # what a reader looks for, then every number priced
+    for key in (*first, *sorted((set(a.cluster) | set(b.cluster)) - set(first))):
         if a.cluster.get(key) != b.cluster.get(key):
             out.append(Change(f"cluster {key}", a.cluster.get(key), b.cluster.get(key)))
     for key in ("global_batch", "seq_len", "attention"):
@@ -220,9 +219,6 @@ def plan_changes(a: Plan, b: Plan) -> list[Change]:
     fa, fb = a.estimate.get("framework"), b.estimate.get("framework")
     if fa != fb:
         out.append(Change("framework", fa, fb))
-    for key in sorted(set(a.cluster) | set(b.cluster)):  # the other cluster numbers the estimate used
-        if key not in ("name", "gpus", "gpus_per_node", "device") and a.cluster.get(key) != b.cluster.get(key):
-            out.append(Change(f"cluster {key}", a.cluster.get(key), b.cluster.get(key)))
     ops_a = {k: (v["tp"], v.get("module")) for k, v in a.op_strategies.items()}
     ops_b = {k: (v["tp"], v.get("module")) for k, v in b.op_strategies.items()}
     changed_ops = sorted(k for k in set(ops_a) | set(ops_b) if ops_a.get(k) != ops_b.get(k))

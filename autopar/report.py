@@ -68,6 +68,13 @@ def layout_text(layout: dict[str, Any]) -> str:
             f"sp={'on' if layout['sp'] else 'off'} zero={layout['zero']}")
 
 
+def stage_layers_text(stage: dict[str, Any]) -> str:
+    """A plan stage's layers (each chunk's span) and whether it holds the embedding or the head."""
+    extra = (" +emb" if stage["has_embedding"] else "") + (" +head" if stage["has_head"] else "")
+    spans = [f"{lo}-{hi - 1}" if hi > lo else "none" for lo, hi in (stage.get("chunks") or [stage["layers"]])]
+    return ", ".join(spans) + extra
+
+
 def render_plan(result: dict[str, Any], console: Console) -> None:
     est, lay = result["estimate"], result["layout"]
     table = Table(title="Plan", show_header=False, title_justify="left")
@@ -96,9 +103,7 @@ def render_plan(result: dict[str, Any], console: Console) -> None:
     for col in ("stage", "layers", "ranks", "time / micro-batch", "memory"):
         stages.add_column(col)
     for s in result.get("stages", []):
-        extra = (" +emb" if s["has_embedding"] else "") + (" +head" if s["has_head"] else "")
-        spans = [f"{lo}-{hi - 1}" if hi > lo else "none" for lo, hi in (s.get("chunks") or [s["layers"]])]
-        stages.add_row(str(s["index"]), ", ".join(spans) + extra,
+        stages.add_row(str(s["index"]), stage_layers_text(s),
                        f"{s['ranks'][0]}-{s['ranks'][1] - 1}", human_time(s["estimated_time_per_microbatch_s"]),
                        human_bytes(s["estimated_memory_bytes"]))
     console.print(stages)

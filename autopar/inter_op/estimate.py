@@ -72,13 +72,9 @@ class StageEstimate:
     tp_bytes: dict[str, float]  # collective kind -> bytes of the tp collectives of one micro-batch (``tp_bytes``)
     tp_sync_bytes: dict[str, float]  # the same for the once-per-iteration gradient synchronization on tp
     parts_s: dict[str, float] = field(default_factory=dict)
-    """One micro-batch of ``time_s`` by what the stage does (``STAGE_PARTS``; they add up to it), and the
-    exposed communication inside them: ``tp_forward_s``, ``tp_backward_s``, ``zero3_s``."""
-
-
-#: What a stage's time per micro-batch is made of (``StageEstimate.parts_s``): the forward, the recomputation
-#: before the backward, the backward (exposed tp and ZeRO-3 communication included), the pipeline transfers.
-STAGE_PARTS = ("forward_s", "recompute_s", "backward_s", "p2p_s")
+    """One micro-batch of ``time_s`` by what the stage does: ``forward_s``, ``recompute_s``, ``backward_s``
+    (exposed tp and ZeRO-3 communication included) and ``p2p_s`` add up to it; ``tp_forward_s``,
+    ``tp_backward_s`` and ``zero3_s`` are the exposed communication inside them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -338,11 +334,11 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
         held = sum(x.state_bytes for x in units) - tie_bytes  # the state and the copies held through the step
         gathered = max(x.gathered_bytes for x in units)
         tp_fwd = sum(x.tp_fwd_s for x in units)
+        tp_bwd = sum(x.tp_s for x in units) - tp_fwd
         zero3 = sum(x.zero3_exposed_s for x in units)
         parts = {"forward_s": sum(x.fwd_s for x in units) + tp_fwd, "recompute_s": sum(x.recompute_s for x in units),
-                 "backward_s": sum(x.bwd_s for x in units) + sum(x.tp_s for x in units) - tp_fwd + zero3,
-                 "p2p_s": p2p_cost, "tp_forward_s": tp_fwd, "tp_backward_s": sum(x.tp_s for x in units) - tp_fwd,
-                 "zero3_s": zero3}
+                 "backward_s": sum(x.bwd_s for x in units) + tp_bwd + zero3, "p2p_s": p2p_cost,
+                 "tp_forward_s": tp_fwd, "tp_backward_s": tp_bwd, "zero3_s": zero3}
         stages.append(StageEstimate(k, (a, b), layers, t, memory, state, memory - held - gathered, gathered,
                                     tp_bytes(costs, keys[a:b], layout), _summed(costs[key].tp_sync_bytes
                                                                                 for key in keys[a:b]), parts))
