@@ -89,6 +89,9 @@ class Framework:
     """Pipeline schedules the framework implements (the search offers only these)."""
     sequence_parallel: bool
     """Whether it implements Megatron-style sequence parallelism (the search offers it only then)."""
+    context_parallel: bool
+    """Whether it implements context parallelism (the search offers ``cp > 1`` only then; a pinned ``cp`` is
+    priced as ``autopar.inter_op.context_parallel`` models it either way)."""
     sp_saves_sharded_input: bool
     """Under sequence parallelism a column-parallel Linear saves its sequence-sharded input and all-gathers
     it again in backward (Megatron-LM); ``False``: autograd saves the all-gathered input (DTensor)."""

@@ -20,7 +20,7 @@ from autopar import __version__
 from autopar.errors import AutoparError
 from autopar.ir import OpGraph
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: the mesh gained the context-parallel axis, (pp, dp, cp, tp)
 _FLOAT_DIGITS = 12  # significant digits kept for floats: identical bytes across runs and platforms
 
 

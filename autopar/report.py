@@ -63,7 +63,9 @@ def render_model_summary(summary: dict[str, Any], title: str, console: Console) 
 
 def layout_text(layout: dict[str, Any]) -> str:
     sched = layout["schedule"] + (f" v={layout['v']}" if layout["v"] > 1 else "")
-    return (f"dp={layout['dp']} tp={layout['tp']} pp={layout['pp']} mbs={layout['mbs']} "
+    cp = layout.get("cp", 1)
+    return (f"dp={layout['dp']}" + (f" cp={cp}" if cp > 1 else "") + f" tp={layout['tp']} pp={layout['pp']} "
+            f"mbs={layout['mbs']} "
             f"m={layout['num_microbatches']} {sched} recompute={layout['recompute']} "
             f"sp={'on' if layout['sp'] else 'off'} zero={layout['zero']}")
 
@@ -81,8 +83,9 @@ def render_plan(result: dict[str, Any], console: Console) -> None:
     table.add_column("what", style="bold")
     table.add_column("value")
     table.add_row("layout", layout_text(lay))
-    table.add_row("mesh", f"pp={lay['pp']} x dp={lay['dp']} x tp={lay['tp']} = {lay['pp'] * lay['dp'] * lay['tp']}"
-                          " devices")
+    cp = lay.get("cp", 1)
+    table.add_row("mesh", f"pp={lay['pp']} x dp={lay['dp']} x cp={cp} x tp={lay['tp']} = "
+                          f"{lay['pp'] * lay['dp'] * cp * lay['tp']} devices")
     table.add_row("iteration", f"{human_time(est['iteration_time_s'])}  ({est['tokens_per_s']:,.0f} tokens/s)")
     table.add_row("throughput", f"{est['tflops_per_gpu']:.1f} TFLOP/s per GPU, MFU {est['mfu']:.1%} (model FLOPs, "
                                 f"attention in full), HFU {est['hfu']:.1%} (executed, recompute included)")

@@ -4,7 +4,8 @@ The runtime builds ``parallelize_module`` styles from a plan's placements and re
 (``autopar.runtime.support.check_runnable``: sequence parallelism around a row-parallel projection, a
 HuggingFace architecture it cannot split into stages, ...).  Such an intra-op solution must not be
 chosen, so the search asks this filter before it keeps a candidate.  The answer depends only on the
-intra-op solution and on whether there are pipeline stages, so it is computed once per pair.
+intra-op solution, on whether there are pipeline stages and on whether there is context parallelism, so it
+is computed once per combination.
 """
 
 from __future__ import annotations
@@ -31,11 +32,11 @@ class RuntimeFilter:
         self._plan_args = {"graph": graph, "model_ref": model_ref, "config": config, "cluster": cluster, "ctx": ctx,
                            "global_batch": global_batch, "example_inputs": example_inputs}
         self._model = None
-        self._verdicts: dict[tuple[int, bool], str | None] = {}
+        self._verdicts: dict[tuple[int, bool, bool], str | None] = {}
         self.reasons: list[str] = []
 
     def accept(self, estimate: Estimate, strategies: dict[str, Strategy]) -> bool:
-        key = (id(strategies), estimate.layout.pp > 1)
+        key = (id(strategies), estimate.layout.pp > 1, estimate.layout.cp > 1)
         if key not in self._verdicts:
             self._verdicts[key] = self._refusal(estimate, strategies)
             if self._verdicts[key] is not None:

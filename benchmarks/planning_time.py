@@ -21,6 +21,7 @@ CASES = [
     # name, config, gpus, global batch, target seconds
     ("gpt3-175b", {"layers": 96, "hidden": 12288, "heads": 96, "vocab": 51200, "seq_len": 2048}, 1024, 1536, 30),
     ("gpt3-39b", {"layers": 48, "hidden": 8192, "heads": 64, "vocab": 51200, "seq_len": 2048}, 64, 1536, 10),
+    ("gpt-1t", {"layers": 128, "hidden": 25600, "heads": 160, "vocab": 51200, "seq_len": 2048}, 3072, 3072, 60),
 ]
 
 

@@ -248,10 +248,9 @@ def schedule_of(lay: dict[str, Any]) -> tuple[str | None, int | None]:
 
 def fix_of(lay: dict[str, Any]) -> tuple[dict[str, Any], tuple[str, ...]]:
     """``--fix`` keys of the published layout and the knobs left to the search."""
-    for axis, what in (("cp", "context"), ("ep", "expert")):
-        if (lay.get(axis) or 1) > 1:
-            raise AutoparError(f"{what} parallelism ({axis}={lay[axis]}) is not in autopar's layouts yet")
-    fix: dict[str, Any] = {"tp": lay["tp"], "pp": lay["pp"], "dp": lay["dp"]}
+    if (lay.get("ep") or 1) > 1:
+        raise AutoparError(f"expert parallelism (ep={lay['ep']}) is not in autopar's layouts yet")
+    fix: dict[str, Any] = {"tp": lay["tp"], "pp": lay["pp"], "dp": lay["dp"], "cp": lay.get("cp") or 1}
     searched = []
     if isinstance(lay.get("micro_batch"), int):
         fix["mbs"] = lay["micro_batch"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -85,11 +86,16 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    #: Position tables the model slices from the start, by sequence dim: context parallelism gives each rank
+    #: its rows (``autopar.runtime.context_parallel``).
+    cp_sequence_buffers: ClassVar[dict[str, int]] = {"positions": 0}
+
     def __init__(self, cfg: GPTConfig, block: type[nn.Module] = Block) -> None:
         super().__init__()
         self.cfg = cfg
         self.tok = nn.Embedding(cfg.vocab, cfg.hidden)
         self.pos = nn.Embedding(cfg.seq_len, cfg.hidden)
+        self.register_buffer("positions", torch.arange(cfg.seq_len), persistent=False)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleDict({str(i): block(cfg) for i in range(cfg.layers)})
         self.ln_f = nn.LayerNorm(cfg.hidden)
@@ -116,9 +122,7 @@ class GPT(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: token ids [b, t] when the embedding is present, else hidden states [b, t, hidden]."""
         if self.tok is not None:
-            t = x.shape[1]
-            pos = torch.arange(t, device=x.device)
-            x = self.drop(self.tok(x) + self.pos(pos))
+            x = self.drop(self.tok(x) + self.pos(self.positions[:x.shape[1]]))
         for block in self.blocks.values():
             x = block(x)
         if self.ln_f is not None:

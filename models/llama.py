@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -129,6 +130,10 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
+    #: Position tables the model slices from the start, by sequence dim: context parallelism gives each rank
+    #: its rows (``autopar.runtime.context_parallel``).
+    cp_sequence_buffers: ClassVar[dict[str, int]] = {"rope_cos": 0, "rope_sin": 0}
+
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.cfg = cfg

@@ -19,7 +19,7 @@ from autopar.plan_file import Plan
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "decorated.py"
-SMALL = {"layers": 2, "hidden": 64, "heads": 4, "vocab": 256, "seq_len": 32}
+SMALL = {"layers": 2, "hidden": 64, "heads": 4, "vocab": 256, "seq_len": 64}  # the decorator traces 64 tokens
 
 
 @pytest.fixture(scope="module")

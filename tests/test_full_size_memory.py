@@ -19,9 +19,10 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from autopar.cli import main
 from autopar.plan_file import Plan
 from autopar.runtime import TrainingConfig, apply
+from autopar.runtime.parallelize import MESH_DIMS
 
 LLAMA2_70B = ["llama", "--config", "layers=80,hidden=8192,heads=64,kv_heads=8,ffn=28672,vocab=32000,seq_len=4096",
-              "--gpus", "64", "--global-batch", "64", "--fix", "tp=8,pp=2,zero=1"]
+              "--gpus", "64", "--global-batch", "64", "--fix", "tp=8,pp=2,cp=1,zero=1"]
 GPT3_175B = ["gpt", "--config", "layers=96,hidden=12288,heads=96,vocab=51200,seq_len=2048", "--gpus", "1024",
              "--global-batch", "1536", "--fix", "tp=8,pp=8,zero=1"]
 
@@ -36,7 +37,7 @@ def _state_after_one_step(plan: Plan, rank: int) -> dict[str, int]:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=plan.num_devices)
     try:
         lay = plan.layout
-        mesh = init_device_mesh("cpu", (lay["pp"], lay["dp"], lay["tp"]), mesh_dim_names=("pp", "dp", "tp"))
+        mesh = init_device_mesh("cpu", (lay["pp"], lay["dp"], lay["cp"], lay["tp"]), mesh_dim_names=MESH_DIMS)
         trainer = apply(plan, lambda out, *inputs: out.sum(), config=TrainingConfig(max_grad_norm=None), mesh=mesh,
                         device=torch.device("meta"))
         with FakeTensorMode(allow_non_fake_inputs=True):
@@ -60,7 +61,7 @@ def test_state_on_the_first_and_last_stage_is_the_planned_one(tmp_path, capsys, 
     assert main(["plan", *args, "-o", str(tmp_path)]) == 0
     capsys.readouterr()
     plan = Plan.load(tmp_path / "plan.json")
-    per_stage = plan.layout["dp"] * plan.layout["tp"]
+    per_stage = plan.layout["dp"] * plan.layout["cp"] * plan.layout["tp"]
     for stage in (plan.stages[0], plan.stages[-1]):
         held = _state_after_one_step(plan, stage["index"] * per_stage)
         # fp32 parameters, fp32 gradients and two fp32 moments: 4 + 4 + 8 bytes per local parameter

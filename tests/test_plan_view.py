@@ -50,7 +50,7 @@ def _lines(capsys) -> list[str]:
 def test_show_prints_mesh_stages_sharding_time_and_memory(plans, capsys):
     assert main(["show", plans["tp2"]]) == 0
     out = "\n".join(_lines(capsys))
-    assert "pp=1 x dp=2 x tp=2 = 4 devices" in out
+    assert "pp=1 x dp=2 x cp=1 x tp=2 = 4 devices" in out
     assert "dp=2 tp=2 pp=1" in out
     assert "Sharding: layer type" in out and "(blocks.0)" in out
     # a column-parallel fc splits its output features, the row-parallel projection its input features

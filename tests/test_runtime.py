@@ -33,6 +33,7 @@ DEEP = ["--config", "layers=4,hidden=256,heads=8,vocab=256,seq_len=16", "--clust
 EIGHT = ["--config", "layers=8,hidden=128,heads=4,vocab=256,seq_len=16", "--cluster", "cpu"]
 MOE = ["--config", "layers=2,hidden=128,heads=4,vocab=256,seq_len=16,experts=4", "--cluster", "cpu"]
 HF_LLAMA = ["--config", "layers=2,hidden=256,heads=8,ffn=512,vocab=256,seq_len=16", "--cluster", "cpu"]
+CP_LLAMA = ["--config", "layers=2,hidden=256,heads=8,kv_heads=4,vocab=256,seq_len=32", "--cluster", "cpu"]
 EXAMPLES = ROOT / "examples"
 
 #: Every plan the verify tests check: (model, planning options, global batch, --fix or None for a free search).
@@ -62,6 +63,13 @@ VERIFIED = {
                                                              "seq_len=16", "--cluster", "cpu"], 8,
                               "pp=2,dp=2,schedule=gpipe,zero=0"),
     "free-search": ("gpt", DEEP, 8, None),
+    # context parallelism: load-balanced sequence slices, K/V all-gathered over cp, RoPE / learned positions
+    "cp2-tp2": ("llama", CP_LLAMA, 8, "cp=2,tp=2,sp=off"),
+    "cp2-dp2-zero3-full": ("llama", CP_LLAMA, 8, "cp=2,dp=2,zero=3,recompute=full"),
+    "cp2-pp2-1f1b": ("llama", ["--config", "layers=4,hidden=256,heads=8,kv_heads=4,vocab=256,seq_len=32",
+                              "--cluster", "cpu"], 8, "cp=2,pp=2,schedule=1f1b"),
+    "gpt-cp2-dp2-op": ("gpt", ["--config", "layers=2,hidden=128,heads=4,vocab=256,seq_len=32", "--cluster", "cpu"], 8,
+                       "cp=2,dp=2,zero=1,recompute=op"),
 }
 
 
@@ -144,6 +152,18 @@ def test_verify_gqa_attention_with_fsdp_and_full_recompute(verified):
     plan, out = _verified(verified, "gqa-fsdp-full-recompute")
     assert plan["parameters"]["blocks.0.attn.k.weight"]["placements"]["tp"] == "S(0)"
     assert out["placements"]["blocks.0.attn.k.weight"] == {"dp": "S(0)", "tp": "S(0)"} and _tp_as_planned(plan, out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["cp2-tp2", "cp2-dp2-zero3-full", "cp2-pp2-1f1b", "gpt-cp2-dp2-op"])
+def test_verify_context_parallel_plans(verified, name):
+    plan, out = _verified(verified, name)
+    assert plan["layout"]["cp"] == 2 and plan["mesh"]["axes"] == ["pp", "dp", "cp", "tp"]
+    assert plan["estimate"]["breakdown"]["cp_comm_s"] > 0
+    if plan["layout"]["tp"] > 1:
+        assert _tp_as_planned(plan, out)
+    if plan["zero"] == 3:  # ZeRO shards over dp x cp: the ranks that hold the same weights
+        assert out["placements"]["blocks.0.attn.q.weight"] == {"dp_cp": "S(0)"}
 
 
 @pytest.mark.slow
@@ -277,10 +297,10 @@ def test_checkpoint_moves_between_plans(tmp_path, capsys):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("model", "config", "fix", "expect"), [
-    ("gpt", DEEP, "pp=2,tp=2,sp=on,schedule=1f1b", ["MESH_SHAPE = (2, 1, 2)", "ColwiseParallel()", "SCHEDULE = '1f1b'",
-                                                     "SequenceParallel(use_local_output=True)"]),
+    ("gpt", DEEP, "pp=2,tp=2,sp=on,schedule=1f1b", ["MESH_SHAPE = (2, 1, 1, 2)", "ColwiseParallel()",
+                                                     "SCHEDULE = '1f1b'", "SequenceParallel(use_local_output=True)"]),
     ("hf_llama", ["--config", "layers=2,hidden=256,heads=8,ffn=512,vocab=256,seq_len=16", "--cluster", "cpu"],
-     "dp=2,tp=2,sp=on,zero=3", ["MESH_SHAPE = (1, 2, 2)", "from autopar.runtime.styles import PrepareActivation",
+     "dp=2,tp=2,sp=on,zero=3", ["MESH_SHAPE = (1, 2, 1, 2)", "from autopar.runtime.styles import PrepareActivation",
                                 "ZERO = 3"]),
 ], ids=["gpt-pp2xtp2-sp", "hf-llama-dp2xtp2-sp-fsdp"])
 def test_generated_script_runs_the_plan(tmp_path, capsys, examples, model, config, fix, expect):
@@ -297,7 +317,8 @@ def test_generated_script_runs_the_plan(tmp_path, capsys, examples, model, confi
     capsys.readouterr()
     script = tmp_path / "train.py"
     text = script.read_text()
-    assert "from autopar.runtime.parallelize import parallelize" in text  # the runtime's code, the plan's literals
+    # the runtime's code, the plan's literals
+    assert "from autopar.runtime.parallelize import MESH_DIMS, context_of, parallelize" in text
     assert all(e in text for e in expect), [e for e in expect if e not in text]
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
                            str(script), "--steps", "3", "--precision", "fp32"], capture_output=True, text=True,

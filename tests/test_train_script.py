@@ -1,4 +1,5 @@
-"""A generated ``train.py`` at a size where memory matters: 355M parameters, ZeRO-3 over 8 CPU ranks."""
+"""Generated ``train.py`` scripts under torchrun: 355M parameters at ZeRO-3 over 8 CPU ranks (where memory
+matters), and context parallelism against one process."""
 
 from __future__ import annotations
 
@@ -40,3 +41,24 @@ def test_zero3_script_holds_a_shard_per_rank(tmp_path, capsys):
     # each rank's AdamW state is 16 B / 8 ranks = 2 B per parameter; one fp32 copy of the weights is 4 B
     assert 2 * params < added < 4 * params, (added / params)
 
+
+
+def _losses(folder: Path, ranks: int) -> list[float]:
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+                           "train.py", "--steps", "3", "--precision", "fp32"], capture_output=True, text=True,
+                          timeout=600, cwd=folder, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return [float(line.split()[3]) for line in proc.stdout.splitlines() if line.startswith("step ")]
+
+
+@pytest.mark.slow
+def test_context_parallel_script_matches_one_process(tmp_path, capsys):
+    model = ["llama", "--config", "layers=2,hidden=128,heads=4,kv_heads=2,vocab=256,seq_len=32", "--cluster", "cpu",
+             "--global-batch", "4", "-q"]
+    assert main(["plan", *model, "--gpus", "2", "--fix", "cp=2", "-o", str(tmp_path / "cp2")]) == 0
+    assert main(["plan", *model, "--gpus", "1", "-o", str(tmp_path / "one")]) == 0
+    capsys.readouterr()
+    assert "MESH_SHAPE = (1, 1, 2, 1)" in (tmp_path / "cp2" / "train.py").read_text()
+    cp2, one = _losses(tmp_path / "cp2", 2), _losses(tmp_path / "one", 1)
+    assert len(cp2) == len(one) == 3
+    assert max(abs(a - b) / b for a, b in zip(cp2, one)) < 1e-5, (cp2, one)

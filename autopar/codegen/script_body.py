@@ -29,7 +29,8 @@ def main():
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     if dist.get_world_size() != math.prod(MESH_SHAPE):
         raise SystemExit(f"this plan needs {math.prod(MESH_SHAPE)} ranks, got {dist.get_world_size()}")
-    mesh = init_device_mesh(device.type, MESH_SHAPE, mesh_dim_names=("pp", "dp", "tp"))
+    mesh = init_device_mesh(device.type, MESH_SHAPE, mesh_dim_names=MESH_DIMS)
+    context = context_of(mesh, SEQ_LEN)  # context parallelism: this rank's slice of every sequence
     module = load_module(MODEL_FILE, EXAMPLE_INPUTS)
     build = lambda: build_from(module, CONFIG, MODEL_FILE)  # noqa: E731
     chunks = list(range(mesh.get_local_rank("pp"), len(STAGE_LAYERS), MESH_SHAPE[0]))
@@ -39,14 +40,14 @@ def main():
     # level; all on the meta device, then this rank's shards are allocated and initialized.
     parts = parallelize(build, mesh, device, args.seed, stage_layers=STAGE_LAYERS, chunks=chunks,
                         container=LAYER_CONTAINER, tp_styles=lambda chunk, part: TP_PLAN.get(chunk, {}),
-                        tied=TIED, recompute=RECOMPUTE, zero=ZERO, precision=args.precision)
+                        tied=TIED, recompute=RECOMPUTE, zero=ZERO, precision=args.precision, context=context)
     config = TrainingConfig(lr=args.lr, warmup_steps=args.warmup_steps,
                             decay_steps=max(1, args.steps - args.warmup_steps), max_grad_norm=args.max_grad_norm,
                             precision=args.precision)
     trainer = Trainer(parts, mesh, loss_fn_of(module), chunks=chunks,
                       num_chunks=len(STAGE_LAYERS), schedule=SCHEDULE, num_microbatches=NUM_MICROBATCHES,
                       micro_batch=MICRO_BATCH, zero=ZERO, tied=TIED, config=config, device=device,
-                      loss_parallel=LOSS_PARALLEL)
+                      loss_parallel=LOSS_PARALLEL, context=context)
     if args.resume:
         checkpoint.load(trainer, args.resume)
 

@@ -41,7 +41,7 @@ from autopar.runtime import checkpoint
 from autopar.runtime.apply import device_for_rank
 from autopar.runtime.data import run_batches
 from autopar.runtime.materialize import build_on_meta
-from autopar.runtime.parallelize import parallelize
+from autopar.runtime.parallelize import MESH_DIMS, context_of, parallelize
 from autopar.runtime.report import StepReport, return_freed_tensors_to_the_os
 from autopar.runtime.training import Trainer, TrainingConfig
 """
@@ -89,7 +89,7 @@ def generate_train_script(plan: Plan, script_name: str = "train.py") -> str:
     specs = check_runnable(plan, model)
     plans = _tp_plans(plan, model, specs)
     shape = run_shape(plan, specs)
-    pp, dp, tp, mbs = shape.pp, shape.dp, shape.tp, shape.micro_batch
+    pp, dp, cp, tp, mbs = shape.pp, shape.dp, shape.cp, shape.tp, shape.micro_batch
     note = ""
     if tp != lay["tp"]:
         note = "# The plan shards no parameter on its tp axis, so that axis runs as data parallelism.\n"
@@ -114,7 +114,7 @@ def generate_train_script(plan: Plan, script_name: str = "train.py") -> str:
         f"CONFIG = {pprint.pformat(plan.model['config'], sort_dicts=True)}\n"
         f"GLOBAL_BATCH = {plan.global_batch}\n"
         f"SEQ_LEN = {plan.seq_len}\n"
-        f"{note}MESH_SHAPE = ({pp}, {dp}, {tp})  # (pp, dp, tp)\n"
+        f"{note}MESH_SHAPE = ({pp}, {dp}, {cp}, {tp})  # (pp, dp, cp, tp): cp ranks share each sequence\n"
         f"MICRO_BATCH = {mbs}  # samples per micro-batch on one data-parallel rank\n"
         f"NUM_MICROBATCHES = {lay['num_microbatches']}\n"
         f"SCHEDULE = {lay['schedule']!r}  # gpipe | 1f1b | interleaved\n"

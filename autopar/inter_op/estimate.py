@@ -21,6 +21,9 @@ which only a framework with TP comm overlap (``Framework.tp_comm_overlap``) hide
   stage's activations times its in-flight micro-batches (``autopar.solvers.pipeline``); per micro-batch
   and stage boundary one transfer each way, on the critical path unless the framework overlaps it.
   Interleaving with ``v`` chunks divides the bubble by ``v``; the layers need not divide ``pp x v``.
+- **context parallelism** (``autopar.inter_op.context_parallel``): a rank does ``1 / cp`` of every unit's
+  token-wise work and attention, and waits for the key/value all-gather and its gradients' reduce-scatter
+  over ``cp`` (``cp_comm_s``); the gradient reduction and ZeRO span ``dp x cp``.
 - **overlap costs**: overlapped communication still slows the compute beside it (``overlap_slowdown``).
 - **optimizer step**: Adam reads and writes 28 bytes per local parameter, memory-bound.
 
@@ -38,6 +41,7 @@ from typing import Any
 from autopar.cluster import AxisLink, Cluster, axis_link
 from autopar.collectives import all_gather_s, all_reduce_s, reduce_scatter_s, send_recv_s
 from autopar.framework import Framework
+from autopar.inter_op.context_parallel import context_parallel_share
 from autopar.inter_op.layout import Layout
 from autopar.inter_op.unit_costs import POST, PRE, UnitCost, unit_sequence
 from autopar.ir import OpGraph
@@ -109,6 +113,8 @@ class _UnitLoad:
     compute_s: float
     tp_s: float
     tp_fwd_s: float  # the forward's share of ``tp_s``
+    cp_s: float  # context parallelism's gather of keys and values and reduce-scatter of their gradients
+    cp_fwd_s: float  # the forward's share of ``cp_s``
     recompute_s: float
     zero3_exposed_s: float
     fwd_s: float
@@ -169,16 +175,27 @@ def layer_recompute(u: UnitCost, mode: str, fw: Framework) -> LayerRecompute:
     return LayerRecompute(0.0, 0.0, u.activation_bytes, 0.0)
 
 
-def _unit_load(u: UnitCost, is_layer: bool, layout: Layout, dp_link: AxisLink, cluster: Cluster,
-               ctx: PassContext) -> _UnitLoad:
+def _recompute_regathers(mode: str, fw: Framework) -> bool:
+    """Whether recomputation ``mode`` re-runs context parallelism's key/value all-gather: it does when it
+    re-runs the attention module's projections (full, or selective as a checkpointed attention module)."""
+    return mode == "full" or (mode == "selective" and fw.selective_recompute == "attention_module")
+
+
+def _unit_load(u: UnitCost, is_layer: bool, layout: Layout, dp_link: AxisLink, cp_link: AxisLink,
+               cluster: Cluster, ctx: PassContext) -> _UnitLoad:
     fw, pol = ctx.framework, ctx.precision
     compute = u.fwd_s + u.bwd_s
     tp = u.tp_fwd_s + u.tp_bwd_s
     tp_exposed = _exposed(tp, compute, cluster) if fw.tp_comm_overlap and layout.sp else tp
-    rc = layer_recompute(u, layout.recompute if is_layer else "none", fw)
+    mode = layout.recompute if is_layer else "none"
+    rc = layer_recompute(u, mode, fw)
     act, recompute = rc.saved_bytes, rc.time_s
     extra = max(u.transient_bytes, rc.transient_bytes, u.forward_transient_bytes)
-    dp, z = layout.dp, layout.zero
+    cp_fwd = all_gather_s(u.attention_kv_bytes, cp_link)
+    cp = cp_fwd + reduce_scatter_s(u.attention_kv_bytes, cp_link)
+    if _recompute_regathers(mode, fw):
+        recompute += cp_fwd
+    dp, z = layout.replicas, layout.zero
     state = ctx.state_bytes(u.params_local, dp, z) + ctx.held_bytes(u.params_local, dp, z, layout.pp,
                                                                      layout.num_microbatches)
     zero3 = gathered_bytes = 0.0
@@ -196,10 +213,10 @@ def _unit_load(u: UnitCost, is_layer: bool, layout: Layout, dp_link: AxisLink, c
         # the gathered weights of this unit and the prefetched next one, and one unsharded gradient
         gathered_bytes = 2 * gathered * pol.weight_bytes + gathered * fw.grad_reduce_bytes
         extra += gathered_bytes
-    time = compute + tp_exposed + recompute + zero3
+    time = compute + tp_exposed + cp + recompute + zero3
     tp_fwd = tp_exposed * u.tp_fwd_s / tp if tp > 0 else 0.0
-    return _UnitLoad(time, compute, tp_exposed, tp_fwd, recompute, zero3, u.fwd_s, u.bwd_s, state, act, extra,
-                     gathered_bytes)
+    return _UnitLoad(time, compute, tp_exposed, tp_fwd, cp, cp_fwd, recompute, zero3, u.fwd_s, u.bwd_s, state, act,
+                     extra, gathered_bytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,7 +245,7 @@ def _dp_sync_exposed(local_params: float, bwd_window_s: float, fwd_window_s: flo
                      dp_link: AxisLink, cluster: Cluster, ctx: PassContext) -> float:
     """ZeRO 0-2: the gradient reduction (and weight gather) that compute does not hide.  ``bwd_window_s`` and
     ``fwd_window_s``: one micro-batch's backward and forward."""
-    if layout.dp <= 1 or layout.zero >= 3 or local_params <= 0:
+    if layout.replicas <= 1 or layout.zero >= 3 or local_params <= 0:
         return 0.0
     fw = ctx.framework
     reduce = all_reduce_s if layout.zero == 0 or fw.sharded_grad_reduce == "all_reduce" else reduce_scatter_s
@@ -283,17 +300,21 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
     soon as a perfectly balanced pipeline of these units would already be slower (the search's cut-off)."""
     keys = unit_sequence(graph)
     p, m, v = layout.pp, layout.num_microbatches, layout.v
-    dp_link = _axis_link(cluster, layout.dp, layout.tp)
+    if layout.cp > 1:
+        costs = {k: context_parallel_share(u, layout.cp) for k, u in costs.items()}
+    dp_link = _axis_link(cluster, layout.replicas, layout.tp)  # mesh (pp, dp, cp, tp): dp x cp is contiguous
+    cp_link = _axis_link(cluster, layout.cp, layout.tp)
     tp_link = _axis_link(cluster, layout.tp, 1)
-    pp_link = _axis_link(cluster, p, layout.dp * layout.tp)
-    by_key = {k: _unit_load(costs[k], k not in (PRE, POST), layout, dp_link, cluster, ctx) for k in dict.fromkeys(keys)}
+    pp_link = _axis_link(cluster, p, layout.replicas * layout.tp)
+    by_key = {k: _unit_load(costs[k], k not in (PRE, POST), layout, dp_link, cp_link, cluster, ctx)
+              for k in dict.fromkeys(keys)}
     loads = [by_key[k] for k in keys]
     if prune_above_s is not None and m * sum(x.time_s for x in loads) / p >= prune_above_s:
         return None
     in_flight = [in_flight_microbatches(layout.schedule, i, p, m, v) for i in range(p)]
     tied = _tied_params(costs) if p == 1 else 0.0  # one stage holds both ends: count the shared ones once
-    tie_state = ctx.state_bytes(tied, layout.dp, layout.zero)
-    tie_bytes = tie_state + ctx.held_bytes(tied, layout.dp, layout.zero, p, m)
+    tie_state = ctx.state_bytes(tied, layout.replicas, layout.zero)
+    tie_bytes = tie_state + ctx.held_bytes(tied, layout.replicas, layout.zero, p, m)
     uniform = ctx.framework.pipeline_split == "uniform"
     split = _split(keys, by_key, loads, in_flight, memory_budget_bytes + tie_bytes, uniform)
     fits = split is not None
@@ -324,34 +345,39 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
         dp_exposed = max(dp_exposed, _dp_sync_exposed(local, sum(x.bwd_s for x in units), sum(x.fwd_s for x in units),
                                                       layout, dp_link, cluster, ctx))
         per_stage.append({"compute": sum(x.compute_s for x in units), "accumulate": accumulate,
-                          "tp": sum(x.tp_s for x in units),
+                          "tp": sum(x.tp_s for x in units), "cp": sum(x.cp_s for x in units),
                           "recompute": sum(x.recompute_s for x in units), "p2p": p2p_cost,
                           "zero3": sum(x.zero3_exposed_s for x in units), "local": local})
         layer_idx = [i - 1 for i in range(a, b) if 0 < i < len(keys) - 1]
         layers = (layer_idx[0], layer_idx[-1] + 1) if layer_idx else (0, 0)
-        state = ctx.state_bytes(local, layout.dp, layout.zero) - tie_state
+        state = ctx.state_bytes(local, layout.replicas, layout.zero) - tie_state
         memory = split.stage_memory_bytes[k] - tie_bytes
         held = sum(x.state_bytes for x in units) - tie_bytes  # the state and the copies held through the step
         gathered = max(x.gathered_bytes for x in units)
         tp_fwd = sum(x.tp_fwd_s for x in units)
         tp_bwd = sum(x.tp_s for x in units) - tp_fwd
         zero3 = sum(x.zero3_exposed_s for x in units)
-        parts = {"forward_s": sum(x.fwd_s for x in units) + tp_fwd, "recompute_s": sum(x.recompute_s for x in units),
-                 "backward_s": sum(x.bwd_s for x in units) + tp_bwd + zero3, "p2p_s": p2p_cost,
-                 "tp_forward_s": tp_fwd, "tp_backward_s": tp_bwd, "zero3_s": zero3}
+        cp_fwd = sum(x.cp_fwd_s for x in units)
+        cp_bwd = sum(x.cp_s for x in units) - cp_fwd
+        parts = {"forward_s": sum(x.fwd_s for x in units) + tp_fwd + cp_fwd,
+                 "recompute_s": sum(x.recompute_s for x in units),
+                 "backward_s": sum(x.bwd_s for x in units) + tp_bwd + cp_bwd + zero3, "p2p_s": p2p_cost,
+                 "tp_forward_s": tp_fwd, "tp_backward_s": tp_bwd, "cp_forward_s": cp_fwd, "cp_backward_s": cp_bwd,
+                 "zero3_s": zero3}
         stages.append(StageEstimate(k, (a, b), layers, t, memory, state, memory - held - gathered, gathered,
                                     tp_bytes(costs, keys[a:b], layout), _summed(costs[key].tp_sync_bytes
                                                                                 for key in keys[a:b]), parts))
     bottleneck = max(range(p), key=lambda k: stage_times[k])
     bn = per_stage[bottleneck]
     accumulation_s = max(s["accumulate"] for s in per_stage)
-    local_opt = max(s["local"] for s in per_stage) / (layout.dp if layout.zero >= 1 else 1)
+    local_opt = max(s["local"] for s in per_stage) / (layout.replicas if layout.zero >= 1 else 1)
     optimizer_s = memory_s(cluster, local_opt * ADAM_BYTES_PER_PARAM)
     tp_sync = max(sum(costs[key].tp_sync_s for key in keys[s.units[0]:s.units[1]]) for s in stages)
     bubble = _bubble_s(stages, stage_times, layout)
     breakdown = {
         "compute_s": m * bn["compute"] + optimizer_s + accumulation_s,
         "tp_comm_s": m * bn["tp"] + tp_sync,
+        "cp_comm_s": m * bn["cp"],
         "recompute_s": m * bn["recompute"],
         "pp_p2p_s": m * bn["p2p"],
         "pp_bubble_s": bubble,
@@ -401,7 +427,7 @@ def _grad_accumulation_s(local_params: float, layout: Layout, cluster: Cluster, 
     if layout.num_microbatches <= 1 or fw.grad_accumulation_fused:
         return 0.0
     whole = layout.pp > 1 and fw.state_layout == "fsdp2"
-    shard = layout.dp if layout.zero >= 2 and layout.dp > 1 and not whole else 1
+    shard = layout.replicas if layout.zero >= 2 and layout.replicas > 1 and not whole else 1
     return (layout.num_microbatches - 1) * memory_s(cluster, 3 * local_params * fw.main_grad_bytes / shard)
 
 

@@ -2,8 +2,10 @@
 
 Search space (each key can be pinned with ``fixed``):
 
-- mesh ``pp x dp x tp = N``; ``tp`` inside a node (a pinned ``tp`` may cross nodes) and dividing the
-  attention heads; ``pp`` at most the number of layers;
+- mesh ``pp x dp x cp x tp = N``; ``tp`` inside a node (a pinned ``tp`` may cross nodes) and dividing the
+  attention heads; ``cp`` cutting the sequence into ``2 * cp`` equal chunks, where the framework has context
+  parallelism, of at least ``MIN_CP_TOKENS`` tokens per rank unless pinned; ``pp`` at most the number of
+  layers;
 - micro-batch size ``mbs`` (divisors of ``global_batch / dp`` up to 16) and so ``m = B / (dp * mbs)``;
 - schedule: GPipe, 1F1B (``m >= pp``, as ``Schedule1F1B`` requires), interleaved 1F1B with ``v`` in
   {2, 4, 8} (any ``v`` when pinned) wherever ``ScheduleInterleaved1F1B`` accepts it (``m`` a multiple of
@@ -39,6 +41,11 @@ from autopar.passes.context import PassContext
 from autopar.solvers.ilp import Backend
 
 MAX_MBS = 16
+#: A bound on the search space, not physics: context parallelism is offered unpinned only while every rank
+#: keeps this many tokens of a sample.  Below it a rank's GEMMs shrink toward sizes where kernels lose
+#: efficiency and per-op launches stop being small, which the cp model (dividing the costed work by cp)
+#: does not see.  A pinned cp may go below it.
+MIN_CP_TOKENS = 1024
 #: The ILP picks strategies at these micro-batch sizes; other sizes reuse the nearest (in log scale) and
 #: only re-cost it.  The choice between sharding weights and activations moves with the batch slowly.
 REFERENCE_MBS = (1, 4, 16)
@@ -161,14 +168,17 @@ def check_fixed(graph: OpGraph, cluster: Cluster, global_batch: int, fixed: dict
         bad = [h for h in attention_heads(graph) if h % fixed["tp"]]
         if bad:
             raise AutoparError(f"--fix tp={fixed['tp']} does not divide the {bad[0]} attention heads")
-    for key in ("dp", "tp", "pp"):
+    for key in ("dp", "tp", "pp", "cp"):
         if key in fixed and n % fixed[key]:
             raise AutoparError(f"--fix {key}={fixed[key]} does not divide the {n} devices")
+    if fixed.get("cp", 1) > 1 and graph.seq_len % (2 * fixed["cp"]):
+        raise AutoparError(f"--fix cp={fixed['cp']} needs the sequence ({graph.seq_len} tokens) to split into "
+                           f"2 * cp = {2 * fixed['cp']} equal chunks")
     if "pp" in fixed and fixed["pp"] > max(1, len(graph.layers)):
         raise AutoparError(f"--fix pp={fixed['pp']} exceeds the {len(graph.layers)} layers")
-    if all(k in fixed for k in ("dp", "tp", "pp")) and fixed["dp"] * fixed["tp"] * fixed["pp"] != n:
-        raise AutoparError(f"--fix dp*tp*pp = {fixed['dp'] * fixed['tp'] * fixed['pp']} but the cluster has {n}"
-                           " devices")
+    product = fixed.get("dp", 0) * fixed.get("tp", 0) * fixed.get("pp", 0) * fixed.get("cp", 1)
+    if all(k in fixed for k in ("dp", "tp", "pp")) and product != n:
+        raise AutoparError(f"--fix dp*cp*tp*pp = {product} but the cluster has {n} devices")
     if "dp" in fixed and global_batch % fixed["dp"]:
         raise AutoparError(f"global batch {global_batch} is not divisible by dp={fixed['dp']}")
     if "dp" in fixed and "mbs" in fixed and global_batch % (fixed["dp"] * fixed["mbs"]):
@@ -198,26 +208,37 @@ def layouts(graph: OpGraph, cluster: Cluster, global_batch: int, fixed: dict[str
     def allowed(key: str, values: list[Any]) -> list[Any]:
         return [fixed[key]] if key in fixed else values
 
+    seq = graph.seq_len
+    cps = [d for d in divisors(n) if seq % (2 * d) == 0 and seq // d >= MIN_CP_TOKENS] if fw.context_parallel else []
     for tp in allowed("tp", [d for d in divisors(n) if d <= cluster.gpus_per_node]):
         if any(h % tp for h in heads):
             continue
-        for pp in allowed("pp", [d for d in divisors(n // tp) if d <= layers]):
-            if (n // tp) % pp:
+        for cp in allowed("cp", [1] + [d for d in cps if d > 1 and (n // tp) % d == 0]):
+            if (n // tp) % cp:
                 continue
-            dp = n // (tp * pp)
-            if ("dp" in fixed and fixed["dp"] != dp) or global_batch % dp:
+            yield from _layouts_at(n // (tp * cp), tp, cp, layers, global_batch, fixed, fw, allowed)
+
+
+def _layouts_at(rest: int, tp: int, cp: int, layers: int, global_batch: int, fixed: dict[str, Any], fw: Framework,
+                allowed: Callable[[str, list[Any]], list[Any]]) -> Iterator[Layout]:
+    """The layouts with ``tp`` and ``cp`` set, over ``rest`` devices for ``pp x dp``."""
+    for pp in allowed("pp", [d for d in divisors(rest) if d <= layers]):
+        if rest % pp:
+            continue
+        dp = rest // pp
+        if ("dp" in fixed and fixed["dp"] != dp) or global_batch % dp:
+            continue
+        for mbs in allowed("mbs", [d for d in divisors(global_batch // dp) if d <= MAX_MBS]):
+            if global_batch % (dp * mbs):
                 continue
-            for mbs in allowed("mbs", [d for d in divisors(global_batch // dp) if d <= MAX_MBS]):
-                if global_batch % (dp * mbs):
-                    continue
-                m = global_batch // (dp * mbs)
-                for sp in allowed("sp", [False, True] if tp > 1 and fw.sequence_parallel else [False]):
-                    for schedule, v in _schedules(pp, m, layers, fixed, fw):
-                        for recompute in allowed("recompute", list(RECOMPUTE)):
-                            zeros = [z for z in (0, 1, 2, 3) if fw.zero_allowed(z, pp)] if dp > 1 else [0]
-                            for zero in allowed("zero", zeros):
-                                yield Layout(dp=dp, tp=tp, pp=pp, mbs=mbs, num_microbatches=m, schedule=schedule,
-                                             v=v, recompute=recompute, sp=sp, zero=zero)
+            m = global_batch // (dp * mbs)
+            for sp in allowed("sp", [False, True] if tp > 1 and fw.sequence_parallel else [False]):
+                for schedule, v in _schedules(pp, m, layers, fixed, fw):
+                    for recompute in allowed("recompute", list(RECOMPUTE)):
+                        zeros = [z for z in (0, 1, 2, 3) if fw.zero_allowed(z, pp)] if dp > 1 else [0]
+                        for zero in allowed("zero", zeros):
+                            yield Layout(dp=dp, tp=tp, pp=pp, mbs=mbs, num_microbatches=m, schedule=schedule,
+                                         v=v, recompute=recompute, sp=sp, zero=zero, cp=cp)
 
 
 INTERLEAVE_V = (2, 4, 8)
@@ -269,7 +290,7 @@ def _lower_bound(costs: dict[str, UnitCost], sequence: list[str], layout: Layout
         counts[k] = counts.get(k, 0) + 1
     total = sum(n * (costs[k].fwd_s + costs[k].bwd_s + (0.0 if hidden_tp else costs[k].tp_fwd_s + costs[k].tp_bwd_s))
                 for k, n in counts.items())
-    return layout.num_microbatches * total / layout.pp
+    return layout.num_microbatches * total / (layout.pp * layout.cp)
 
 
 def search(graph: OpGraph, cluster: Cluster, ctx: PassContext, global_batch: int, fixed: dict[str, Any],
@@ -318,7 +339,7 @@ def search(graph: OpGraph, cluster: Cluster, ctx: PassContext, global_batch: int
 
 
 def _layout_key(layout: Layout) -> tuple:
-    return (layout.dp, layout.tp, layout.pp, layout.mbs, layout.num_microbatches, layout.schedule, layout.v,
+    return (layout.dp, layout.tp, layout.cp, layout.pp, layout.mbs, layout.num_microbatches, layout.schedule, layout.v,
             layout.recompute, layout.sp, layout.zero)
 
 

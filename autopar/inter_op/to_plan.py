@@ -13,7 +13,7 @@ from autopar.modelfile import ZOO, locate
 from autopar.passes.context import PassContext
 from autopar.plan_file import Plan, model_fingerprint
 
-MESH_AXES = ("pp", "dp", "tp")
+MESH_AXES = ("pp", "dp", "cp", "tp")
 
 
 def interleaved_chunks(layers_per_stage: list[int], v: int) -> list[tuple[int, int]]:
@@ -79,11 +79,12 @@ def build_plan(*, graph: OpGraph, model_ref: str, config: dict[str, Any], cluste
     stages_of = _param_stages(graph, estimate)
     parameters = {}
     for fqn, p in sorted(graph.params.items()):
-        placements = {"dp": "S(0)" if lay.zero >= 3 and lay.dp > 1 else R, "tp": tp_place.get(fqn, R)}
+        # ZeRO shards over dp x cp (the ranks that hold the same weights); the plan names it on dp
+        placements = {"dp": "S(0)" if lay.zero >= 3 and lay.replicas > 1 else R, "tp": tp_place.get(fqn, R)}
         parameters[fqn] = {"shape": list(p.shape), "dtype": p.dtype, "stage": stages_of.get(fqn, 0),
                            "placements": placements, "aliases": list(p.aliases)}
     keys = unit_sequence(graph)
-    per_stage = lay.dp * lay.tp
+    per_stage = lay.dp * lay.cp * lay.tp
     chunks = _chunks_of(estimate)
     stages = []
     for s in estimate.stages:
@@ -123,7 +124,7 @@ def build_plan(*, graph: OpGraph, model_ref: str, config: dict[str, Any], cluste
         model["example_inputs"] = example_inputs
     return Plan(
         model=model, cluster=cluster.to_dict(), global_batch=global_batch, seq_len=graph.seq_len,
-        mesh={"axes": list(MESH_AXES), "shape": [lay.pp, lay.dp, lay.tp]}, layout=lay.to_dict(),
+        mesh={"axes": list(MESH_AXES), "shape": [lay.pp, lay.dp, lay.cp, lay.tp]}, layout=lay.to_dict(),
         stages=stages, schedule={"name": lay.schedule, "virtual_stages": lay.v,
                                  "num_microbatches": lay.num_microbatches, "chunks": [list(c) for c in chunks]},
         zero=lay.zero, parameters=parameters, op_strategies=ops,

@@ -29,7 +29,7 @@ from autopar.intra_op.sharding_costs import (
     shard_factor,
 )
 from autopar.intra_op.strategies import AxisStrategy, R, Strategy, tensor_refs
-from autopar.ir import OpGraph, Ref, TensorInfo
+from autopar.ir import Node, OpGraph, Ref, TensorInfo
 from autopar.passes.activations import storage_key
 from autopar.passes.context import PassContext
 from autopar.passes.traffic import FP32_BYTES, LOSS_OPS
@@ -71,6 +71,8 @@ class UnitCost:
     forward_transient_bytes: float = 0.0  # the most its forward holds at once beside what it saves
     param_modules: int = 0  # modules holding parameters (one ZeRO-3 collective each for per-module runtimes)
     largest_module_params: float = 0.0  # elements one device holds of the largest of them
+    attention_kv_bytes: float = 0.0  # the keys and values attention reads, on one device: what context
+    # parallelism gathers over its ranks (and reduce-scatters the gradients of)
     params_local: float = field(init=False)  # elements one device holds of all of them (read per layout)
 
     def __post_init__(self) -> None:
@@ -310,7 +312,7 @@ def _unit_cost(graph: OpGraph, names: list[str], strategies: dict[str, Strategy]
     act = 0.0
     input_bytes = 0.0
     params: dict[str, float] = {}
-    fwd_flops = attn_flops = 0.0
+    fwd_flops = attn_flops = kv_bytes = 0.0
     seen: set[str] = set()
     for i, name in enumerate(names):
         node = graph[name]
@@ -323,6 +325,7 @@ def _unit_cost(graph: OpGraph, names: list[str], strategies: dict[str, Strategy]
         if node.op in ATTENTION_OPS:
             attn_s += f
             attn_flops += flops
+            kv_bytes += sum(_input_bytes(graph, node, strat, mesh, mbs, ctx, k) for k in (1, 2))
         if node.op in PRODUCT_OPS and node.annotations["flops"].fwd > 0:
             products += 1
         if reruns:
@@ -383,7 +386,18 @@ def _unit_cost(graph: OpGraph, names: list[str], strategies: dict[str, Strategy]
                     full_recompute_s=full_recompute, full_recompute_flops=full_recompute_flops,
                     op_recompute_s=op_recompute, op_saved_bytes=input_bytes + op_saved,
                     op_recompute_flops=op_recompute_flops, transient_bytes=transient, param_modules=len(modules),
-                    largest_module_params=max(modules.values(), default=0.0))
+                    largest_module_params=max(modules.values(), default=0.0), attention_kv_bytes=kv_bytes)
+
+
+def _input_bytes(graph: OpGraph, node: Node, strat: Strategy, mesh: MeshSpec, mbs: int, ctx: PassContext,
+                 k: int) -> float:
+    """Bytes of input ``k`` of ``node`` on one device, as the op reads it under ``strat``."""
+    refs = tensor_refs(node)
+    t = graph.tensor(refs[k]) if k < len(refs) else None
+    if t is None:
+        return 0.0
+    return (t.numel_at(mbs) * graph.width(t, ctx.precision.activation_bytes)
+            / shard_factor(tuple(ax.inputs[k] for ax in strat), mesh))
 
 
 __all__ = ["POST", "PRE", "UnitCost", "solve_tp", "unit_costs", "unit_sequence"]

@@ -9,7 +9,10 @@ the plan holds; generated ``train.py`` scripts call the same steps with the same
   placements (``autopar.runtime.tensor_parallel``); a plan that keeps every parameter replicated on
   ``tp`` uses that axis for the batch, and runs it as data parallelism;
 - activation checkpointing per the plan's recompute mode;
-- data parallelism on ``dp`` at the plan's ZeRO level (``autopar.runtime.parallelize.apply_dp``);
+- data parallelism on ``dp`` (and ``cp``, whose ranks hold the same weights) at the plan's ZeRO level
+  (``autopar.runtime.parallelize.apply_dp``);
+- context parallelism on ``cp``: each rank a load-balanced slice of every sequence
+  (``autopar.runtime.context_parallel``);
 - gradient accumulation over the plan's micro-batches, AdamW and bf16 mixed precision
   (``autopar.runtime.training``).
 """
@@ -29,7 +32,7 @@ from autopar import modelfile
 from autopar.errors import AutoparError
 from autopar.plan_file import Plan
 from autopar.runtime.materialize import build_on_meta
-from autopar.runtime.parallelize import parallelize
+from autopar.runtime.parallelize import MESH_DIMS, context_of, parallelize
 from autopar.runtime.pipeline import tied_pairs
 from autopar.runtime.stages import stage_layer_ranges
 from autopar.runtime.styles import StyleSpec
@@ -43,8 +46,14 @@ class RunShape:
 
     pp: int
     dp: int
+    cp: int
     tp: int
     micro_batch: int
+
+    @property
+    def dims(self) -> tuple[int, int, int, int]:
+        """The device mesh's shape over ``MESH_DIMS`` (pp, dp, cp, tp)."""
+        return (self.pp, self.dp, self.cp, self.tp)
 
 
 def run_shape(plan: Plan, tp_specs: dict[str, StyleSpec] | None) -> RunShape:
@@ -54,7 +63,7 @@ def run_shape(plan: Plan, tp_specs: dict[str, StyleSpec] | None) -> RunShape:
     pp, dp, tp, mbs = lay["pp"], lay["dp"], lay["tp"], lay["mbs"]
     if tp > 1 and tp_specs is None:
         dp, tp, mbs = dp * tp, 1, mbs // tp
-    return RunShape(pp, dp, tp, mbs)
+    return RunShape(pp, dp, lay.get("cp", 1), tp, mbs)
 
 
 def _check_launch(plan: Plan, model: nn.Module) -> None:
@@ -101,7 +110,7 @@ def apply(plan: Plan, loss_fn: Callable[..., torch.Tensor] | None = None, *,
     ``build`` makes the model (default: the plan's model file and config); it is called on the meta device,
     once per pipeline chunk and once for the whole model (checked against the plan, and the recipe of the
     initial weights of ``seed``), so no rank allocates more than its own shards.  ``loss_fn`` defaults to
-    the model file's.  ``mesh``: a ``(pp, dp, tp)`` device mesh of the plan's shape to use instead of
+    the model file's.  ``mesh``: a ``(pp, dp, cp, tp)`` device mesh of the plan's shape to use instead of
     building one.  ``device``: where this rank's shards
     live (default: its GPU, else the CPU; ``meta`` lays out the shards without allocating or initializing
     them, to check what a rank would hold).
@@ -117,16 +126,17 @@ def apply(plan: Plan, loss_fn: Callable[..., torch.Tensor] | None = None, *,
     specs = tp_style_specs(plan, whole.model) if plan.layout["tp"] > 1 else None
     shape = run_shape(plan, specs)
     device = device or device_for_rank()
-    dims = (shape.pp, shape.dp, shape.tp)
+    dims = shape.dims
     if mesh is None:
         try:
-            mesh = init_device_mesh(device.type, dims, mesh_dim_names=("pp", "dp", "tp"))
+            mesh = init_device_mesh(device.type, dims, mesh_dim_names=MESH_DIMS)
         except (RuntimeError, ValueError) as exc:
-            raise AutoparError(f"the device mesh (pp, dp, tp) = {dims} cannot be built: "
+            raise AutoparError(f"the device mesh (pp, dp, cp, tp) = {dims} cannot be built: "
                                f"{str(exc).splitlines()[0]}") from exc
-    elif tuple(mesh.mesh.shape) != dims or mesh.mesh_dim_names != ("pp", "dp", "tp"):
+    elif tuple(mesh.mesh.shape) != dims or mesh.mesh_dim_names != MESH_DIMS:
         raise AutoparError(f"the given device mesh is {tuple(mesh.mesh.shape)} over {mesh.mesh_dim_names}; the "
-                           f"plan runs on (pp, dp, tp) = {dims}")
+                           f"plan runs on (pp, dp, cp, tp) = {dims}")
+    context = context_of(mesh, plan.seq_len)
     ranges = [tuple(r) for r in stage_layer_ranges(plan)]
     pp_rank = mesh.get_local_rank("pp")
     chunks = list(range(pp_rank, len(ranges), shape.pp)) if shape.pp > 1 else [0]
@@ -135,8 +145,8 @@ def apply(plan: Plan, loss_fn: Callable[..., torch.Tensor] | None = None, *,
                         container=plan.model.get("layer_container"),
                         tp_styles=lambda chunk, part: tp_styles(plan, part) or {}, tied=tied,
                         recompute=plan.layout["recompute"], zero=plan.zero, precision=config.precision,
-                        reference=whole)
+                        reference=whole, context=context)
     sharded_loss = shape.tp > 1 and runs_loss_parallel(specs)
     return Trainer(parts, mesh, loss_fn, chunks=chunks, num_chunks=len(ranges), schedule=plan.layout["schedule"],
                    num_microbatches=plan.layout["num_microbatches"], micro_batch=shape.micro_batch, zero=plan.zero,
-                   tied=tied, config=config, device=device, loss_parallel=sharded_loss)
+                   tied=tied, config=config, device=device, loss_parallel=sharded_loss, context=context)

@@ -1,4 +1,6 @@
-"""The four steps that lay a plan onto a model, in torchtitan's order: pipeline split, TP, AC, data parallelism.
+"""The steps that lay a plan onto a model, in torchtitan's order: pipeline split, TP, AC, data parallelism
+(over ``dp x cp``: context-parallel ranks hold the same weights), then this rank's position tables under
+context parallelism (``autopar.runtime.context_parallel``).
 
 Both ``autopar.runtime.apply`` and generated ``train.py`` scripts call these; the scripts pass the plan's
 choices as the literals they print.  Each function works on a meta-device model (``autopar.runtime.
@@ -38,6 +40,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from autopar.runtime.context_parallel import ContextParallel, shard_sequence_buffers
 from autopar.runtime.materialize import MetaModel, build_on_meta, materialize
 from autopar.runtime.recompute import apply_recompute
 from autopar.runtime.stages import prune
@@ -128,16 +131,35 @@ def set_micro_batch(modules: Iterable[nn.Module], zero: int, last: bool) -> None
             module.set_is_last_backward(last)
 
 
+MESH_DIMS = ("pp", "dp", "cp", "tp")
+
+
+def replica_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The ranks holding the same weights: ``dp``, flattened with ``cp`` when there is context parallelism
+    (its gradients are reduced, and ZeRO shards, over both; torchtitan's ``dp_shard_cp``)."""
+    if mesh["cp"].size() == 1:
+        return mesh["dp"]
+    return mesh["dp", "cp"]._flatten("dp_cp")
+
+
+def context_of(mesh: DeviceMesh, seq_len: int) -> ContextParallel | None:
+    """This rank's context-parallel group on ``mesh``, ``None`` without context parallelism."""
+    if mesh["cp"].size() == 1:
+        return None
+    return ContextParallel(mesh["cp"].get_group(), mesh["cp"].size(), mesh.get_local_rank("cp"), seq_len)
+
+
 def parallelize(build: Callable[[], nn.Module], mesh: DeviceMesh, device: torch.device, seed: int, *,
                 stage_layers: list[tuple[int, int]], chunks: list[int], container: str | None,
                 tp_styles: Callable[[int, nn.Module], Mapping[str, ParallelStyle]], tied: list[tuple[str, str]],
-                recompute: str, zero: int, precision: str, reference: MetaModel | None = None) -> list[nn.Module]:
+                recompute: str, zero: int, precision: str, reference: MetaModel | None = None,
+                context: ContextParallel | None = None) -> list[nn.Module]:
     """This rank's parts of the model (one per pipeline chunk it runs), split, tensor-parallel, checkpointed,
     data-parallel and only then allocated on ``device`` with the weights of ``seed``.
 
     ``tp_styles(chunk, module)`` gives the ``parallelize_module`` styles of a chunk.  ``reference``: the
     whole model on the meta device, if the caller has built one already (it is never sharded: the recipe of
-    every parameter and buffer).
+    every parameter and buffer).  ``context``: this rank's context-parallel group (``context_of``).
     """
     reference = reference or build_on_meta(build)
     if mesh["pp"].size() > 1:
@@ -145,15 +167,18 @@ def parallelize(build: Callable[[], nn.Module], mesh: DeviceMesh, device: torch.
     else:
         parts = [build_on_meta(build).model]
     aliases = {alias: src for src, alias in tied}
+    dp_mesh = replica_mesh(mesh)
     for chunk, part in zip(chunks, parts):
         if mesh["tp"].size() > 1:
             apply_tp(part, mesh["tp"], tp_styles(chunk, part), tied)
         apply_ac(part, container, recompute)
-        apply_dp(part, mesh["dp"], container, zero, precision)
+        apply_dp(part, dp_mesh, container, zero, precision)
         materialize(part, reference, device, seed, aliases)
+        if context is not None:
+            shard_sequence_buffers(part, context)
         part.train()
     return parts
 
 
-__all__ = ["apply_ac", "apply_dp", "apply_pp", "apply_tp", "mixed_precision",
-           "parallelize", "set_micro_batch"]
+__all__ = ["MESH_DIMS", "apply_ac", "apply_dp", "apply_pp", "apply_tp", "context_of", "mixed_precision",
+           "parallelize", "replica_mesh", "set_micro_batch"]

@@ -63,16 +63,18 @@ class PipelineRunner:
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         return [(clean_fqn(n), p) for m in self.modules for n, p in m.named_parameters()]
 
-    def step(self, local_inputs: list[torch.Tensor]) -> torch.Tensor:
-        """Run the schedule on this dp rank's batch; returns the mean loss (on every pipeline rank)."""
+    def step(self, local_inputs: list[torch.Tensor], target: torch.Tensor | None = None) -> torch.Tensor:
+        """Run the schedule on this dp rank's batch; returns the mean loss (on every pipeline rank).
+        ``target``: what the loss reads beside the output (default: the token ids)."""
         ids = local_inputs[0]
+        target = ids if target is None else target
         losses: list[torch.Tensor] = []
         if self.has_first and self.has_last:
-            self.schedule.step(ids, target=ids, losses=losses)
+            self.schedule.step(ids, target=target, losses=losses)
         elif self.has_first:
             self.schedule.step(ids)
         elif self.has_last:
-            self.schedule.step(target=ids, losses=losses)
+            self.schedule.step(target=target, losses=losses)
         else:
             self.schedule.step()
         losses = [x.full_tensor() if hasattr(x, "full_tensor") else x for x in losses]  # under loss_parallel

@@ -7,10 +7,15 @@
   kept, except every second one, and so are attention's; everything else is recomputed.  This is what the
   cost model prices as ``recompute=op`` (``autopar.inter_op.unit_costs``).
 
-Which children and products each mode keeps is ``autopar.recompute_policy``'s.
+Which children and products each mode keeps is ``autopar.recompute_policy``'s.  Every recomputation
+runs in ``autopar.runtime.context_parallel.recompute_context``: under context parallelism, attention is
+recomputed over the whole sequence's keys and values, as it ran in forward.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -18,6 +23,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from autopar.recompute_policy import is_attention_module, product_is_saved
+from autopar.runtime.context_parallel import recompute_context
 
 
 def _saved_by_op_checkpointing() -> tuple[set, set]:
@@ -43,7 +49,23 @@ def op_checkpoint_context():
             return CheckpointPolicy.MUST_SAVE if product_is_saved(counts[key]) else CheckpointPolicy.PREFER_RECOMPUTE
         return CheckpointPolicy.MUST_SAVE if func in attention else CheckpointPolicy.PREFER_RECOMPUTE
 
-    return create_selective_checkpoint_contexts(policy)
+    forward, recompute = create_selective_checkpoint_contexts(policy)
+    return forward, _both(recompute, recompute_context())
+
+
+@contextlib.contextmanager
+def _both(first: contextlib.AbstractContextManager, second: contextlib.AbstractContextManager) -> Iterator[None]:
+    with first, second:
+        yield
+
+
+def _contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """Forward as it is; recomputation in the context-parallel attention when there is one."""
+    return contextlib.nullcontext(), recompute_context()
+
+
+def _checkpointed(module: nn.Module) -> nn.Module:
+    return checkpoint_wrapper(module, context_fn=_contexts)
 
 
 def _op_checkpointed(block: nn.Module) -> nn.Module:
@@ -57,13 +79,13 @@ def apply_recompute(module: nn.Module, container: str | None, mode: str) -> None
     blocks = module.get_submodule(container)
     for key, block in list(blocks.named_children()):
         if mode == "full":
-            blocks.register_module(key, checkpoint_wrapper(block))
+            blocks.register_module(key, _checkpointed(block))
         elif mode == "op":
             blocks.register_module(key, _op_checkpointed(block))
         else:  # selective: the attention of every block
             for name, child in list(block.named_children()):
                 if is_attention_module(name, type(child).__name__):
-                    block.register_module(name, checkpoint_wrapper(child))
+                    block.register_module(name, _checkpointed(child))
 
 
 __all__ = ["apply_recompute", "op_checkpoint_context"]

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from autopar import modelfile
+from autopar.errors import AutoparError
 from autopar.plan_file import Plan
 from autopar.runtime.stages import check_splittable
 from autopar.runtime.tensor_parallel import StyleSpec, tp_style_specs
@@ -23,4 +24,19 @@ def check_runnable(plan: Plan, model: nn.Module) -> dict[str, StyleSpec] | None:
     lay = plan.layout
     if lay["pp"] > 1:
         check_splittable(model)
+    if lay.get("cp", 1) > 1:
+        check_context_parallel(plan, model)
     return tp_style_specs(plan, model) if lay["tp"] > 1 else None
+
+
+def check_context_parallel(plan: Plan, model: nn.Module) -> None:
+    """What ``autopar.runtime.context_parallel`` needs of a model: its position tables named, and the default
+    next-token loss (the labels are shifted on the whole sequence before it is sliced)."""
+    from autopar.tracing import default_loss_fn
+
+    if getattr(model, "cp_sequence_buffers", None) is None:
+        raise AutoparError(f"context parallelism needs {type(model).__name__}.cp_sequence_buffers (its position "
+                           "tables and their sequence dim, {} if it has none); plan with --fix cp=1")
+    if modelfile.loss_fn_of(modelfile.load_for(plan.model)) is not default_loss_fn:
+        raise AutoparError("context parallelism runs the default next-token loss only; this model file has its own "
+                           "loss_fn; plan with --fix cp=1")

@@ -17,8 +17,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from autopar.errors import AutoparError
+from autopar.runtime.context_parallel import ContextParallel
 from autopar.runtime.materialize import clean_fqn
-from autopar.runtime.parallelize import set_micro_batch
+from autopar.runtime.parallelize import replica_mesh, set_micro_batch
 from autopar.runtime.pipeline import PipelineRunner
 
 
@@ -172,22 +174,33 @@ class Trainer:
     def __init__(self, parts: list[nn.Module], mesh: DeviceMesh, loss_fn: Callable[..., torch.Tensor], *,
                  chunks: list[int], num_chunks: int, schedule: str, num_microbatches: int, micro_batch: int,
                  zero: int, tied: list[tuple[str, str]], config: TrainingConfig, device: torch.device,
-                 loss_parallel: bool = False) -> None:
+                 loss_parallel: bool = False, context: ContextParallel | None = None) -> None:
+        from autopar.tracing import default_loss_fn
+
         self.parts, self.mesh, self.config, self.device = parts, mesh, config, device
         self.loss_fn = fp32_loss(loss_fn, device, config.precision)
+        self.context = context  # context parallelism: this rank trains on a slice of every sequence
+        if context is not None:
+            if loss_fn is not default_loss_fn:
+                raise AutoparError("context parallelism runs the default next-token loss only (the labels are "
+                                   "shifted on the whole sequence before it is sliced); this model file has its "
+                                   "own loss_fn")
+            self.context_loss = fp32_loss(context.loss, device, config.precision)
         self.loss_parallel = loss_parallel  # the head leaves its logits sharded on the vocabulary
         self.num_microbatches, self.micro_batch, self.zero = num_microbatches, micro_batch, zero
         self.dp_rank, self.dp_size = mesh.get_local_rank("dp"), mesh["dp"].size()
         self.pipeline = None
         if mesh["pp"].size() > 1:
-            self.pipeline = PipelineRunner(parts, chunks, num_chunks, schedule, num_microbatches, self.loss_fn,
+            loss = self.loss_fn if context is None else self.context_loss  # the latter reads the labels
+            self.pipeline = PipelineRunner(parts, chunks, num_chunks, schedule, num_microbatches, loss,
                                            mesh, device, tied)
         params = [p for part in parts for p in part.parameters()]
         self.optimizer = build_optimizer(params, config, device)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, config))
         # the second copy of a weight tied across pipeline stages (its gradient equals the first's)
         self._tied_copies = {alias for _, alias in tied} if self.pipeline is not None else set()
-        self._stage_ranks = mesh["dp"].size() * mesh["tp"].size()
+        self._stage_ranks = mesh["dp"].size() * mesh["cp"].size() * mesh["tp"].size()
+        self._replicas = replica_mesh(mesh)  # the loss is averaged over dp x cp, as the gradients are
         self.last_grad_norm: float | None = None
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
@@ -204,7 +217,13 @@ class Trainer:
         local = [x.to(self.device) for x in local_inputs]
         self.optimizer.zero_grad(set_to_none=True)
         with self._loss_context():
-            return self.pipeline.step(local) if self.pipeline is not None else self._accumulate(local)
+            if self.pipeline is None:
+                return self._accumulate(local)
+            if self.context is None:
+                return self.pipeline.step(local)
+            local, labels = self.context.shard_inputs(local)
+            with self.context.attention(self.device):
+                return self.pipeline.step(local, labels)
 
     def update(self, loss: torch.Tensor) -> float:
         """The second half of ``step``: clip, update the weights and the learning rate; returns the global
@@ -215,10 +234,9 @@ class Trainer:
             clip_grads(self.named_parameters(), self.config.max_grad_norm, norm)
         self.optimizer.step()
         self.scheduler.step()
-        if self.dp_size > 1:
-            group = self.mesh["dp"].get_group()
-            dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=group)
-            loss /= self.dp_size
+        if self._replicas.size() > 1:
+            dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=self._replicas.get_group())
+            loss /= self._replicas.size()
         return float(loss)
 
     def _loss_context(self) -> contextlib.AbstractContextManager:
@@ -234,8 +252,14 @@ class Trainer:
         for i in range(m):
             micro = [x[i * mbs:(i + 1) * mbs] for x in local]
             set_micro_batch(self.parts, self.zero, last=i == m - 1)
-            loss = self.loss_fn(self.parts[0](*micro), *micro) / m
-            loss.backward()
+            if self.context is None:
+                loss = self.loss_fn(self.parts[0](*micro), *micro) / m
+                loss.backward()
+            else:
+                micro, labels = self.context.shard_inputs(micro)
+                with self.context.attention(self.device):  # through backward: recomputation enters it again
+                    loss = self.context_loss(self.parts[0](*micro), labels) / m
+                    loss.backward()
             total += whole(loss.detach()).float()
         return total
 

@@ -62,7 +62,7 @@ def run_one(plan_path: str, out: Path, args: argparse.Namespace) -> None:
     placements = {n: _placements(p) for n, p in named if hasattr(p, "placements")}
     # one rank per pipeline stage writes the (whole) tensors it holds; rank 0 adds the losses
     mesh, rank = trainer.mesh, dist.get_rank()
-    if rank == 0 or (mesh.get_local_rank("dp") == 0 and mesh.get_local_rank("tp") == 0):
+    if rank == 0 or all(mesh.get_local_rank(axis) == 0 for axis in ("dp", "cp", "tp")):
         out.mkdir(parents=True, exist_ok=True)
         torch.save({"losses": losses, "grads": grads, "params": params, "placements": placements,
                     "activation_peak": {mesh.get_local_rank("pp"): peak}}, out / f"rank{rank}.pt")

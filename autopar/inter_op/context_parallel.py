@@ -1,0 +1,49 @@
+"""Context parallelism on top of unit costs: what one of ``cp`` ranks sharing a sequence does and holds.
+
+The runtime (``autopar.runtime.context_parallel``) cuts every sample's sequence into ``2 * cp`` chunks and
+gives rank ``i`` chunks ``i`` and ``2 * cp - 1 - i``, so that under a causal mask every rank has the same
+share of the attention scores.  Every op but attention is token-wise, so a rank's compute, its
+tensor-parallel traffic and its activations are ``1 / cp`` of the whole sequence's; attention gathers the
+keys and values of the whole sequence (an all-gather over ``cp`` in forward, a reduce-scatter of their
+gradients in backward, neither overlapped: the variant Llama 3 trained with, Dubey et al. 2024, sec. 3.3.2)
+and computes ``1 / cp`` of the scores with them.  Attention saves the gathered keys and values for its
+backward.  Parameters are whole on every cp rank.
+
+Kernel launches are divided along with the compute they sit in: a rank's share of a long sequence is still
+thousands of tokens, where the launches are a small part of every op.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from autopar.inter_op.unit_costs import UnitCost
+
+#: Fields of ``UnitCost`` proportional to the tokens one rank processes.
+_PER_TOKEN = (
+    "fwd_s", "bwd_s", "tp_fwd_s", "tp_bwd_s", "activation_bytes", "input_bytes", "attention_fwd_s",
+    "attention_saved_bytes", "fwd_flops", "attention_fwd_flops", "attention_module_recompute_s",
+    "attention_module_saved_bytes", "attention_module_recompute_flops", "full_recompute_s", "full_recompute_flops",
+    "op_recompute_s", "op_saved_bytes", "op_recompute_flops", "transient_bytes", "forward_transient_bytes",
+)
+
+
+def context_parallel_share(u: UnitCost, cp: int) -> UnitCost:
+    """Unit ``u`` (costed on the whole sequence) as one of ``cp`` context-parallel ranks runs it.
+
+    ``attention_kv_bytes`` stays the whole sequence's (what the all-gather makes); the gathered keys and
+    values beyond the rank's own share are saved by attention for backward, made inside the attention
+    module (selective recomputation frees them) and kept by per-op checkpointing (a collective's output)."""
+    if cp <= 1:
+        return u
+    changes = {name: getattr(u, name) / cp for name in _PER_TOKEN}
+    gathered = u.attention_kv_bytes * (cp - 1) / cp
+    changes["activation_bytes"] += gathered
+    changes["attention_module_saved_bytes"] += gathered
+    changes["op_saved_bytes"] += gathered
+    changes["tp_fwd_bytes"] = {k: b / cp for k, b in u.tp_fwd_bytes.items()}
+    changes["tp_bwd_bytes"] = {k: b / cp for k, b in u.tp_bwd_bytes.items()}
+    return dataclasses.replace(u, **changes)
+
+
+__all__ = ["context_parallel_share"]

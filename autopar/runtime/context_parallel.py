@@ -1,0 +1,165 @@
+"""Context parallelism: ``cp`` ranks share every sample, each holding a load-balanced slice of its sequence.
+
+The sequence is cut into ``2 * cp`` chunks and rank ``i`` takes chunks ``i`` and ``2 * cp - 1 - i``, so under a
+causal mask every rank has the same share of the attention scores.  Every op but attention is token-wise and
+runs on the slice as it is.  Attention all-gathers the keys and values of the whole sequence over the ``cp``
+group (``all_gather_single_autograd``: its backward reduce-scatters their gradients back to their owners)
+and masks each local query against the global positions of the keys: the variant Llama 3 trained with, and
+the one ``autopar.inter_op.context_parallel`` prices.  It runs on gloo and on NCCL (torch's own
+``context_parallel`` covers only the CUDA SDPA kernels).
+
+What the model must let the runtime see:
+
+- attention through ``F.scaled_dot_product_attention`` with ``is_causal=True`` (or no mask at all): a
+  ``TorchFunctionMode`` swaps in the context-parallel attention while forward runs, and activation
+  checkpointing enters it again for its recomputation (``recompute_context``: a forward's torch function
+  modes are not active when backward recomputes);
+- its position tables as buffers the model slices from the start (``rope_cos[:t]``), named with their
+  sequence dim in the model class's ``cp_sequence_buffers``; the runtime replaces each with this rank's
+  rows, so the model reads the global positions of its tokens;
+- the default next-token loss: the labels are shifted on the whole sequence before it is sliced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
+
+from autopar.errors import AutoparError
+
+IGNORE_INDEX = -100  # cross_entropy's default: the last position has no next token
+_ACTIVE: list[ContextParallelAttention] = []  # the context-parallel attentions entered, innermost last
+
+
+def rank_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
+    """The global positions rank ``rank`` of ``cp`` holds: chunks ``rank`` and ``2 * cp - 1 - rank`` of ``2 * cp``."""
+    if seq_len % (2 * cp):
+        raise AutoparError(f"context parallelism cp={cp} needs the sequence ({seq_len} tokens) to split into "
+                           f"{2 * cp} equal chunks")
+    c = seq_len // (2 * cp)
+    first, second = rank * c, (2 * cp - 1 - rank) * c
+    return torch.cat((torch.arange(first, first + c), torch.arange(second, second + c)))
+
+
+def gathered_positions(seq_len: int, cp: int) -> torch.Tensor:
+    """The global positions of an all-gather of every rank's slice, in rank order."""
+    return torch.cat([rank_positions(seq_len, cp, r) for r in range(cp)])
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """One rank's place in its context-parallel group, and what it needs to shard a micro-batch."""
+
+    group: Any  # the cp process group
+    size: int
+    rank: int
+    seq_len: int
+
+    def positions(self, device: torch.device) -> torch.Tensor:
+        return rank_positions(self.seq_len, self.size, self.rank).to(device)
+
+    def shard_inputs(self, inputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """This rank's slice of every input with the sequence at dim 1, and the next-token labels of its tokens
+        (taken from the whole sequence of the first input, the token ids)."""
+        ids = inputs[0]
+        if ids.dim() < 2 or ids.shape[1] != self.seq_len:
+            raise AutoparError(f"context parallelism needs token ids [batch, {self.seq_len}] as the first input, "
+                               f"got shape {tuple(ids.shape)}")
+        labels = torch.full_like(ids, IGNORE_INDEX)
+        labels[:, :-1] = ids[:, 1:]
+        pos = self.positions(ids.device)
+        local = [x.index_select(1, pos) if x.dim() >= 2 and x.shape[1] == self.seq_len else x for x in inputs]
+        return local, labels.index_select(1, pos)
+
+    def loss(self, output: Any, labels: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the micro-batch's mean next-token loss, times ``cp``: the gradient reduction
+        averages over ``dp x cp``, and the cp ranks' shares must add up, not average."""
+        logits = output.logits if hasattr(output, "logits") else output
+        if isinstance(logits, (tuple, list)):
+            logits = logits[0]
+        total = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+        targets = labels.shape[0] * (self.seq_len - 1)
+        return total * (self.size / targets)
+
+    def causal_mask(self, device: torch.device) -> torch.Tensor:
+        """[local queries, all keys]: whether a query may see a key, by their global positions."""
+        q = self.positions(device)
+        k = gathered_positions(self.seq_len, self.size).to(device)
+        return k[None, :] <= q[:, None]
+
+    def attention(self, device: torch.device) -> ContextParallelAttention:
+        return ContextParallelAttention(self, self.causal_mask(device))
+
+
+class ContextParallelAttention(TorchFunctionMode):
+    """While active, ``F.scaled_dot_product_attention`` on this rank's slice attends over the whole sequence."""
+
+    def __init__(self, cp: ContextParallel, mask: torch.Tensor) -> None:
+        super().__init__()
+        self.cp, self.mask = cp, mask  # made before forward: a recomputation must not run ops forward did not
+
+    def __enter__(self) -> ContextParallelAttention:
+        _ACTIVE.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        _ACTIVE.pop()
+        return super().__exit__(*exc)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        return self._attend(*args, **kwargs)
+
+    def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
+                dropout_p: float = 0.0, is_causal: bool = False, **rest: Any) -> torch.Tensor:
+        from torch.distributed._functional_collectives import all_gather_single_autograd
+
+        if attn_mask is not None:
+            raise AutoparError("context parallelism supports attention with is_causal=True or without a mask; "
+                               "this model passes an explicit attn_mask")
+        group = self.cp.group
+        key = all_gather_single_autograd(key.contiguous(), gather_dim=key.dim() - 2, group=group)
+        value = all_gather_single_autograd(value.contiguous(), gather_dim=value.dim() - 2, group=group)
+        mask = self.mask if is_causal else None
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout_p, **rest)
+
+
+@contextlib.contextmanager
+def recompute_context() -> Iterator[None]:
+    """The context a checkpointed region recomputes in (``torch.utils.checkpoint``'s ``context_fn``, made in
+    forward and entered in backward): the context-parallel attention of the step whose backward runs, unless
+    it is active already."""
+    active = any(isinstance(m, ContextParallelAttention) for m in _get_current_function_mode_stack())
+    outer = _ACTIVE[-1] if _ACTIVE and not active else None
+    with ContextParallelAttention(outer.cp, outer.mask) if outer is not None else contextlib.nullcontext():
+        yield
+
+
+def shard_sequence_buffers(part: nn.Module, cp: ContextParallel) -> None:
+    """Replace the position tables the model names in ``cp_sequence_buffers`` by this rank's rows."""
+    tables = getattr(part, "cp_sequence_buffers", None)
+    if tables is None:
+        raise AutoparError(f"context parallelism needs {type(part).__name__}.cp_sequence_buffers (its position "
+                           "tables and their sequence dim, {} if it has none): the runtime slices them per rank")
+    for name, dim in sorted(tables.items()):
+        owner_name, _, leaf = name.rpartition(".")
+        owner = part.get_submodule(owner_name) if owner_name else part
+        table = getattr(owner, leaf)
+        if table.shape[dim] < cp.seq_len:
+            raise AutoparError(f"buffer {name} holds {table.shape[dim]} positions, fewer than the sequence "
+                               f"({cp.seq_len})")
+        local = table.narrow(dim, 0, cp.seq_len).index_select(dim, cp.positions(table.device))
+        owner.register_buffer(leaf, local, persistent=False)
+
+
+__all__ = ["ContextParallel", "ContextParallelAttention", "gathered_positions", "rank_positions",
+           "recompute_context", "shard_sequence_buffers"]
