@@ -32,15 +32,15 @@ def context_parallel_share(u: UnitCost, cp: int) -> UnitCost:
     """Unit ``u`` (costed on the whole sequence) as one of ``cp`` context-parallel ranks runs it.
 
     ``attention_kv_bytes`` stays the whole sequence's (what the all-gather makes); the gathered keys and
-    values beyond the rank's own share are saved by attention for backward, made inside the attention
-    module (selective recomputation frees them) and kept by per-op checkpointing (a collective's output)."""
+    values beyond the rank's own share are saved by attention for backward and made inside the attention
+    module: selective recomputation frees them, and so does per-op checkpointing, whose policy recomputes
+    every op but the products and attention (the all-gather among them)."""
     if cp <= 1:
         return u
     changes = {name: getattr(u, name) / cp for name in _PER_TOKEN}
     gathered = u.attention_kv_bytes * (cp - 1) / cp
     changes["activation_bytes"] += gathered
     changes["attention_module_saved_bytes"] += gathered
-    changes["op_saved_bytes"] += gathered
     changes["tp_fwd_bytes"] = {k: b / cp for k, b in u.tp_fwd_bytes.items()}
     changes["tp_bwd_bytes"] = {k: b / cp for k, b in u.tp_bwd_bytes.items()}
     return dataclasses.replace(u, **changes)

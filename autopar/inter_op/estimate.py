@@ -176,9 +176,10 @@ def layer_recompute(u: UnitCost, mode: str, fw: Framework) -> LayerRecompute:
 
 
 def _recompute_regathers(mode: str, fw: Framework) -> bool:
-    """Whether recomputation ``mode`` re-runs context parallelism's key/value all-gather: it does when it
-    re-runs the attention module's projections (full, or selective as a checkpointed attention module)."""
-    return mode == "full" or (mode == "selective" and fw.selective_recompute == "attention_module")
+    """Whether recomputation ``mode`` re-runs context parallelism's key/value all-gather: full recomputation
+    and a checkpointed attention module re-run everything in it, and per-op checkpointing re-runs every op
+    but the products and attention (``autopar.runtime.recompute``), the all-gather among them."""
+    return mode in ("full", "op") or (mode == "selective" and fw.selective_recompute == "attention_module")
 
 
 def _unit_load(u: UnitCost, is_layer: bool, layout: Layout, dp_link: AxisLink, cp_link: AxisLink,
