@@ -25,7 +25,7 @@ from autopar.errors import ClusterSpecError
 from autopar.spec_files import load_spec
 from autopar.units import GiB
 
-PRESETS = ("a100-40gb", "a100-80gb", "h100-80gb", "h100-80gb-roce", "h200", "cpu")
+PRESETS = ("a100-40gb", "a100-80gb", "h100-80gb", "h100-80gb-roce", "h200", "gb200-nvl72", "cpu")
 
 
 #: Index of each NCCL protocol in the per-protocol cluster keys.
@@ -36,7 +36,9 @@ _TRIPLES = ("collective_base_latency_s", "intra_node_latency_s", "inter_node_lat
 _FRACTIONS = ("gemm_efficiency", "attention_efficiency", "flash1_attention_efficiency", "flash3_attention_efficiency",
               "memory_efficiency",
               "intra_node_collective_efficiency", "inter_node_collective_efficiency", "tree_bandwidth_fraction")
-_INTEGERS = ("gpus", "gpus_per_node", "sm_count", "attention_block", "nics_per_node", "pod_gpus")
+_INTEGERS = ("gpus", "gpus_per_node", "sm_count", "attention_block", "nics_per_node", "pod_gpus", "nvlink_domain_size")
+#: Keys a cluster file may leave out, and their values then.
+_DEFAULTS = {"nvlink_domain_size": 0}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -120,6 +122,10 @@ class Cluster:
     overlap_slowdown: float
     """Fraction by which compute slows while a collective runs beside it (NCCL kernels occupy SMs and
     memory bandwidth), so overlapped communication is never entirely free."""
+    nvlink_domain_size: int = 0
+    """GPUs on one NVLink (NVSwitch) domain, a whole number of nodes: the intra-node bandwidth and latencies
+    hold inside it, the network's between domains.  0: one node (``gpus_per_node``), as in DGX/HGX
+    systems; 72 for a GB200 NVL72 rack of 18 four-GPU trays."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -146,6 +152,12 @@ class Cluster:
         if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
             raise ClusterSpecError(
                 f"cluster {self.name}: gpus ({self.gpus}) must be a multiple of gpus_per_node ({self.gpus_per_node})")
+        if self.nvlink_domain_size and self.nvlink_domain_size % self.gpus_per_node:
+            raise ClusterSpecError(f"cluster {self.name}: nvlink_domain_size ({self.nvlink_domain_size}) must be a "
+                                   f"multiple of gpus_per_node ({self.gpus_per_node}), or 0 for one node")
+        if self.gpus > self.nvlink_domain and self.gpus % self.nvlink_domain:
+            raise ClusterSpecError(f"cluster {self.name}: gpus ({self.gpus}) must be a multiple of the NVLink "
+                                   f"domain ({self.nvlink_domain} GPUs)")
         for f in _FRACTIONS:
             if not 0 < getattr(self, f) <= 1:
                 raise ClusterSpecError(f"cluster {self.name}: {f} must be in (0, 1]")
@@ -164,6 +176,11 @@ class Cluster:
         return max(1, self.gpus // self.gpus_per_node)
 
     @property
+    def nvlink_domain(self) -> int:
+        """GPUs that share one NVLink domain (``nvlink_domain_size``, else a node)."""
+        return self.nvlink_domain_size or self.gpus_per_node
+
+    @property
     def usable_memory_bytes(self) -> float:
         """Per-device memory a plan may allocate: HBM minus the reserve, less the allocator's fragmentation."""
         return (self.hbm_bytes - self.memory_reserve_bytes) / (1 + self.allocator_fragmentation)
@@ -178,6 +195,9 @@ class Cluster:
         changes = {k: v for k, v in overrides.items() if v is not None}
         if "gpus" in changes and "gpus_per_node" not in changes and changes["gpus"] < self.gpus_per_node:
             changes["gpus_per_node"] = changes["gpus"]
+        if "gpus" in changes and "nvlink_domain_size" not in changes and self.nvlink_domain_size \
+                and changes["gpus"] < self.nvlink_domain_size:
+            changes["nvlink_domain_size"] = changes["gpus"]  # part of one domain
         try:
             return dataclasses.replace(self, **changes)
         except TypeError as exc:
@@ -246,7 +266,8 @@ def _pods_spanned(cluster: Cluster, size: int, stride: int) -> int:
 def axis_link(cluster: Cluster, size: int, stride: int) -> AxisLink:
     """The link of a mesh axis of ``size`` ranks spaced ``stride`` apart on ``cluster``.
 
-    Across nodes, a group with ``k`` ranks per node runs ``k`` rings at once, one per NIC, so its bus
+    Ranks of one NVLink domain (a node, or a rack-scale domain such as GB200 NVL72's) talk over NVLink; across
+    domains, a group with ``k`` ranks per domain runs ``k`` rings at once, one per NIC, so its bus
     bandwidth is ``min(NVLink, k x NIC share)``.  Across pods, every group of the axis communicates at
     once: each pod sends ``k`` ring channels out per group touching it, over uplinks of
     ``pod GPUs x NIC share / oversubscription``, so the rings slow by ``members per pod / (k x
@@ -254,8 +275,8 @@ def axis_link(cluster: Cluster, size: int, stride: int) -> AxisLink:
     """
     if size < 1 or stride < 1:
         raise ValueError("mesh axis size and stride must be >= 1")
-    gpn = cluster.gpus_per_node
-    per_node = 1 if stride >= gpn else max(1, min(size, gpn // stride))
+    domain = cluster.nvlink_domain
+    per_node = 1 if stride >= domain else max(1, min(size, domain // stride))
     intra = cluster.intra_node_bandwidth_bytes_per_s * cluster.intra_node_collective_efficiency
     nic = cluster.nic_bandwidth_per_gpu_bytes_per_s * cluster.inter_node_collective_efficiency
     common = dict(base_latency_s=cluster.collective_base_latency_s, intra_latency_s=cluster.intra_node_latency_s,
@@ -310,7 +331,8 @@ _FIELD_NAMES = {f.name for f in fields(Cluster)}
 def load_cluster(spec: str) -> Cluster:
     """A preset name (``a100-80gb``) or a path to a TOML file."""
     values, origin = load_spec(spec, what="cluster", folder="clusters", presets=PRESETS, fields=_FIELD_NAMES,
-                               base_values=lambda b: load_cluster(b).to_dict(), error=ClusterSpecError)
+                               base_values=lambda b: load_cluster(b).to_dict(), error=ClusterSpecError,
+                               defaults=_DEFAULTS)
     for key in _INTEGERS:
         if isinstance(values[key], float) and values[key].is_integer():
             values[key] = int(values[key])

@@ -21,6 +21,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 from autopar.errors import AutoparError
+from autopar.solvers.pipeline import SCHEDULES
 from autopar.spec_files import load_spec
 
 FRAMEWORKS = ("torch", "torchtitan", "megatron-lm", "megatron-core", "deepspeed", "llm-foundry", "aa-scaling")
@@ -122,8 +123,8 @@ class Framework:
                                      "main_grad_bytes 2 or 4")
         if self.grad_bucket_bytes <= 0:
             raise FrameworkSpecError(f"framework {self.name}: grad_bucket_bytes must be positive")
-        if not self.schedules or any(s not in ("gpipe", "1f1b", "interleaved") for s in self.schedules):
-            raise FrameworkSpecError(f"framework {self.name}: schedules must list gpipe, 1f1b or interleaved")
+        if not self.schedules or any(s not in SCHEDULES for s in self.schedules):
+            raise FrameworkSpecError(f"framework {self.name}: schedules must list some of {', '.join(SCHEDULES)}")
         for key in ("zero_levels", "zero_levels_with_pp"):
             levels = getattr(self, key)
             if not levels or any(z not in (0, 1, 2, 3) for z in levels):

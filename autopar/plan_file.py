@@ -20,7 +20,8 @@ from autopar import __version__
 from autopar.errors import AutoparError
 from autopar.ir import OpGraph
 
-SCHEMA_VERSION = 2  # 2: the mesh gained the context-parallel axis, (pp, dp, cp, tp)
+SCHEMA_VERSION = 3  # 2: the mesh gained the context-parallel axis, (pp, dp, cp, tp); 3: the schedule
+# records its stage-to-rank mapping (V-shaped zero-bubble schedules), tied parameters the ranks holding a copy
 _FLOAT_DIGITS = 12  # significant digits kept for floats: identical bytes across runs and platforms
 
 

@@ -15,10 +15,11 @@ else:  # pragma: no cover
 
 
 def load_spec(spec: str, *, what: str, folder: str, presets: Collection[str], fields: Collection[str],
-              base_values: Callable[[str], dict[str, Any]], error: type[Exception]) -> tuple[dict[str, Any], str]:
+              base_values: Callable[[str], dict[str, Any]], error: type[Exception],
+              defaults: dict[str, Any] | None = None) -> tuple[dict[str, Any], str]:
     """Every value of ``spec``, a preset name (a TOML file in ``autopar/<folder>``) or a path to a TOML file,
     and the origin errors name.  ``base_values(name)`` gives a preset's values for files that start from one;
-    ``name`` defaults to the preset's or the file's stem."""
+    ``name`` defaults to the preset's or the file's stem, and the keys of ``defaults`` to its values."""
     if spec in presets:
         text, name, origin = (resources.files("autopar").joinpath(folder, f"{spec}.toml").read_text(), spec,
                               f"{what} preset {spec}")
@@ -30,6 +31,8 @@ def load_spec(spec: str, *, what: str, folder: str, presets: Collection[str], fi
     values = read_spec(text, origin, presets=presets, base_values=lambda b: {**base_values(b), "name": name},
                        fields=fields, error=error)
     values.setdefault("name", name)
+    for key, value in (defaults or {}).items():
+        values.setdefault(key, value)
     missing = sorted(set(fields) - set(values))
     if missing:
         raise error(f"{origin}: missing key {missing[0]!r}")

@@ -3,8 +3,9 @@
 It reads only the plan: each stage's time per micro-batch by part (``estimated_parts_per_microbatch_s``)
 and the estimate's breakdown.  Every rank of a stage runs the stage's chunks in its schedule's order
 (GPipe: all forwards, then all backwards; 1F1B: ``p - 1 - k`` warm-up forwards, then one forward and one
-backward; interleaved: torch's and Megatron's order over chunks, in rounds of micro-batches), each op starting
-once its rank is free and its inputs are there (the previous chunk's forward, the next chunk's backward).
+backward; interleaved: torch's and Megatron's order over chunks, in rounds of micro-batches; the zero-bubble
+schedules: torch's orders of forwards, input steps ``I`` and weight steps ``W``), each op starting once its
+rank is free and its inputs are there (the previous chunk's forward, the next chunk's input gradient).
 After the pipeline drains, each stage waits out what the estimate adds once per iteration: the optimizer
 step and gradient accumulation, the tp gradient sync, the exposed data-parallel sync.
 
@@ -51,7 +52,7 @@ def simulate(plan: Plan) -> list[Slice]:
                            "to draw its timeline")
     parts = [s["estimated_parts_per_microbatch_s"] for s in plan.stages]
     runs = simulate_pipeline(lay["schedule"], [_op_s("F", part) for part in parts],
-                             [_op_s("B", part) for part in parts], m, v)
+                             [_op_s("B", part) for part in parts], m, v, [part.get("weight_s", 0.0) for part in parts])
     slices: list[Slice] = []
     for k, ops in enumerate(runs):
         for (kind, local, i), start, _ in ops:
@@ -78,13 +79,20 @@ def _op_slices(stage: int, kind: str, chunk: int, mb: int, start: float, part: d
         if tp > 0:
             out.append(Slice(stage, "tp comm", f"tp F{mb}", t + f - tp, tp, args))
         t += f
+    elif kind == "W":  # the weight step of a split backward (the recomputation again, if any, inside it)
+        w = part["weight_s"] / v
+        out.append(Slice(stage, "compute", f"W{mb}" + (f".{chunk}" if v > 1 else ""), t, w, args))
+        return out
     else:
+        w = part.get("weight_s", 0.0) / v if kind == "I" else 0.0
         r = part["recompute_s"] / v
+        if w > 0:  # the weight step re-runs its own half of the recomputation
+            r /= 2
         if r > 0:
             out.append(Slice(stage, "compute", f"R{mb}" + (f".{chunk}" if v > 1 else ""), t, r, args))
             t += r
-        b = part["backward_s"] / v
-        out.append(Slice(stage, "compute", f"B{mb}" + (f".{chunk}" if v > 1 else ""), t, b, args))
+        b = part["backward_s"] / v - (w - r if w > 0 else 0.0)
+        out.append(Slice(stage, "compute", f"{kind}{mb}" + (f".{chunk}" if v > 1 else ""), t, b, args))
         tp, z3 = part.get("tp_backward_s", 0.0) / v, part.get("zero3_s", 0.0) / v
         if tp > 0:
             out.append(Slice(stage, "tp comm", f"tp B{mb}", t + b - tp, tp, args))

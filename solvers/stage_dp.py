@@ -136,9 +136,18 @@ def split_uniform_stages(pre: UnitLoad, layer: UnitLoad, post: UnitLoad, num_lay
     fixed_t = np.array([(pre.time_s if k == 0 else 0.0) + (post.time_s if k == p - 1 else 0.0) for k in range(p)])
 
     def mem_cap(k: int) -> int:
-        """The most layers stage ``k`` can hold (its memory grows with every layer): bisection."""
+        """The most layers stage ``k`` can hold (its memory grows with every layer): in closed form for a
+        stage of layers only (``n (state + in_flight * act) + extra``), else by bisection."""
         if memory(k, 0) > budget_bytes:
             return 0
+        per_layer = layer.state_bytes + in_flight[k] * layer.activation_bytes
+        if 0 < k < p - 1 and per_layer > 0:
+            n = int(min(n_layers, max(0.0, (budget_bytes - layer.extra_bytes) / per_layer)))
+            while n > 0 and memory(k, n) > budget_bytes:  # rounding: settle on the exact cap
+                n -= 1
+            while n < n_layers and memory(k, n + 1) <= budget_bytes:
+                n += 1
+            return n
         lo, hi = 0, n_layers
         while lo < hi:
             mid = (lo + hi + 1) // 2

@@ -86,3 +86,35 @@ def test_a_plan_cluster_round_trips():
 
     c = load_cluster("h100-80gb-roce").with_overrides(gpus=64)
     assert Cluster.from_dict(c.to_dict()) == c
+
+
+def test_an_nvlink_domain_spans_nodes():
+    from autopar.cluster import axis_link
+
+    nvl72 = load_cluster("gb200-nvl72").with_overrides(gpus=144)
+    assert nvl72.gpus_per_node == 4 and nvl72.nvlink_domain == 72
+    inside, across = axis_link(nvl72, 64, 1), axis_link(nvl72, 2, 72)
+    assert not inside.crosses_nodes and inside.nodes == 1  # 16 trays, one NVLink domain: NVLink bandwidth
+    assert across.crosses_nodes and across.bus_bandwidth_bytes_per_s < inside.bus_bandwidth_bytes_per_s / 10
+    # a DGX's domain is its node (the default, 0)
+    dgx = load_cluster("a100-80gb").with_overrides(gpus=64)
+    assert dgx.nvlink_domain_size == 0 and dgx.nvlink_domain == 8 and axis_link(dgx, 16, 1).nodes == 2
+    assert load_cluster("gb200-nvl72").with_overrides(gpus=64).nvlink_domain == 64  # part of one rack
+
+
+def test_nvlink_domains_are_whole_nodes_and_tile_the_cluster(tmp_path):
+    bad = tmp_path / "c.toml"
+    bad.write_text('base = "a100-80gb"\nnvlink_domain_size = 12\n')
+    with pytest.raises(ClusterSpecError, match="multiple of gpus_per_node"):
+        load_cluster(str(bad))
+    with pytest.raises(ClusterSpecError, match="multiple of the NVLink domain"):
+        load_cluster("gb200-nvl72").with_overrides(gpus=100)
+
+
+def test_tp_is_searched_inside_a_domain_and_across_only_on_a_fast_network():
+    from autopar.inter_op.search import tensor_parallel_degrees
+
+    assert tensor_parallel_degrees(load_cluster("a100-80gb").with_overrides(gpus=64)) == [1, 2, 4, 8]
+    assert tensor_parallel_degrees(load_cluster("gb200-nvl72").with_overrides(gpus=144))[-3:] == [24, 36, 72]
+    fast = load_cluster("a100-80gb").with_overrides(gpus=64, inter_node_bandwidth_bytes_per_s=300e9)
+    assert tensor_parallel_degrees(fast) == [1, 2, 4, 8, 16, 32, 64]

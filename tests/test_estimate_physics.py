@@ -215,3 +215,41 @@ def test_priced_recomputation_is_what_torch_reruns():
     assert megatron_layer.full_recompute_flops == pytest.approx(megatron_layer.fwd_flops)  # reentrant: all
     attention = torch_layer.attention_fwd_flops
     assert torch_layer.attention_module_recompute_flops == pytest.approx(3 * square + attention)  # q, k, v, core
+
+
+def test_zero_bubble_schedules_hide_weight_gradients_in_the_bubble(gpt):
+    fix = "dp=64,pp=4,mbs=1,zero=1,recompute=none"
+    one_f_one_b = _estimate(gpt, fix + ",schedule=1f1b")
+    for schedule in ("interleaved_zb,v=1", "interleaved_zb,v=2", "zbv", "dualpipev"):
+        zb = _estimate(gpt, f"{fix},schedule={schedule}")
+        # the weight steps fill what 1F1B leaves idle (a V's first rank, holding both ends, sets the pace)
+        assert zb.breakdown["pp_bubble_s"] < 0.6 * one_f_one_b.breakdown["pp_bubble_s"], schedule
+        assert zb.iteration_time_s < one_f_one_b.iteration_time_s
+        parts = zb.stages[1].parts_s  # a weight step: the weight-gradient products, about half the backward
+        assert 0.3 < parts["weight_s"] / parts["backward_s"] < 0.6
+
+
+def test_split_backward_recomputes_twice_and_refuses_per_op_checkpointing(gpt):
+    fix = "dp=64,pp=4,mbs=1,zero=1,recompute=full"
+    once = _estimate(gpt, fix + ",schedule=1f1b").breakdown["recompute_s"]
+    # torch.utils.checkpoint recomputes once per autograd pass: the input step's and the weight step's
+    assert _estimate(gpt, fix + ",schedule=zbv").breakdown["recompute_s"] == pytest.approx(2 * once, rel=0.05)
+    with pytest.raises(AutoparError, match="recompute=op"):
+        _estimate(gpt, "dp=64,pp=4,schedule=zbv,recompute=op")
+    with pytest.raises(AutoparError, match="zero 0-2"):
+        _estimate(gpt, "dp=64,pp=4,schedule=interleaved_zb,zero=3")
+    with pytest.raises(AutoparError, match="at least 2 \\* pp = 8 micro-batches"):
+        _estimate(gpt, "dp=64,pp=4,mbs=2,schedule=dualpipev")  # 512 / (64 x 2) = 4 micro-batches
+    searched = search(gpt, A100, _ctx(), 512, parse_fix("pp=4,dp=64"), A100.usable_memory_bytes, top_k=40)
+    for c in searched.candidates:  # the free search never pairs a split backward with either
+        lay = c.estimate.layout
+        if lay.schedule in ("interleaved_zb", "zbv", "dualpipev"):
+            assert lay.recompute != "op" and lay.zero != 3
+
+
+def test_a_v_puts_both_ends_on_the_first_rank(gpt):
+    est = _estimate(gpt, "dp=64,pp=4,mbs=1,zero=1,schedule=zbv")
+    looped = _estimate(gpt, "dp=64,pp=4,mbs=1,zero=1,schedule=1f1b")
+    # the head's weights (tied to the embedding: a copy on each end) are the first rank's under a V
+    assert est.stages[0].state_bytes > looped.stages[0].state_bytes
+    assert est.stages[-1].state_bytes < looped.stages[-1].state_bytes

@@ -109,3 +109,77 @@ def test_simulated_schedule_meets_the_closed_form_on_equal_stages(schedule, p, v
     for k, ops in enumerate(runs):  # every rank runs each of its chunks' forward and backward once per micro-batch
         assert len(ops) == 2 * m * v == len(schedule_order(schedule, k, p, m, v))
         assert all(a[2] <= b[1] + 1e-12 for a, b in itertools.pairwise(ops))  # one op at a time
+
+
+def _torch_order(schedule: str, rank: int, p: int, m: int, v: int) -> list[tuple[str, int, int]]:
+    """torch's own op order for a rank (its schedule generator, run without stages or process groups)."""
+    from torch.distributed.pipelining import schedules
+
+    cls = {"interleaved_zb": schedules.ScheduleInterleavedZeroBubble, "zbv": schedules.ScheduleZBVZeroBubble,
+           "dualpipev": schedules.ScheduleDualPipeV}[schedule]
+    gen = object.__new__(cls)
+    rounds = max(1, m // p)
+    gen.pp_group_size, gen._n_microbatches, gen.num_stages, gen.n_local_stages = p, m, p * v, v
+    gen.number_of_rounds, gen.microbatches_per_round = rounds, m // rounds
+    kinds = {"FORWARD": "F", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W", "FULL_BACKWARD": "B"}
+    out = []
+    for action in gen._calculate_single_rank_operations(rank):
+        for a in (action.sub_actions or (action,)) if action is not None else ():
+            out.append((kinds[str(a.computation_type).rsplit(".", 1)[-1]], a.stage_index, a.microbatch_index))
+    return out
+
+
+@pytest.mark.parametrize(("schedule", "p", "m", "v"), [
+    ("interleaved_zb", 2, 4, 2), ("interleaved_zb", 4, 8, 1), ("interleaved_zb", 4, 6, 2), ("interleaved_zb", 4, 3, 2),
+    ("interleaved_zb", 8, 16, 4), ("zbv", 2, 2, 2), ("zbv", 4, 3, 2), ("zbv", 4, 12, 2), ("zbv", 8, 32, 2),
+    ("dualpipev", 2, 4, 2), ("dualpipev", 3, 6, 2), ("dualpipev", 4, 12, 2), ("dualpipev", 8, 16, 2)])
+def test_zero_bubble_orders_are_torchs(schedule, p, m, v):
+    """The cost model runs the very op order torch's schedule runs, on torch's stage-to-rank mapping."""
+    from autopar.solvers.pipeline import V_SHAPED, chunk_of, rank_of_chunk, schedule_order
+    from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
+
+    for rank in range(p):
+        ours = [(k, chunk_of(schedule, rank, local, p), i) for k, local, i in schedule_order(schedule, rank, p, m, v)]
+        assert ours == _torch_order(schedule, rank, p, m, v)
+    mapping = generate_stage_to_rank_mapping(p, p * v, style="v" if schedule in V_SHAPED else "loop")
+    assert [rank_of_chunk(schedule, c, p) for c in range(p * v)] == [mapping[c] for c in range(p * v)]
+
+
+@pytest.mark.parametrize(("schedule", "v"), [("interleaved_zb", 1), ("interleaved_zb", 2), ("zbv", 2),
+                                             ("dualpipev", 2)])
+def test_weight_steps_fill_the_bubble(schedule, v):
+    from autopar.solvers.pipeline import simulate_pipeline
+
+    p, m = 4, 8
+
+    def makespan(weight: float) -> float:
+        runs = simulate_pipeline(schedule, [1.0] * p, [2.0] * p, m, v, [weight] * p)
+        return max(end for ops in runs for _, _, end in ops)
+
+    one_f_one_b = pipeline_time_s([3.0] * p, m)  # 8 slots + 3 stages of warm-up and cool-down
+    assert makespan(1.0) < makespan(0.5) < one_f_one_b  # the more backward is weight work, the more it fills
+    if schedule == "interleaved_zb" and v == 1:  # ZB-H1 (Qi et al. 2023): bubble (p - 1)(F + I - W)
+        assert makespan(1.0) == pytest.approx(m * 3 + (p - 1) * (1 + 1 - 1))
+        assert makespan(0.0) == pytest.approx(one_f_one_b)  # with nothing to defer it is 1F1B
+
+
+def test_split_backward_holds_weight_residue_until_the_weight_step():
+    # ZB-V holds at most 1F1B's first stage (p micro-batches of activations; Qi et al. 2023, sec. 6) ...
+    p, m = 4, 16
+    assert [in_flight_microbatches("zbv", k, p, m, 2) for k in range(p)] == [p] * p
+    # ... plus what waits between each chunk's input step and its weight step
+    assert all(in_flight_microbatches("zbv", k, p, m, 2, residue=0.5) > p for k in range(p))
+
+
+@pytest.mark.parametrize("schedule", ["interleaved_zb", "zbv", "dualpipev"])
+def test_in_flight_needs_only_a_few_rounds_of_the_order(schedule):
+    """``steady_microbatches``: longer orders hold no more at once (the warm-up sets the peak)."""
+    from autopar.solvers.pipeline import _held_frontiers, steady_microbatches
+
+    for p in (2, 3, 4, 8):
+        for v in ((1, 2, 4) if schedule == "interleaved_zb" else (2,)):
+            for m in range(p, 8 * p + 1, p if schedule == "interleaved_zb" else 1):
+                if schedule == "dualpipev" and m < 2 * p:
+                    continue
+                assert _held_frontiers(schedule, p, m, v) == _held_frontiers(
+                    schedule, p, steady_microbatches(schedule, p, m), v), (p, v, m)

@@ -34,6 +34,7 @@ EIGHT = ["--config", "layers=8,hidden=128,heads=4,vocab=256,seq_len=16", "--clus
 MOE = ["--config", "layers=2,hidden=128,heads=4,vocab=256,seq_len=16,experts=4", "--cluster", "cpu"]
 HF_LLAMA = ["--config", "layers=2,hidden=256,heads=8,ffn=512,vocab=256,seq_len=16", "--cluster", "cpu"]
 CP_LLAMA = ["--config", "layers=2,hidden=256,heads=8,kv_heads=4,vocab=256,seq_len=32", "--cluster", "cpu"]
+ZB_LLAMA = ["--config", "layers=4,hidden=128,heads=4,kv_heads=2,ffn=256,vocab=256,seq_len=16", "--cluster", "cpu"]
 EXAMPLES = ROOT / "examples"
 
 #: Every plan the verify tests check: (model, planning options, global batch, --fix or None for a free search).
@@ -70,6 +71,11 @@ VERIFIED = {
                               "--cluster", "cpu"], 8, "cp=2,pp=2,schedule=1f1b"),
     "gpt-cp2-dp2-op": ("gpt", ["--config", "layers=2,hidden=128,heads=4,vocab=256,seq_len=32", "--cluster", "cpu"], 8,
                        "cp=2,dp=2,zero=1,recompute=op"),
+    # zero-bubble schedules: split backward (input and weight steps), a V puts both ends on the first rank
+    "llama-pp2-dp2-zbv": ("llama", ZB_LLAMA, 8, "pp=2,dp=2,schedule=zbv"),
+    "gpt-tied-pp2-tp2-interleaved-zb-full": ("gpt", DEEP, 8, "pp=2,tp=2,sp=off,schedule=interleaved_zb,v=2,"
+                                                             "recompute=full"),
+    "gpt-tied-pp2-dp2-dualpipev": ("gpt", DEEP, 8, "pp=2,dp=2,mbs=1,schedule=dualpipev,zero=2"),
 }
 
 
@@ -379,3 +385,17 @@ def test_layouts_drawn_from_the_search_space_run(tmp_path, capsys):
     assert len(results) == len(drawn), (code, results)
     failed = [(model, fix, r) for (model, _, fix), r in zip(drawn, results) if not r["ok"]]
     assert code == 0 and not failed, failed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "stage_to_rank"), [("llama-pp2-dp2-zbv", [0, 1, 1, 0]),
+                                                     ("gpt-tied-pp2-tp2-interleaved-zb-full", [0, 1, 0, 1]),
+                                                     ("gpt-tied-pp2-dp2-dualpipev", [0, 1, 1, 0])])
+def test_verify_zero_bubble_schedules(verified, name, stage_to_rank):
+    plan, out = _verified(verified, name)
+    assert plan["schedule"]["stage_to_rank"] == stage_to_rank
+    assert plan["stages"][0]["has_embedding"] and plan["stages"][stage_to_rank[-1]]["has_head"]
+    if plan["parameters"]["tok.weight"]["aliases"]:  # GPT's tied embedding: a copy on the ranks of both ends
+        assert plan["parameters"]["tok.weight"]["stages"] == sorted({stage_to_rank[0], stage_to_rank[-1]})
+    if plan["layout"]["tp"] > 1:
+        assert _tp_as_planned(plan, out)

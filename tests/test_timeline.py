@@ -18,6 +18,9 @@ CASES = {
     "interleaved": "pp=2,tp=1,dp=8,schedule=interleaved,v=2,mbs=1",
     "interleaved, fewer micro-batches than stages": "pp=4,tp=2,dp=2,schedule=interleaved,v=2,mbs=16",
     "no pipeline": "pp=1,tp=2,dp=8,mbs=2,recompute=full",
+    "zbv": "pp=4,tp=1,dp=4,schedule=zbv,mbs=2",
+    "interleaved_zb, recomputed twice": "pp=2,tp=2,dp=4,schedule=interleaved_zb,v=2,mbs=1,recompute=full",
+    "dualpipev": "pp=2,tp=1,dp=8,schedule=dualpipev,mbs=1",
 }
 
 
@@ -37,10 +40,13 @@ def test_trace_events_have_a_process_per_stage_and_the_four_tracks(planned):
     assert names == {(s["index"], t) for s in plan.stages for t in TRACKS}
     slices = [e for e in events if e["ph"] == "X"]
     m, v = plan.layout["num_microbatches"], plan.layout["v"]
-    for s in plan.stages:  # one forward and one backward slice per micro-batch and chunk
+    split = plan.layout["schedule"] in ("interleaved_zb", "zbv", "dualpipev")
+    for s in plan.stages:  # one forward and one backward (full, or input + weight step) per micro-batch and chunk
         mine = [e["name"] for e in slices if e["pid"] == s["index"] and e["cat"] == "compute"]
-        assert sum(n.startswith("F") for n in mine) == sum(n.startswith("B") for n in mine) == m * v
-    if plan.layout["recompute"] == "full":
+        forwards, inputs = sum(n.startswith("F") for n in mine), sum(n.startswith("I") for n in mine)
+        assert forwards == sum(n.startswith("B") for n in mine) + inputs == m * v
+        assert sum(n.startswith("W") for n in mine) == inputs and (inputs > 0) == split
+    if plan.layout["recompute"] == "full":  # and again in each weight step of a split backward
         assert any(e["name"].startswith("R") for e in slices)
 
 

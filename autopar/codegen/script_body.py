@@ -33,7 +33,7 @@ def main():
     context = context_of(mesh, SEQ_LEN)  # context parallelism: this rank's slice of every sequence
     module = load_module(MODEL_FILE, EXAMPLE_INPUTS)
     build = lambda: build_from(module, CONFIG, MODEL_FILE)  # noqa: E731
-    chunks = list(range(mesh.get_local_rank("pp"), len(STAGE_LAYERS), MESH_SHAPE[0]))
+    chunks = rank_chunks(SCHEDULE, mesh.get_local_rank("pp"), MESH_SHAPE[0], len(STAGE_LAYERS))
     report = StepReport(ESTIMATE, GLOBAL_BATCH * SEQ_LEN, math.prod(MESH_SHAPE), PEAK_FLOPS, device)
 
     # 1. pipeline split, 2. tensor parallelism, 3. activation checkpointing, 4. data parallelism at the ZeRO

@@ -42,6 +42,7 @@ from autopar.runtime.apply import device_for_rank
 from autopar.runtime.data import run_batches
 from autopar.runtime.materialize import build_on_meta
 from autopar.runtime.parallelize import MESH_DIMS, context_of, parallelize
+from autopar.runtime.pipeline import rank_chunks
 from autopar.runtime.report import StepReport, return_freed_tensors_to_the_os
 from autopar.runtime.training import Trainer, TrainingConfig
 """
@@ -117,7 +118,7 @@ def generate_train_script(plan: Plan, script_name: str = "train.py") -> str:
         f"{note}MESH_SHAPE = ({pp}, {dp}, {cp}, {tp})  # (pp, dp, cp, tp): cp ranks share each sequence\n"
         f"MICRO_BATCH = {mbs}  # samples per micro-batch on one data-parallel rank\n"
         f"NUM_MICROBATCHES = {lay['num_microbatches']}\n"
-        f"SCHEDULE = {lay['schedule']!r}  # gpipe | 1f1b | interleaved\n"
+        f"SCHEDULE = {lay['schedule']!r}  # gpipe | 1f1b | interleaved | interleaved_zb | zbv | dualpipev\n"
         f"STAGE_LAYERS = {[tuple(r) for r in stage_layer_ranges(plan)]!r}  # layers of each pipeline chunk\n"
         f"LAYER_CONTAINER = {plan.model['layer_container']!r}\n"
         f"RECOMPUTE = {lay['recompute']!r}  # none | selective | op | full\n"

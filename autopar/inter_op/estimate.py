@@ -21,6 +21,13 @@ which only a framework with TP comm overlap (``Framework.tp_comm_overlap``) hide
   stage's activations times its in-flight micro-batches (``autopar.solvers.pipeline``); per micro-batch
   and stage boundary one transfer each way, on the critical path unless the framework overlaps it.
   Interleaving with ``v`` chunks divides the bubble by ``v``; the layers need not divide ``pp x v``.
+  The zero-bubble schedules (``interleaved_zb``, ``zbv``, ``dualpipev``) split each backward into an input
+  step and a weight step (the weight-gradient products, ``UnitCost.bwd_weight_s``) that fills the bubble;
+  their time is the simulated schedule, their activations in flight are walked off its op order, and a
+  chunk holds its weight-bearing ops' output gradients between the two steps.  Under recomputation the
+  weight step runs the checkpointed forward again (its autograd pass is a new graph task, and
+  ``torch.utils.checkpoint`` recomputes once per graph task).  In a V (``zbv``, ``dualpipev``) the first
+  rank holds the embedding and the head.
 - **context parallelism** (``autopar.inter_op.context_parallel``): a rank does ``1 / cp`` of every unit's
   token-wise work and attention, and waits for the key/value all-gather and its gradients' reduce-scatter
   over ``cp`` (``cp_comm_s``); the gradient reduction and ZeRO span ``dp x cp``.
@@ -33,6 +40,7 @@ breakdown adds up to it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
@@ -48,7 +56,7 @@ from autopar.ir import OpGraph
 from autopar.kernels import memory_s
 from autopar.passes.context import PassContext
 from autopar.passes.flops import total_flops
-from autopar.solvers.pipeline import bubble_s, in_flight_microbatches, simulate_pipeline
+from autopar.solvers.pipeline import SPLIT_BACKWARD, V_SHAPED, bubble_s, in_flight_microbatches, simulate_pipeline
 from autopar.solvers.stage_dp import StageSplit, UnitLoad, split_stages, split_uniform_stages, stage_memory_bytes
 
 ADAM_BYTES_PER_PARAM = 28  # read master, m, v (4 each), grad (2); write master, m, v (4 each), weights (2)
@@ -78,7 +86,8 @@ class StageEstimate:
     parts_s: dict[str, float] = field(default_factory=dict)
     """One micro-batch of ``time_s`` by what the stage does: ``forward_s``, ``recompute_s``, ``backward_s``
     (exposed tp and ZeRO-3 communication included) and ``p2p_s`` add up to it; ``tp_forward_s``,
-    ``tp_backward_s`` and ``zero3_s`` are the exposed communication inside them."""
+    ``tp_backward_s`` and ``zero3_s`` are the exposed communication inside them, and ``weight_s`` (split-
+    backward schedules) the weight step's share of ``recompute_s + backward_s``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +132,15 @@ class _UnitLoad:
     activation_bytes: float
     extra_bytes: float  # alive only while the unit runs: activation transients and ``gathered_bytes``
     gathered_bytes: float  # ZeRO-3's gathered weights and unsharded gradient
+    weight_s: float = 0.0  # split backward: the weight step (weight-gradient products, the recomputation again)
+    residue_bytes: float = 0.0  # split backward: held from the input step to the weight step
+
+    def merged(self, other: _UnitLoad) -> _UnitLoad:
+        """This unit and ``other`` on one rank (a V's first rank holds the embedding and the head)."""
+        peak = ("extra_bytes", "gathered_bytes")
+        return _UnitLoad(**{f.name: (max if f.name in peak else float.__add__)(getattr(self, f.name),
+                                                                                getattr(other, f.name))
+                            for f in dataclasses.fields(self)})
 
 
 @functools.lru_cache(maxsize=4096)
@@ -214,10 +232,15 @@ def _unit_load(u: UnitCost, is_layer: bool, layout: Layout, dp_link: AxisLink, c
         # the gathered weights of this unit and the prefetched next one, and one unsharded gradient
         gathered_bytes = 2 * gathered * pol.weight_bytes + gathered * fw.grad_reduce_bytes
         extra += gathered_bytes
+    weight = residue = 0.0
+    if layout.schedule in SPLIT_BACKWARD and layout.pp > 1:
+        # the weight step is a second autograd pass: checkpointed regions recompute for it again
+        weight, residue = u.bwd_weight_s + recompute, u.weight_grad_residue_bytes
+        recompute *= 2
     time = compute + tp_exposed + cp + recompute + zero3
     tp_fwd = tp_exposed * u.tp_fwd_s / tp if tp > 0 else 0.0
     return _UnitLoad(time, compute, tp_exposed, tp_fwd, cp, cp_fwd, recompute, zero3, u.fwd_s, u.bwd_s, state, act,
-                     extra, gathered_bytes)
+                     extra, gathered_bytes, weight, residue)
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,18 +282,64 @@ def _dp_sync_exposed(local_params: float, bwd_window_s: float, fwd_window_s: flo
     return exposed
 
 
-def _bubble_s(stages: list[StageEstimate], stage_times: list[float], layout: Layout) -> float:
+def _stage_parts(s: dict[str, float], layout: Layout) -> dict[str, float]:
+    """``StageEstimate.parts_s`` of one stage from its sums."""
+    tp_bwd, cp_bwd = s["tp"] - s["tp_fwd"], s["cp"] - s["cp_fwd"]
+    parts = {"forward_s": s["forward"], "recompute_s": s["recompute"],
+             "backward_s": s["bwd"] + tp_bwd + cp_bwd + s["zero3"], "p2p_s": s["p2p"],
+             "tp_forward_s": s["tp_fwd"], "tp_backward_s": tp_bwd, "cp_forward_s": s["cp_fwd"],
+             "cp_backward_s": cp_bwd, "zero3_s": s["zero3"]}
+    if layout.schedule in SPLIT_BACKWARD and layout.pp > 1:
+        parts["weight_s"] = s["weight"]
+    return parts
+
+
+def _simulated(layout: Layout) -> bool:
+    """Whether the bubble comes from simulating the schedule rather than the closed form."""
+    return layout.pp > 1 and (layout.schedule in SPLIT_BACKWARD or (layout.v > 1 and layout.num_microbatches
+                                                                     < layout.pp))
+
+
+def _bubble_s(parts: list[dict[str, float]], stage_times: list[float], layout: Layout) -> float:
     """The pipeline's time beyond ``m`` slots of its slowest stage.  With interleaving and fewer micro-batches
     than stages the closed form is only a bound (the pipeline never fills, and the waits depend on every
-    stage's times), so the schedule is simulated op by op; it is a few hundred ops at most."""
-    p, m, v = layout.pp, layout.num_microbatches, layout.v
-    if not (v > 1 and m < p):
+    stage's times), so the schedule is simulated op by op (a few hundred ops at most); so are the zero-bubble
+    schedules, whose weight steps fill the bubble as far as the schedule lets them."""
+    m, v = layout.num_microbatches, layout.v
+    if not _simulated(layout):
         return bubble_s(stage_times, v, m)
-    half = [s.parts_s["p2p_s"] / 2 for s in stages]
-    forward = [s.parts_s["forward_s"] + h for s, h in zip(stages, half)]
-    backward = [s.parts_s["recompute_s"] + s.parts_s["backward_s"] + h for s, h in zip(stages, half)]
-    runs = simulate_pipeline(layout.schedule, forward, backward, m, v)
-    return max(end for ops in runs for _, _, end in ops) - m * max(stage_times)
+    forward, backward, weight = _op_times(parts)
+    return _makespan_s(layout.schedule, forward, backward, weight, m, v) - m * max(stage_times)
+
+
+def _op_times(parts: list[dict[str, float]]) -> tuple[tuple[float, ...], ...]:
+    """Per stage, one micro-batch's forward, backward (recomputation included) and weight step through all
+    its chunks, each transfer split between the forward and the backward."""
+    half = [part["p2p_s"] / 2 for part in parts]
+    return (tuple(part["forward_s"] + h for part, h in zip(parts, half)),
+            tuple(part["recompute_s"] + part["backward_s"] + h for part, h in zip(parts, half)),
+            tuple(part.get("weight_s", 0.0) for part in parts))
+
+
+def _bubble_bound_s(parts: list[dict[str, float]], stage_times: list[float], layout: Layout) -> float:
+    """A lower bound of a simulated schedule's bubble (its closed form, for the others): a rank cannot start
+    before the forwards of the chunks ahead of its first one, and then has ``m`` micro-batches of work."""
+    p, m, v = layout.pp, layout.num_microbatches, layout.v
+    if not _simulated(layout):
+        return bubble_s(stage_times, v, m)
+    forward = _op_times(parts)[0]
+    start, latest = 0.0, 0.0
+    for k in range(p):  # chunk k runs on rank k in both the looped and the V orders
+        latest = max(latest, start + m * stage_times[k])
+        start += forward[k] / v
+    return latest - m * max(stage_times)
+
+
+@functools.lru_cache(maxsize=1024)
+def _makespan_s(schedule: str, forward: tuple[float, ...], backward: tuple[float, ...], weight: tuple[float, ...],
+                m: int, v: int) -> float:
+    runs = simulate_pipeline(schedule, forward, backward, m, v, weight)
+    return max(end for ops in runs for _, _, end in ops)
 
 
 def _reductions_per_step(layout: Layout) -> int:
@@ -309,10 +378,13 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
     pp_link = _axis_link(cluster, p, layout.replicas * layout.tp)
     by_key = {k: _unit_load(costs[k], k not in (PRE, POST), layout, dp_link, cp_link, cluster, ctx)
               for k in dict.fromkeys(keys)}
+    if layout.schedule in V_SHAPED and p > 1:  # the first rank holds both ends of the V
+        by_key[PRE], by_key[POST] = by_key[PRE].merged(by_key[POST]), _EMPTY_LOAD
     loads = [by_key[k] for k in keys]
     if prune_above_s is not None and m * sum(x.time_s for x in loads) / p >= prune_above_s:
         return None
-    in_flight = [in_flight_microbatches(layout.schedule, i, p, m, v) for i in range(p)]
+    residue = sum(x.residue_bytes for x in loads) / max(1.0, sum(x.activation_bytes for x in loads))
+    in_flight = [in_flight_microbatches(layout.schedule, i, p, m, v, residue) for i in range(p)]
     tied = _tied_params(costs) if p == 1 else 0.0  # one stage holds both ends: count the shared ones once
     tie_state = ctx.state_bytes(tied, layout.replicas, layout.zero)
     tie_bytes = tie_state + ctx.held_bytes(tied, layout.replicas, layout.zero, p, m)
@@ -325,12 +397,13 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
         split = _split(keys, by_key, loads, in_flight, float("inf"), uniform)
         if split is None:
             return None
-    if v > 1 and not _chunks_fit(split, p, v, len(keys)):
+    if v > 1 and not _chunks_fit(split, p, v, len(keys), layout.schedule in V_SHAPED):
         return None
     fw = ctx.framework
-    stage_times, stages, dp_exposed = [], [], 0.0
+    stage_times, dp_exposed = [], 0.0
     per_stage: list[dict[str, float]] = []
-    for k in range(p):
+    members = _stage_members(keys, split, layout)
+    for k in range(p):  # what the iteration time needs; the stages' details wait until it is not pruned
         a, b = split.boundaries[k], split.boundaries[k + 1]
         units = loads[a:b]
         neighbours = (1 if k > 0 else 0) + (1 if k < p - 1 else 0)
@@ -339,51 +412,53 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
         # one transfer each way per neighbour and micro-batch, for every chunk with interleaving
         p2p = neighbours * _p2p_s(boundary, layout, pp_link, tp_link, ctx) * v if p > 1 else 0.0
         p2p_cost = cluster.overlap_slowdown * p2p if fw.pp_p2p_overlap else p2p
-        local = sum(costs[key].params_local for key in keys[a:b])
+        local = sum(costs[key].params_local for key in members[k])
         accumulate = _grad_accumulation_s(local, layout, cluster, ctx)
         t = sum(x.time_s for x in units) + p2p_cost
         stage_times.append(t)
-        dp_exposed = max(dp_exposed, _dp_sync_exposed(local, sum(x.bwd_s for x in units), sum(x.fwd_s for x in units),
-                                                      layout, dp_link, cluster, ctx))
+        fwd, bwd = sum(x.fwd_s for x in units), sum(x.bwd_s for x in units)
+        dp_exposed = max(dp_exposed, _dp_sync_exposed(local, bwd, fwd, layout, dp_link, cluster, ctx))
+        tp_fwd = sum(x.tp_fwd_s for x in units)
+        cp_fwd = sum(x.cp_fwd_s for x in units)
         per_stage.append({"compute": sum(x.compute_s for x in units), "accumulate": accumulate,
                           "tp": sum(x.tp_s for x in units), "cp": sum(x.cp_s for x in units),
                           "recompute": sum(x.recompute_s for x in units), "p2p": p2p_cost,
-                          "zero3": sum(x.zero3_exposed_s for x in units), "local": local})
-        layer_idx = [i - 1 for i in range(a, b) if 0 < i < len(keys) - 1]
-        layers = (layer_idx[0], layer_idx[-1] + 1) if layer_idx else (0, 0)
-        state = ctx.state_bytes(local, layout.replicas, layout.zero) - tie_state
-        memory = split.stage_memory_bytes[k] - tie_bytes
-        held = sum(x.state_bytes for x in units) - tie_bytes  # the state and the copies held through the step
-        gathered = max(x.gathered_bytes for x in units)
-        tp_fwd = sum(x.tp_fwd_s for x in units)
-        tp_bwd = sum(x.tp_s for x in units) - tp_fwd
-        zero3 = sum(x.zero3_exposed_s for x in units)
-        cp_fwd = sum(x.cp_fwd_s for x in units)
-        cp_bwd = sum(x.cp_s for x in units) - cp_fwd
-        parts = {"forward_s": sum(x.fwd_s for x in units) + tp_fwd + cp_fwd,
-                 "recompute_s": sum(x.recompute_s for x in units),
-                 "backward_s": sum(x.bwd_s for x in units) + tp_bwd + cp_bwd + zero3, "p2p_s": p2p_cost,
-                 "tp_forward_s": tp_fwd, "tp_backward_s": tp_bwd, "cp_forward_s": cp_fwd, "cp_backward_s": cp_bwd,
-                 "zero3_s": zero3}
-        stages.append(StageEstimate(k, (a, b), layers, t, memory, state, memory - held - gathered, gathered,
-                                    tp_bytes(costs, keys[a:b], layout), _summed(costs[key].tp_sync_bytes
-                                                                                for key in keys[a:b]), parts))
+                          "zero3": sum(x.zero3_exposed_s for x in units), "local": local,
+                          "forward": fwd + tp_fwd + cp_fwd, "tp_fwd": tp_fwd, "cp_fwd": cp_fwd, "bwd": bwd,
+                          "weight": sum(x.weight_s for x in units),
+                          "tp_sync": sum(costs[key].tp_sync_s for key in members[k])})
     bottleneck = max(range(p), key=lambda k: stage_times[k])
     bn = per_stage[bottleneck]
     accumulation_s = max(s["accumulate"] for s in per_stage)
     local_opt = max(s["local"] for s in per_stage) / (layout.replicas if layout.zero >= 1 else 1)
     optimizer_s = memory_s(cluster, local_opt * ADAM_BYTES_PER_PARAM)
-    tp_sync = max(sum(costs[key].tp_sync_s for key in keys[s.units[0]:s.units[1]]) for s in stages)
-    bubble = _bubble_s(stages, stage_times, layout)
     breakdown = {
         "compute_s": m * bn["compute"] + optimizer_s + accumulation_s,
-        "tp_comm_s": m * bn["tp"] + tp_sync,
+        "tp_comm_s": m * bn["tp"] + max(s["tp_sync"] for s in per_stage),
         "cp_comm_s": m * bn["cp"],
         "recompute_s": m * bn["recompute"],
         "pp_p2p_s": m * bn["p2p"],
-        "pp_bubble_s": bubble,
+        "pp_bubble_s": 0.0,
         "dp_comm_exposed_s": m * bn["zero3"] + dp_exposed,
     }
+    parts = [_stage_parts(s, layout) for s in per_stage]
+    if prune_above_s is not None and sum(breakdown.values()) + _bubble_bound_s(parts, stage_times, layout) \
+            >= prune_above_s:
+        return None  # slower than the cut-off before its full bubble (which a simulated schedule makes costly)
+    breakdown["pp_bubble_s"] = _bubble_s(parts, stage_times, layout)
+    stages = []
+    for k in range(p):
+        a, b = split.boundaries[k], split.boundaries[k + 1]
+        units = loads[a:b]
+        layer_idx = [i - 1 for i in range(a, b) if 0 < i < len(keys) - 1]
+        layers = (layer_idx[0], layer_idx[-1] + 1) if layer_idx else (0, 0)
+        state = ctx.state_bytes(per_stage[k]["local"], layout.replicas, layout.zero) - tie_state
+        memory = split.stage_memory_bytes[k] - tie_bytes
+        held = sum(x.state_bytes for x in units) - tie_bytes  # the state and the copies held through the step
+        gathered = max(x.gathered_bytes for x in units)
+        stages.append(StageEstimate(k, (a, b), layers, stage_times[k], memory, state, memory - held - gathered,
+                                    gathered, tp_bytes(costs, members[k], layout),
+                                    _summed(costs[key].tp_sync_bytes for key in members[k]), parts[k]))
     iteration = sum(breakdown.values())
     flops = flops or ModelFlops.of(graph)
     model_flops = flops.model_per_sample * global_batch
@@ -396,6 +471,18 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
         tflops_per_gpu=model_flops / iteration / n / 1e12, mfu=model_flops / iteration / n / cluster.peak_flops,
         hfu=hw_flops / iteration / n / cluster.peak_flops, peak_memory_bytes=peak,
         fits=fits and peak <= memory_budget_bytes, breakdown=breakdown, stages=tuple(stages), framework=fw.name)
+
+
+_EMPTY_LOAD = _UnitLoad(**{f.name: 0.0 for f in dataclasses.fields(_UnitLoad)})
+
+
+def _stage_members(keys: list[str], split: StageSplit, layout: Layout) -> list[list[str]]:
+    """The units each pipeline rank holds: its range of the split, and in a V the head on the first rank."""
+    members = [keys[split.boundaries[k]:split.boundaries[k + 1]] for k in range(layout.pp)]
+    if layout.schedule in V_SHAPED and layout.pp > 1:
+        members[-1] = [k for k in members[-1] if k != POST]
+        members[0] = [*members[0], POST]
+    return members
 
 
 def _summed(parts) -> dict[str, float]:
@@ -432,13 +519,15 @@ def _grad_accumulation_s(local_params: float, layout: Layout, cluster: Cluster, 
     return (layout.num_microbatches - 1) * memory_s(cluster, 3 * local_params * fw.main_grad_bytes / shard)
 
 
-def _chunks_fit(split: StageSplit, p: int, v: int, num_units: int) -> bool:
+def _chunks_fit(split: StageSplit, p: int, v: int, num_units: int, v_shaped: bool = False) -> bool:
     """Interleaving cuts every stage into ``v`` chunks: a stage needs ``v`` layers, one fewer at either end
-    of the pipeline, whose first (last) chunk may hold only the embedding (head), as in Llama 3."""
+    of the pipeline, whose first (last) chunk may hold only the embedding (head), as in Llama 3.  In a V
+    both ends are on the first rank."""
     for k in range(p):
         a, b = split.boundaries[k], split.boundaries[k + 1]
         layers = sum(1 for i in range(a, b) if 0 < i < num_units - 1)
-        if layers < v - (1 if k == 0 else 0) - (1 if k == p - 1 else 0):
+        ends = 2 if v_shaped and k == 0 else 0 if v_shaped else (1 if k == 0 else 0) + (1 if k == p - 1 else 0)
+        if layers < v - ends:
             return False
     return True
 
@@ -492,5 +581,6 @@ def _tied_params(costs: dict[str, UnitCost]) -> float:
 def _recompute_flops(costs: dict[str, UnitCost], keys: list[str], layout: Layout, global_batch: int,
                      ctx: PassContext) -> float:
     micro = global_batch / max(1, layout.mbs)  # micro-batches over all dp ranks
-    return micro * sum(layer_recompute(costs[k], layout.recompute, ctx.framework).flops
-                       for k in keys if k not in (PRE, POST))
+    again = 2 if layout.schedule in SPLIT_BACKWARD and layout.pp > 1 else 1  # the weight step recomputes too
+    return again * micro * sum(layer_recompute(costs[k], layout.recompute, ctx.framework).flops
+                               for k in keys if k not in (PRE, POST))

@@ -25,7 +25,8 @@ class Layout:
     num_microbatches: int
     schedule: Schedule
     v: int
-    """Virtual stages (model chunks) per device; > 1 only with the interleaved schedule."""
+    """Model chunks per device: 1, or more with ``interleaved`` and ``interleaved_zb``; 2 (a V) with ``zbv`` and
+    ``dualpipev``."""
     recompute: Recompute
     sp: bool
     zero: int

@@ -2,22 +2,31 @@
 
 Search space (each key can be pinned with ``fixed``):
 
-- mesh ``pp x dp x cp x tp = N``; ``tp`` inside a node (a pinned ``tp`` may cross nodes) and dividing the
-  attention heads; ``cp`` cutting the sequence into ``2 * cp`` equal chunks, where the framework has context
-  parallelism, of at least ``MIN_CP_TOKENS`` tokens per rank unless pinned; ``pp`` at most the number of
-  layers;
+- mesh ``pp x dp x cp x tp = N``; ``tp`` tiling an NVLink domain (a node, or a rack-scale domain such as
+  GB200 NVL72's), across domains only where the network is nearly as fast (``tensor_parallel_degrees``;
+  a pinned ``tp`` may cross them anyway), and dividing the attention heads; ``cp`` cutting the sequence
+  into ``2 * cp`` equal chunks, where the framework has context parallelism, of at least
+  ``MIN_CP_TOKENS`` tokens per rank unless pinned (it may span domains: its traffic is the keys and
+  values of a long sequence); ``pp`` at most the number of layers;
 - micro-batch size ``mbs`` (divisors of ``global_batch / dp`` up to 16) and so ``m = B / (dp * mbs)``;
 - schedule: GPipe, 1F1B (``m >= pp``, as ``Schedule1F1B`` requires), interleaved 1F1B with ``v`` in
   {2, 4, 8} (any ``v`` when pinned) wherever ``ScheduleInterleaved1F1B`` accepts it (``m`` a multiple of
   ``max(1, m // pp)``) and every stage holds ``v`` chunks (the layers need not divide ``pp * v``; the end
-  stages may hold one layer fewer); with one stage there is no pipeline;
+  stages may hold one layer fewer); the zero-bubble schedules where the framework runs them:
+  ``interleaved_zb`` (``v`` in {1, 2, 4, 8}, the same rule), ``zbv`` and ``dualpipev`` (two chunks per
+  rank in a V: ``v = 2``, at least ``2 pp`` layers; ``dualpipev`` also ``m >= 2 pp``), none of them with
+  per-op checkpointing (its selective-checkpoint regions refuse the weight step's second backward pass)
+  or ZeRO-3 (``PipelineStage`` collects the weights for the weight step from the module's registered
+  parameters, which are the sharded ones once ZeRO-3 resharded a block after its forward);
+  with one stage there is no pipeline;
 - recomputation none / selective / op / full, sequence parallelism on/off (with ``tp > 1``), ZeRO 0-3
   (with ``dp > 1``).
 
 Unit costs depend only on ``(tp, mbs, sp)``.  The intra-op ILP chooses strategies per ``(tp, sp)`` at a
 few reference micro-batch sizes, twice (fastest, and fastest among the leanest in memory); every layout
-reuses them, re-costed at its own micro-batch size; the rest is arithmetic plus the stage DP.  Layouts
-whose perfectly balanced lower bound cannot beat the K-th best so far skip the DP.
+reuses them, re-costed at its own micro-batch size; the rest is arithmetic plus the stage DP.  Layouts are
+estimated best first, in the order of their perfectly balanced lower bound, until that bound cannot beat
+the K-th best so far.
 """
 
 from __future__ import annotations
@@ -32,13 +41,14 @@ from typing import Any
 from autopar.cluster import Cluster, MeshSpec
 from autopar.errors import AutoparError
 from autopar.framework import DEFAULT_FRAMEWORK, Framework, load_framework
-from autopar.inter_op.estimate import Estimate, ModelFlops, estimate_layout
+from autopar.inter_op.estimate import Estimate, ModelFlops, estimate_layout, layer_recompute
 from autopar.inter_op.layout import RECOMPUTE, Layout
-from autopar.inter_op.unit_costs import UnitCost, solve_tp, unit_costs, unit_sequence
+from autopar.inter_op.unit_costs import POST, PRE, UnitCost, solve_tp, unit_costs, unit_sequence
 from autopar.intra_op.strategies import R, Strategy, param_tp_placements
 from autopar.ir import OpGraph
 from autopar.passes.context import PassContext
 from autopar.solvers.ilp import Backend
+from autopar.solvers.pipeline import MULTI_CHUNK, SPLIT_BACKWARD, V_SHAPED
 
 MAX_MBS = 16
 #: A bound on the search space, not physics: context parallelism is offered unpinned only while every rank
@@ -183,16 +193,32 @@ def check_fixed(graph: OpGraph, cluster: Cluster, global_batch: int, fixed: dict
         raise AutoparError(f"global batch {global_batch} is not divisible by dp={fixed['dp']}")
     if "dp" in fixed and "mbs" in fixed and global_batch % (fixed["dp"] * fixed["mbs"]):
         raise AutoparError(f"global batch {global_batch} is not divisible by dp*mbs = {fixed['dp'] * fixed['mbs']}")
-    if fixed.get("v", 1) > 1 and fixed.get("schedule", "interleaved") != "interleaved":
-        raise AutoparError("v > 1 needs schedule=interleaved")
-    if fixed.get("schedule") == "interleaved" and fixed.get("pp", 2) > 1 and all(k in fixed for k in ("dp", "mbs")):
-        pp, v = fixed.get("pp", 1), fixed.get("v")
+    schedule = fixed.get("schedule")
+    if fixed.get("v", 1) > 1 and (schedule or "interleaved") not in MULTI_CHUNK:
+        raise AutoparError(f"v > 1 needs a schedule with several chunks per rank ({', '.join(sorted(MULTI_CHUNK))})")
+    if schedule in V_SHAPED and fixed.get("v", 2) != 2:
+        raise AutoparError(f"schedule={schedule} holds exactly 2 chunks per rank (v=2)")
+    if schedule in SPLIT_BACKWARD and fixed.get("recompute") == "op":
+        raise AutoparError(f"schedule={schedule} splits the backward into two autograd passes, which per-op "
+                           "checkpointing (recompute=op) refuses; use recompute=full, selective or none")
+    if schedule in SPLIT_BACKWARD and fixed.get("zero") == 3:
+        raise AutoparError(f"schedule={schedule} runs each weight step after its blocks were resharded by ZeRO-3, "
+                           "and torch's weight step then misses their weights; use zero 0-2")
+    layers = max(1, len(graph.layers))
+    if schedule in V_SHAPED and "pp" in fixed and layers < 2 * fixed["pp"]:
+        raise AutoparError(f"schedule={schedule} puts 2 chunks on each of pp={fixed['pp']} ranks: it needs at "
+                           f"least {2 * fixed['pp']} layers, the model has {layers}")
+    if schedule in MULTI_CHUNK and fixed.get("pp", 2) > 1 and all(k in fixed for k in ("dp", "mbs")):
+        pp, v = fixed.get("pp", 1), fixed.get("v", 2 if schedule in V_SHAPED else None)
         m = global_batch // (fixed["dp"] * fixed["mbs"])
-        if "pp" in fixed and m % max(1, m // pp):
-            raise AutoparError(f"interleaving {m} micro-batches over pp={pp} needs m to be a multiple of "
-                               f"max(1, m // pp) = {max(1, m // pp)} (torch's ScheduleInterleaved1F1B)")
-        layers = max(1, len(graph.layers))
-        if "pp" in fixed and v and layers < pp * v - 2:
+        torch_name = {"interleaved": "ScheduleInterleaved1F1B", "interleaved_zb": "ScheduleInterleavedZeroBubble"}
+        if "pp" in fixed and schedule in torch_name and m % max(1, m // pp):
+            raise AutoparError(f"{m} micro-batches over pp={pp} with schedule={schedule} need m to be a multiple "
+                               f"of max(1, m // pp) = {max(1, m // pp)} (torch's {torch_name[schedule]})")
+        if "pp" in fixed and schedule == "dualpipev" and m < 2 * pp:
+            raise AutoparError(f"schedule=dualpipev needs at least 2 * pp = {2 * pp} micro-batches, the layout "
+                               f"has {m} (torch's ScheduleDualPipeV)")
+        if "pp" in fixed and v and schedule not in V_SHAPED and layers < pp * v - 2:
             raise AutoparError(f"interleaving v={v} chunks on pp={pp} stages needs at least {pp * v - 2} layers, "
                                f"the model has {layers}")
 
@@ -210,13 +236,29 @@ def layouts(graph: OpGraph, cluster: Cluster, global_batch: int, fixed: dict[str
 
     seq = graph.seq_len
     cps = [d for d in divisors(n) if seq % (2 * d) == 0 and seq // d >= MIN_CP_TOKENS] if fw.context_parallel else []
-    for tp in allowed("tp", [d for d in divisors(n) if d <= cluster.gpus_per_node]):
+    for tp in allowed("tp", tensor_parallel_degrees(cluster)):
         if any(h % tp for h in heads):
             continue
         for cp in allowed("cp", [1] + [d for d in cps if d > 1 and (n // tp) % d == 0]):
             if (n // tp) % cp:
                 continue
             yield from _layouts_at(n // (tp * cp), tp, cp, layers, global_batch, fixed, fw, allowed)
+
+
+#: Tensor parallelism is searched across NVLink domains only where the network gives a rank at least this
+#: share of the bus bandwidth NVLink gives it: every layer's activations cross the tp group several times
+#: per micro-batch, and on a slower network the layouts that do so never win (a pinned tp may still cross).
+TP_ACROSS_DOMAINS_BANDWIDTH_SHARE = 0.5
+
+
+def tensor_parallel_degrees(cluster: Cluster) -> list[int]:
+    """The tp degrees the search offers: the divisors of an NVLink domain (a node, or a rack-scale domain),
+    whose groups never straddle two domains, and whole domains where the network is nearly as fast as NVLink."""
+    domain = cluster.nvlink_domain
+    nvlink = cluster.intra_node_bandwidth_bytes_per_s * cluster.intra_node_collective_efficiency
+    network = cluster.nic_bandwidth_per_gpu_bytes_per_s * cluster.inter_node_collective_efficiency
+    across = network >= TP_ACROSS_DOMAINS_BANDWIDTH_SHARE * nvlink
+    return [d for d in divisors(cluster.gpus) if domain % d == 0 or (across and d % domain == 0)]
 
 
 def _layouts_at(rest: int, tp: int, cp: int, layers: int, global_batch: int, fixed: dict[str, Any], fw: Framework,
@@ -235,8 +277,12 @@ def _layouts_at(rest: int, tp: int, cp: int, layers: int, global_batch: int, fix
             for sp in allowed("sp", [False, True] if tp > 1 and fw.sequence_parallel else [False]):
                 for schedule, v in _schedules(pp, m, layers, fixed, fw):
                     for recompute in allowed("recompute", list(RECOMPUTE)):
+                        if recompute == "op" and schedule in SPLIT_BACKWARD and pp > 1:
+                            continue  # selective-checkpoint regions refuse the weight step's second pass
                         zeros = [z for z in (0, 1, 2, 3) if fw.zero_allowed(z, pp)] if dp > 1 else [0]
                         for zero in allowed("zero", zeros):
+                            if zero == 3 and schedule in SPLIT_BACKWARD and pp > 1:
+                                continue  # the weight step would not find the resharded blocks' weights
                             yield Layout(dp=dp, tp=tp, pp=pp, mbs=mbs, num_microbatches=m, schedule=schedule,
                                          v=v, recompute=recompute, sp=sp, zero=zero, cp=cp)
 
@@ -258,6 +304,11 @@ def _schedules(pp: int, m: int, layers: int, fixed: dict[str, Any], fw: Framewor
         options = [("gpipe", 1)] + ([("1f1b", 1)] if m >= pp else [])
         vs = [fixed["v"]] if fixed.get("v", 1) > 1 else list(INTERLEAVE_V)
         options += [("interleaved", v) for v in vs if interleaving_runs(pp, m, layers, v)]
+        zb_vs = [fixed["v"]] if "v" in fixed else [1, *INTERLEAVE_V]
+        options += [("interleaved_zb", v) for v in zb_vs
+                    if m % max(1, m // pp) == 0 and (v == 1 or interleaving_runs(pp, m, layers, v))]
+        if layers >= 2 * pp:
+            options += [("zbv", 2)] + ([("dualpipev", 2)] if m >= 2 * pp else [])
         if "schedule" not in fixed:  # the framework's own schedules, unless one is pinned
             options = [o for o in options if o[0] in fw.schedules]
     if "schedule" in fixed:
@@ -283,13 +334,20 @@ def runtime_runs(layout: Layout, shards_parameters: bool) -> bool:
 
 
 def _lower_bound(costs: dict[str, UnitCost], sequence: list[str], layout: Layout, ctx: PassContext) -> float:
-    """Iteration time if every stage were perfectly balanced and nothing else cost anything."""
-    hidden_tp = ctx.framework.tp_comm_overlap and layout.sp
+    """Iteration time if every stage were perfectly balanced and nothing but compute, exposed tp
+    communication and recomputation cost anything."""
+    fw = ctx.framework
+    hidden_tp = fw.tp_comm_overlap and layout.sp
+    again = 2 if layout.schedule in SPLIT_BACKWARD and layout.pp > 1 else 1  # the weight step recomputes too
     counts: dict[str, int] = {}
     for k in sequence:
         counts[k] = counts.get(k, 0) + 1
-    total = sum(n * (costs[k].fwd_s + costs[k].bwd_s + (0.0 if hidden_tp else costs[k].tp_fwd_s + costs[k].tp_bwd_s))
-                for k, n in counts.items())
+    total = 0.0
+    for k, n in counts.items():
+        u = costs[k]
+        tp = 0.0 if hidden_tp else u.tp_fwd_s + u.tp_bwd_s
+        rerun = again * layer_recompute(u, layout.recompute, fw).time_s if k not in (PRE, POST) else 0.0
+        total += n * (u.fwd_s + u.bwd_s + tp + rerun)
     return layout.num_microbatches * total / (layout.pp * layout.cp)
 
 
@@ -311,31 +369,47 @@ def search(graph: OpGraph, cluster: Cluster, ctx: PassContext, global_batch: int
     sequence = unit_sequence(graph)
     flops = ModelFlops.of(graph)
     fitting: list[Candidate] = []
-    spill: list[Candidate] = []
+    spill: list[Candidate] = []  # filled only when nothing fits
     evaluated = 0
+    # best first: every layout's perfectly balanced bound, then the layouts in its order, until the bound of
+    # the next one cannot beat the K-th best found (the rest cannot either)
+    queue: list[tuple[float, tuple, str, Layout]] = []
     for layout in layouts(graph, cluster, global_batch, fixed, ctx.framework):
         for variant in VARIANTS if layout.tp > 1 else VARIANTS[:1]:
             costs, strategies = cache.get(layout.tp, layout.mbs, layout.sp, variant)
-            if not runtime_runs(layout, cache.shards_parameters(strategies)):
-                continue
-            cutoff = fitting[top_k - 1].estimate.iteration_time_s if len(fitting) >= top_k else None
-            if cutoff is not None and _lower_bound(costs, sequence, layout, ctx) >= cutoff:
-                continue
-            est = estimate_layout(graph, costs, layout, global_batch, cluster, ctx, memory_budget_bytes, flops,
-                                  allow_spill=not fitting, prune_above_s=cutoff)
+            if runtime_runs(layout, cache.shards_parameters(strategies)):
+                queue.append((_lower_bound(costs, sequence, layout, ctx), _layout_key(layout), variant, layout))
+    queue.sort(key=lambda q: q[:3])
+    for bound, _, variant, layout in queue:
+        costs, strategies = cache.get(layout.tp, layout.mbs, layout.sp, variant)
+        cutoff = fitting[top_k - 1].estimate.iteration_time_s if len(fitting) >= top_k else None
+        if cutoff is not None and bound >= cutoff:
+            break
+        est = estimate_layout(graph, costs, layout, global_batch, cluster, ctx, memory_budget_bytes, flops,
+                              allow_spill=False, prune_above_s=cutoff)
+        evaluated += 1
+        if progress is not None:
+            progress(f"searching layouts: {evaluated} evaluated")
+        if est is not None and est.fits and (accept is None or accept(est, strategies)):
+            _keep(fitting, Candidate(est, variant, strategies, cache.alternatives(strategies)), top_k, _rank)
+    if not fitting:  # nothing fits: of the fastest layouts, marked as not fitting, the leanest
+        for _, _, variant, layout in queue:
+            costs, strategies = cache.get(layout.tp, layout.mbs, layout.sp, variant)
+            est = estimate_layout(graph, costs, layout, global_batch, cluster, ctx, memory_budget_bytes, flops)
             evaluated += 1
-            if progress is not None:
-                progress(f"searching layouts: {evaluated} evaluated")
-            if est is None or (accept is not None and not accept(est, strategies)):
-                continue
-            bucket = fitting if est.fits else spill
-            bucket.append(Candidate(est, variant, strategies, cache.alternatives(strategies)))
-            bucket.sort(key=_rank)
-            del bucket[max(top_k, 1) * 4:]
+            if est is not None and (accept is None or accept(est, strategies)):
+                _keep(spill, Candidate(est, variant, strategies, cache.alternatives(strategies)), top_k, _rank)
     chosen = _distinct(fitting, top_k) if fitting else _distinct(sorted(spill, key=_spill_rank), top_k)
     status = "feasible" if cache.statuses - {"optimal"} else "optimal"
     return SearchResult(chosen, evaluated, cache.solves - solves_before, time.perf_counter() - t0, status,
                         cache.gap if status != "optimal" else 0.0)
+
+
+def _keep(bucket: list[Candidate], candidate: Candidate, top_k: int, rank: Callable[[Candidate], tuple]) -> None:
+    """Add ``candidate`` to ``bucket``, kept sorted by ``rank`` and a few times ``top_k`` long."""
+    bucket.append(candidate)
+    bucket.sort(key=rank)
+    del bucket[max(top_k, 1) * 4:]
 
 
 def _layout_key(layout: Layout) -> tuple:

@@ -12,6 +12,7 @@ from autopar.ir import OpGraph
 from autopar.modelfile import ZOO, locate
 from autopar.passes.context import PassContext
 from autopar.plan_file import Plan, model_fingerprint
+from autopar.solvers.pipeline import V_SHAPED, rank_of_chunk
 
 MESH_AXES = ("pp", "dp", "cp", "tp")
 
@@ -38,24 +39,44 @@ def interleaved_chunks(layers_per_stage: list[int], v: int) -> list[tuple[int, i
     return chunks
 
 
+def v_chunks(layers_per_stage: list[int]) -> list[tuple[int, int]]:
+    """Layer ranges of the ``2p`` chunks of a V (rank ``k`` runs chunks ``k`` and ``2p - 1 - k``), each rank's
+    layers halved between its two chunks, the odd one on its way down (the first rank's way up ends in the
+    head, its way down starts at the embedding, which costs less)."""
+    p = len(layers_per_stage)
+    sizes = [0] * (2 * p)
+    for k, n in enumerate(layers_per_stage):
+        sizes[k], sizes[2 * p - 1 - k] = n - n // 2, n // 2
+    chunks, start = [], 0
+    for n in sizes:
+        chunks.append((start, start + n))
+        start += n
+    return chunks
+
+
 def _chunks_of(est: Estimate) -> list[tuple[int, int]]:
     lay = est.layout
     counts = [s.layers[1] - s.layers[0] for s in est.stages]
+    if lay.schedule in V_SHAPED and lay.pp > 1:
+        return v_chunks(counts)
     if lay.v == 1:
         return [tuple(s.layers) for s in est.stages]
     return interleaved_chunks(counts, lay.v)
 
 
-def _param_stages(graph: OpGraph, est: Estimate) -> dict[str, int]:
-    """FQN -> the stage that owns it (tied parameters: the first stage that uses them)."""
+def _param_stages(graph: OpGraph, est: Estimate) -> dict[str, list[int]]:
+    """FQN -> the pipeline ranks that hold a copy of it (the first owns it; a tied parameter has a copy on
+    the ranks of the first and the last chunk, one rank in a V)."""
     keys = unit_sequence(graph)
-    p = est.layout.pp
-    stage_of_unit = {0: 0, len(keys) - 1: p - 1}
-    for c, (lo, hi) in enumerate(_chunks_of(est)):
+    lay = est.layout
+    chunks = _chunks_of(est)
+    stage_of_unit = {0: rank_of_chunk(lay.schedule, 0, lay.pp),
+                     len(keys) - 1: rank_of_chunk(lay.schedule, len(chunks) - 1, lay.pp)}
+    for c, (lo, hi) in enumerate(chunks):
         for layer in range(lo, hi):
-            stage_of_unit[1 + layer] = c % p
+            stage_of_unit[1 + layer] = rank_of_chunk(lay.schedule, c, lay.pp)
     first_layer_unit = 1
-    out: dict[str, int] = {}
+    out: dict[str, list[int]] = {}
     seen_layer = False
     for n in graph.ops():
         if n.layer is not None:
@@ -66,7 +87,9 @@ def _param_stages(graph: OpGraph, est: Estimate) -> dict[str, int]:
         for r in tensor_refs(n):
             src = graph[r.name]
             if src.kind == "param":
-                out.setdefault(src.target, stage_of_unit[unit])
+                ranks = out.setdefault(src.target, [])
+                if stage_of_unit[unit] not in ranks:
+                    ranks.append(stage_of_unit[unit])
     return out
 
 
@@ -81,17 +104,21 @@ def build_plan(*, graph: OpGraph, model_ref: str, config: dict[str, Any], cluste
     for fqn, p in sorted(graph.params.items()):
         # ZeRO shards over dp x cp (the ranks that hold the same weights); the plan names it on dp
         placements = {"dp": "S(0)" if lay.zero >= 3 and lay.replicas > 1 else R, "tp": tp_place.get(fqn, R)}
-        parameters[fqn] = {"shape": list(p.shape), "dtype": p.dtype, "stage": stages_of.get(fqn, 0),
-                           "placements": placements, "aliases": list(p.aliases)}
+        ranks = stages_of.get(fqn, [0])
+        parameters[fqn] = {"shape": list(p.shape), "dtype": p.dtype, "stage": ranks[0], "placements": placements,
+                           "aliases": list(p.aliases)}
+        if p.aliases:  # the pipeline ranks holding a copy (their gradients are summed)
+            parameters[fqn]["stages"] = ranks
     keys = unit_sequence(graph)
     per_stage = lay.dp * lay.cp * lay.tp
     chunks = _chunks_of(estimate)
     stages = []
+    stage_to_rank = [rank_of_chunk(lay.schedule, c, lay.pp) for c in range(len(chunks))]
     for s in estimate.stages:
-        own = [list(c) for i, c in enumerate(chunks) if i % lay.pp == s.index]
+        own = [list(c) for i, c in enumerate(chunks) if stage_to_rank[i] == s.index]
         stages.append({
-            "index": s.index, "layers": list(s.layers) if lay.v == 1 else None, "chunks": own,
-            "has_embedding": s.units[0] == 0, "has_head": s.units[1] == len(keys),
+            "index": s.index, "layers": list(s.layers) if len(chunks) == lay.pp else None, "chunks": own,
+            "has_embedding": stage_to_rank[0] == s.index, "has_head": stage_to_rank[-1] == s.index,
             "ranks": [s.index * per_stage, (s.index + 1) * per_stage],
             "micro_batch": lay.mbs, "recompute": lay.recompute,
             "estimated_time_per_microbatch_s": s.time_s, "estimated_memory_bytes": s.memory_bytes,
@@ -126,7 +153,8 @@ def build_plan(*, graph: OpGraph, model_ref: str, config: dict[str, Any], cluste
         model=model, cluster=cluster.to_dict(), global_batch=global_batch, seq_len=graph.seq_len,
         mesh={"axes": list(MESH_AXES), "shape": [lay.pp, lay.dp, lay.cp, lay.tp]}, layout=lay.to_dict(),
         stages=stages, schedule={"name": lay.schedule, "virtual_stages": lay.v,
-                                 "num_microbatches": lay.num_microbatches, "chunks": [list(c) for c in chunks]},
+                                 "num_microbatches": lay.num_microbatches, "chunks": [list(c) for c in chunks],
+                                 "stage_to_rank": stage_to_rank},
         zero=lay.zero, parameters=parameters, op_strategies=ops,
         estimate={**estimate.to_dict(), **({"memory_limit_bytes": memory_limit_bytes} if memory_limit_bytes else {})},
         attention=ctx.attention,

@@ -27,6 +27,7 @@ from autopar.intra_op.sharding_costs import (
     redistribute_collectives,
     saved_bytes,
     shard_factor,
+    weight_grad_s,
 )
 from autopar.intra_op.strategies import AxisStrategy, R, Strategy, tensor_refs
 from autopar.ir import Node, OpGraph, Ref, TensorInfo
@@ -73,6 +74,9 @@ class UnitCost:
     largest_module_params: float = 0.0  # elements one device holds of the largest of them
     attention_kv_bytes: float = 0.0  # the keys and values attention reads, on one device: what context
     # parallelism gathers over its ranks (and reduce-scatters the gradients of)
+    bwd_weight_s: float = 0.0  # the weight-gradient products in ``bwd_s``: a split backward's weight step
+    weight_grad_residue_bytes: float = 0.0  # the output gradients of the ops with parameters, which a split
+    # backward keeps from its input step to its weight step (``stage_backward_input``'s param groups)
     params_local: float = field(init=False)  # elements one device holds of all of them (read per layout)
 
     def __post_init__(self) -> None:
@@ -306,7 +310,7 @@ def _unit_cost(graph: OpGraph, names: list[str], strategies: dict[str, Strategy]
     products = 0
     op_recompute = op_saved = op_recompute_flops = transient = 0.0
     modules: dict[str, float] = {}
-    fwd = bwd = tp_sync = attn_s = attn_bytes = 0.0
+    fwd = bwd = tp_sync = attn_s = attn_bytes = bwd_weight = residue = 0.0
     edges = _Reshards(mesh, mbs, ctx)
     sync_bytes: dict[str, float] = {}
     act = 0.0
@@ -320,6 +324,9 @@ def _unit_cost(graph: OpGraph, names: list[str], strategies: dict[str, Strategy]
         f, b = compute_s(node, graph, strat, mesh, mbs, cluster, ctx)
         reruns = i <= stop
         fwd, bwd = fwd + f, bwd + b
+        bwd_weight += min(b, weight_grad_s(node, graph, strat, mesh, mbs, cluster))
+        if any(graph[r.name].kind == "param" and graph.tensor(r).requires_grad for r in tensor_refs(node)):
+            residue += _output_bytes(graph, node, strat, mesh, mbs, ctx)
         flops = node.annotations["flops"].fwd * graph.scale(node, mbs)
         fwd_flops += flops
         if node.op in ATTENTION_OPS:
@@ -335,9 +342,7 @@ def _unit_cost(graph: OpGraph, names: list[str], strategies: dict[str, Strategy]
             attn_module_s += f
             attn_module_flops += flops
         if _op_checkpoint_saves(node.op, products):
-            op_saved += sum(o.numel_at(mbs) * graph.width(o, ctx.precision.activation_bytes)
-                            / shard_factor(tuple(ax.outputs[j] for ax in strat), mesh)
-                            for j, o in enumerate(node.outputs) if o is not None)
+            op_saved += _output_bytes(graph, node, strat, mesh, mbs, ctx)
         elif reruns:
             op_recompute += f
             op_recompute_flops += flops
@@ -386,7 +391,15 @@ def _unit_cost(graph: OpGraph, names: list[str], strategies: dict[str, Strategy]
                     full_recompute_s=full_recompute, full_recompute_flops=full_recompute_flops,
                     op_recompute_s=op_recompute, op_saved_bytes=input_bytes + op_saved,
                     op_recompute_flops=op_recompute_flops, transient_bytes=transient, param_modules=len(modules),
-                    largest_module_params=max(modules.values(), default=0.0), attention_kv_bytes=kv_bytes)
+                    largest_module_params=max(modules.values(), default=0.0), attention_kv_bytes=kv_bytes,
+                    bwd_weight_s=bwd_weight, weight_grad_residue_bytes=residue)
+
+
+def _output_bytes(graph: OpGraph, node: Node, strat: Strategy, mesh: MeshSpec, mbs: int, ctx: PassContext) -> float:
+    """What ``node``'s outputs occupy on one device."""
+    return sum(o.numel_at(mbs) * graph.width(o, ctx.precision.activation_bytes)
+               / shard_factor(tuple(ax.outputs[j] for ax in strat), mesh)
+               for j, o in enumerate(node.outputs) if o is not None)
 
 
 def _input_bytes(graph: OpGraph, node: Node, strat: Strategy, mesh: MeshSpec, mbs: int, ctx: PassContext,

@@ -331,6 +331,27 @@ def product_gemms(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec
     return fwd, bwd
 
 
+def weight_grad_s(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec, batch: int,
+                  cluster: Cluster) -> float:
+    """Time of the products that make ``node``'s parameter gradients (``X^T dY`` of a linear): the part of its
+    backward a split-backward pipeline schedule defers to its weight step.  Other ops' parameter gradients
+    (norm scales, embedding rows) are memory-bound slivers of their backward and stay with it."""
+    gemms = product_gemms(node, graph, strategy, mesh, batch)
+    if gemms is None:
+        return 0.0
+    refs = tensor_refs(node)
+    a, b = graph.tensor(refs[0]), graph.tensor(refs[1])
+    bwd = list(gemms[1])
+    weights = []
+    if a.requires_grad:
+        g = bwd.pop(0)
+        if graph[refs[0].name].kind == "param":
+            weights.append(g)
+    if b.requires_grad and graph[refs[1].name].kind == "param":
+        weights.append(bwd[0])
+    return sum(gemm_s(cluster, g.m, g.n, g.k, g.batch) for g in weights)
+
+
 def _attention_s(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec, batch: int, cluster: Cluster,
                  ctx: PassContext, split: int, fwd_bytes: float, bwd_bytes: float) -> tuple[float, float]:
     """Attention: a flash kernel at its efficiency on the FLOPs it executes, or unfused products and passes."""

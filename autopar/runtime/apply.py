@@ -33,7 +33,7 @@ from autopar.errors import AutoparError
 from autopar.plan_file import Plan
 from autopar.runtime.materialize import build_on_meta
 from autopar.runtime.parallelize import MESH_DIMS, context_of, parallelize
-from autopar.runtime.pipeline import tied_pairs
+from autopar.runtime.pipeline import rank_chunks, tied_pairs
 from autopar.runtime.stages import stage_layer_ranges
 from autopar.runtime.styles import StyleSpec
 from autopar.runtime.tensor_parallel import runs_loss_parallel, tp_style_specs, tp_styles
@@ -139,7 +139,7 @@ def apply(plan: Plan, loss_fn: Callable[..., torch.Tensor] | None = None, *,
     context = context_of(mesh, plan.seq_len)
     ranges = [tuple(r) for r in stage_layer_ranges(plan)]
     pp_rank = mesh.get_local_rank("pp")
-    chunks = list(range(pp_rank, len(ranges), shape.pp)) if shape.pp > 1 else [0]
+    chunks = rank_chunks(plan.layout["schedule"], pp_rank, shape.pp, len(ranges))
     tied = tied_pairs(plan)
     parts = parallelize(build, mesh, device, seed, stage_layers=ranges, chunks=chunks,
                         container=plan.model.get("layer_container"),

@@ -23,7 +23,7 @@ What the model must let the runtime see:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,15 +133,30 @@ class ContextParallelAttention(TorchFunctionMode):
         return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout_p, **rest)
 
 
-@contextlib.contextmanager
-def recompute_context() -> Iterator[None]:
+class RecomputeContext(contextlib.AbstractContextManager):
     """The context a checkpointed region recomputes in (``torch.utils.checkpoint``'s ``context_fn``, made in
     forward and entered in backward): the context-parallel attention of the step whose backward runs, unless
-    it is active already."""
-    active = any(isinstance(m, ContextParallelAttention) for m in _get_current_function_mode_stack())
-    outer = _ACTIVE[-1] if _ACTIVE and not active else None
-    with ContextParallelAttention(outer.cp, outer.mask) if outer is not None else contextlib.nullcontext():
-        yield
+    it is active already.  It may be entered more than once: a split backward (the zero-bubble pipeline
+    schedules) recomputes a region for its input step and again for its weight step."""
+
+    def __init__(self) -> None:
+        self._entered: list[contextlib.ExitStack] = []
+
+    def __enter__(self) -> None:
+        stack = contextlib.ExitStack()
+        active = any(isinstance(m, ContextParallelAttention) for m in _get_current_function_mode_stack())
+        outer = _ACTIVE[-1] if _ACTIVE and not active else None
+        if outer is not None:
+            stack.enter_context(ContextParallelAttention(outer.cp, outer.mask))
+        self._entered.append(stack)
+
+    def __exit__(self, *exc: object) -> bool | None:
+        return self._entered.pop().__exit__(*exc)
+
+
+def recompute_context() -> RecomputeContext:
+    """A fresh ``RecomputeContext``."""
+    return RecomputeContext()
 
 
 def shard_sequence_buffers(part: nn.Module, cp: ContextParallel) -> None:

@@ -1,7 +1,12 @@
 """Drive a torch pipelining schedule over this rank's stages (built by ``autopar.runtime.stages``).
 
-Tied parameters shared by the first and last stage (embedding and head) get one copy per stage; their
-gradients are summed over a dedicated group of the two ranks before the optimizer step.
+The plan's schedule names torch's class (``SCHEDULE_CLASSES``) and its stage-to-rank mapping: chunks loop
+over the ranks (chunk ``c`` on rank ``c % pp``), or form a V for ``zbv`` and ``dualpipev`` (rank ``k``
+holds chunks ``k`` and ``2 pp - 1 - k``, so the first rank holds the first and the last chunk).
+
+Tied parameters shared by the first and last chunk (embedding and head) get one copy per chunk; their
+gradients are summed before the optimizer step: over a dedicated group of the two ranks, or on the rank
+itself when a V puts both chunks there.
 """
 
 from __future__ import annotations
@@ -14,6 +19,19 @@ from torch import nn
 
 from autopar.plan_file import Plan
 from autopar.runtime.materialize import clean_fqn
+from autopar.solvers.pipeline import MULTI_CHUNK, rank_of_chunk
+
+#: The plan's schedule names -> torch's schedule classes (``torch.distributed.pipelining.schedules``).
+SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
+                    "interleaved_zb": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble",
+                    "dualpipev": "ScheduleDualPipeV"}
+
+
+def rank_chunks(schedule: str, pp_rank: int, pp: int, num_chunks: int) -> list[int]:
+    """The model chunks pipeline rank ``pp_rank`` runs, in order."""
+    if pp == 1:
+        return [0]
+    return [c for c in range(num_chunks) if rank_of_chunk(schedule, c, pp) == pp_rank]
 
 
 def tied_pairs(plan: Plan) -> list[tuple[str, str]]:
@@ -28,7 +46,7 @@ class PipelineRunner:
     def __init__(self, modules: list[nn.Module], chunks: list[int], num_chunks: int, schedule: str,
                  num_microbatches: int, loss_fn: Callable[..., torch.Tensor], mesh: object, device: torch.device,
                  tied: list[tuple[str, str]]) -> None:
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+        from torch.distributed.pipelining import PipelineStage, schedules
 
         self.modules, self.mesh, self.device, self.tied = modules, mesh, device, tied
         self.pp = mesh["pp"].size()
@@ -36,22 +54,21 @@ class PipelineRunner:
         self.stages = [PipelineStage(m, c, num_chunks, device, group=group) for m, c in zip(modules, chunks)]
         self.has_first = 0 in chunks
         self.has_last = num_chunks - 1 in chunks
-        n = num_microbatches
-        if schedule == "interleaved":
-            self.schedule = ScheduleInterleaved1F1B(self.stages, n_microbatches=n, loss_fn=loss_fn)
-        elif schedule == "gpipe":
-            self.schedule = ScheduleGPipe(self.stages[0], n_microbatches=n, loss_fn=loss_fn)
-        else:
-            self.schedule = Schedule1F1B(self.stages[0], n_microbatches=n, loss_fn=loss_fn)
+        self.first_rank = rank_of_chunk(schedule, 0, self.pp)  # pipeline ranks of the first and last chunk
+        self.last_rank = rank_of_chunk(schedule, num_chunks - 1, self.pp)
+        cls = getattr(schedules, SCHEDULE_CLASSES[schedule])
+        stages = self.stages if schedule in MULTI_CHUNK else self.stages[0]
+        self.schedule = cls(stages, n_microbatches=num_microbatches, loss_fn=loss_fn)
         self._tie_group = self._make_tie_group()
 
     def _make_tie_group(self) -> dist.ProcessGroup | None:
-        """One group per (dp, tp) coordinate of the first and last pipeline ranks; every rank creates all."""
-        if not self.tied or self.pp == 1:
+        """One group per (dp, cp, tp) coordinate of the ranks of the first and last chunk; every rank creates
+        all.  None when they are one rank (a V): the copies are summed in place."""
+        if not self.tied or self.pp == 1 or self.first_rank == self.last_rank:
             return None
         mine = None
-        ranks = self.mesh.mesh  # [pp, dp, tp] tensor of global ranks
-        for first, last in zip(ranks[0].flatten().tolist(), ranks[-1].flatten().tolist()):
+        ranks = self.mesh.mesh  # [pp, dp, cp, tp] tensor of global ranks
+        for first, last in zip(ranks[self.first_rank].flatten().tolist(), ranks[self.last_rank].flatten().tolist()):
             g = dist.new_group([first, last])
             if dist.get_rank() in (first, last):
                 mine = g
@@ -79,15 +96,22 @@ class PipelineRunner:
             self.schedule.step()
         losses = [x.full_tensor() if hasattr(x, "full_tensor") else x for x in losses]  # under loss_parallel
         loss = torch.stack(losses).mean().detach().float() if losses else torch.zeros((), device=self.device)
-        pp_group = self.mesh["pp"].get_group()  # the last stage knows the loss: share it along the pipeline
-        dist.broadcast(loss, src=dist.get_global_rank(pp_group, self.pp - 1), group=pp_group)
+        pp_group = self.mesh["pp"].get_group()  # the last chunk's rank knows the loss: share it along the pipeline
+        dist.broadcast(loss, src=dist.get_global_rank(pp_group, self.last_rank), group=pp_group)
         self._sum_tied_grads()
         return loss
 
     def _sum_tied_grads(self) -> None:
-        if self._tie_group is None:
+        if not self.tied or self.pp == 1:
             return
         names = dict(self.named_parameters())
+        if self._tie_group is None:  # both copies on this rank
+            for fqn, alias in self.tied:
+                a, b = names.get(fqn), names.get(alias)
+                if a is not None and b is not None and a.grad is not None and b.grad is not None:
+                    total = a.grad + b.grad
+                    a.grad, b.grad = total, total.clone()
+            return
         for fqn, alias in self.tied:
             p = names.get(fqn, names.get(alias))
             if p is None or p.grad is None:
