@@ -340,7 +340,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
                         "reference_losses": res.reference_losses, "loss_rel_diff": res.loss_rel_diff,
                         "grad_rel_diff": res.grad_rel_diff, "param_rel_diff": res.param_rel_diff,
                         "tolerance": res.tolerance, "sharded_parameters": res.sharded_parameters,
-                        "placements": res.placements})
+                        "placements": res.placements, "dropout_off": res.dropout_off})
         if args.memory:
             reports[-1]["activations"] = [{"stage": k, "measured_bytes": got, "estimated_bytes": want}
                                           for k, (got, want) in sorted(res.activations.items())]
@@ -355,6 +355,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
                           f"max relative difference: loss {res.loss_rel_diff:.2e}, grads {res.grad_rel_diff:.2e}, "
                           f"params {res.param_rel_diff:.2e} (tolerance {res.tolerance:.0e}): "
                           f"{'OK' if res.ok else 'FAILED'}")
+            if res.dropout_off:
+                console.print(f"  dropout was off for the check in both runs ({res.dropout_off} dropout "
+                              "probabilities of the model set to 0: the runs would draw different masks); "
+                              "train.py keeps them")
             for k, (measured, planned) in sorted(res.activations.items()):
                 seen = (f"measured {measured / 2**20:.2f} MiB ({measured / planned:.2f}x)" if measured is not None
                         else "not measured (torch's memory tracker takes one model chunk per rank)")

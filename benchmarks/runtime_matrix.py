@@ -1,8 +1,10 @@
 """Benchmark: `autopar verify` over a wider matrix of models and layouts than CI has time for.
 
 Each case plans a small model with ``--fix`` on a 4- or 8-device ``cpu`` cluster, launches it on local
-CPU ranks (gloo), and compares loss, gradients and parameters with one process over 3 steps.  Prints a
-table and writes ``benchmarks/results/runtime_matrix.json``.  About 30 s per case on 2 cores.
+CPU ranks (gloo), and compares loss, gradients and parameters with one process over 3 steps.  The cases
+include the sixteen HuggingFace decoders of ``examples/hf_decoder.py`` (global batch 8, sequence 32) at
+dp2 x tp2 and pp2 x dp2.  Plans of one world size run in one launch (``verify_many``); a launch that fails
+is rerun plan by plan to tell which.  Prints a table and writes ``benchmarks/results/runtime_matrix.json``.
 
     python benchmarks/runtime_matrix.py [--only SUBSTRING]
 """
@@ -20,9 +22,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from autopar import modelfile
 from autopar.cli import main as cli
 from autopar.errors import AutoparError
-from autopar.runtime.verify import verify
+from autopar.runtime.verify import VerifyResult, verify, verify_many
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = "layers=4,hidden=256,heads=8,vocab=256,seq_len=16"
@@ -47,44 +50,75 @@ CASES = [
     ("hf llama pp4 1f1b", str(ROOT / "examples/hf_llama.py"), HF_LLAMA, "pp=4,schedule=1f1b", 4),
     ("hf gpt2 dp2 x tp2 (Conv1D)", str(ROOT / "examples/hf_gpt2.py"), HF_GPT2, "dp=2,tp=2,sp=off", 4),
 ]
+HF_DECODER = ROOT / "examples" / "hf_decoder.py"
+CASES += [(f"hf {arch} {name}", str(HF_DECODER), f"arch={arch},layers=4,hidden=64,heads=4,vocab=128,seq_len=32", fix, 4)
+          for arch in modelfile.load_module(str(HF_DECODER)).ARCHS
+          for name, fix in (("dp2 x tp2", "dp=2,tp=2"), ("pp2 x dp2", "pp=2,dp=2"))]
 
 
-def run_case(model: str, config: str, fix: str, devices: int, workdir: Path) -> dict:
+def plan_case(model: str, config: str, fix: str, devices: int, workdir: Path) -> dict | None:
+    """Plan one case into ``workdir``; its plan, or ``None`` when planning failed."""
     argv = ["plan", model, "--config", config, "--cluster", "cpu", "--gpus", str(devices), "--global-batch", "8",
             "--fix", fix, "-o", str(workdir)]
     with contextlib.redirect_stdout(io.StringIO()):  # the plan summary: not what this benchmark reports
         code = cli(argv)
-    if code != 0:
-        return {"ok": False, "error": "planning failed"}
-    plan = json.loads((workdir / "plan.json").read_text())
-    try:
-        res = verify(workdir / "plan.json")
-    except AutoparError as exc:
-        return {"ok": False, "error": str(exc), "layout": plan["layout"]}
+    return json.loads((workdir / "plan.json").read_text()) if code == 0 else None
+
+
+def report(plan: dict, res: VerifyResult) -> dict:
     return {"ok": res.ok, "layout": plan["layout"], "loss_rel_diff": res.loss_rel_diff,
-            "grad_rel_diff": res.grad_rel_diff, "param_rel_diff": res.param_rel_diff,
+            "grad_rel_diff": res.grad_rel_diff, "param_rel_diff": res.param_rel_diff, "dropout_off": res.dropout_off,
             "sharded_on_tp": sorted({k for k, v in res.placements.items() if v.get("tp", "R") != "R"})[:3]}
+
+
+def verify_all(plans: dict[str, tuple[dict, Path]]) -> dict[str, dict]:
+    """Verify the planned cases, one launch per world size; a failing launch is rerun plan by plan."""
+    out: dict[str, dict] = {}
+    for devices in sorted({_devices(plan) for plan, _ in plans.values()}):
+        names = [n for n, (plan, _) in plans.items() if _devices(plan) == devices]
+        try:
+            results = verify_many([plans[n][1] for n in names])
+            out.update({n: report(plans[n][0], r) for n, r in zip(names, results)})
+            continue
+        except AutoparError:
+            pass
+        for n in names:
+            try:
+                out[n] = report(plans[n][0], verify(plans[n][1]))
+            except AutoparError as exc:
+                out[n] = {"ok": False, "error": str(exc), "layout": plans[n][0]["layout"]}
+    return out
+
+
+def _devices(plan: dict) -> int:
+    p, d, c, t = plan["mesh"]["shape"]
+    return p * d * c * t
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", help="run the cases whose name contains this")
     args = ap.parse_args()
-    rows = []
-    for name, model, config, fix, devices in CASES:
-        if args.only and args.only not in name:
-            continue
-        with tempfile.TemporaryDirectory() as tmp:
-            t0 = time.perf_counter()
-            row = {"case": name, "fix": fix, **run_case(model, config, fix, devices, Path(tmp))}
-            row["wall_s"] = round(time.perf_counter() - t0, 1)
-        rows.append(row)
-    table = Table(title="autopar verify matrix (3 steps, tolerance 1e-4)")
-    for col in ("case", "ok", "loss", "grads", "params", "wall"):
+    cases = [c for c in CASES if not args.only or args.only in c[0]]
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        plans, rows = {}, {}
+        for i, (name, model, config, fix, devices) in enumerate(cases):
+            workdir = Path(tmp) / str(i)
+            plan = plan_case(model, config, fix, devices, workdir)
+            if plan is None:
+                rows[name] = {"ok": False, "error": "planning failed"}
+            else:
+                plans[name] = (plan, workdir / "plan.json")
+        rows.update(verify_all(plans))
+    rows = [{"case": name, "fix": fix, **rows[name]} for name, _, _, fix, _ in cases]
+    table = Table(title=f"autopar verify matrix (3 steps, tolerance 1e-4; {time.perf_counter() - t0:.0f} s)")
+    for col in ("case", "ok", "loss", "grads", "params", "dropout off"):
         table.add_column(col)
     for r in rows:
         diffs = [f"{r[k]:.1e}" if k in r else "-" for k in ("loss_rel_diff", "grad_rel_diff", "param_rel_diff")]
-        table.add_row(r["case"], "OK" if r["ok"] else f"FAIL {r.get('error', '')}", *diffs, f"{r['wall_s']} s")
+        table.add_row(r["case"], "OK" if r["ok"] else f"FAIL {r.get('error', '')}", *diffs,
+                      str(r.get("dropout_off", "-")))
     Console().print(table)
     out = ROOT / "benchmarks" / "results" / "runtime_matrix.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -76,6 +76,16 @@ VERIFIED = {
     "gpt-tied-pp2-tp2-interleaved-zb-full": ("gpt", DEEP, 8, "pp=2,tp=2,sp=off,schedule=interleaved_zb,v=2,"
                                                              "recompute=full"),
     "gpt-tied-pp2-dp2-dualpipev": ("gpt", DEEP, 8, "pp=2,dp=2,mbs=1,schedule=dualpipev,zero=2"),
+    # HuggingFace decoders of other shapes, through the one stage route: GPT-2 with its default dropout 0.1,
+    # Falcon's multi-query attention (one K/V head for 4 query heads) and tuple-returning blocks, OPT (final
+    # norm registered before its layers), BLOOM (ALiBi, an embedding norm), Gemma 2 (alternating sliding and
+    # global layers), Mixtral (experts)
+    **{f"hf-{arch}-{name}": (str(EXAMPLES / "hf_decoder.py"),
+                             ["--config", f"arch={arch},layers=4,hidden=64,heads=4,vocab=128,seq_len=32", "--cluster",
+                              "cpu"], 8, fix)
+       for arch, name, fix in (("gpt2", "dp2-tp2", "dp=2,tp=2"), ("falcon", "dp2-tp2", "dp=2,tp=2"),
+                               ("opt", "pp2-dp2", "pp=2,dp=2"), ("bloom", "pp2-dp2", "pp=2,dp=2"),
+                               ("gemma2", "pp2-dp2", "pp=2,dp=2"), ("mixtral", "pp2-dp2", "pp=2,dp=2"))},
 }
 
 
@@ -204,21 +214,23 @@ def test_verify_a_plan_from_the_unconstrained_search(verified):
     _verified(verified, "free-search")
 
 
-def test_unsupported_pipeline_split_is_refused_before_launch(tmp_path, capsys, fixtures):
-    cfg = ["--config", "layers=2,hidden=64,heads=4,vocab=128,seq_len=16", "--cluster", "cpu", "--global-batch", "4"]
+def test_what_the_runtime_cannot_run_is_refused_before_launch(tmp_path, capsys):
+    # context parallelism slices the model's position tables, which a HuggingFace model does not name
+    cfg = ["--config", "arch=gpt_neox,layers=2,hidden=64,heads=4,vocab=128,seq_len=16", "--cluster", "cpu",
+           "--global-batch", "4"]
+    model = str(EXAMPLES / "hf_decoder.py")
     # planned for autopar's runtime: the search emits no layout the runtime refuses
-    assert main(["plan", str(fixtures / "hf_neox.py"), *cfg, "--fix", "pp=2", "-o", str(tmp_path / "own")]) == 2
+    assert main(["plan", model, *cfg, "--fix", "cp=2", "-o", str(tmp_path / "own")]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "no layout autopar's runtime can run (--fix pp=2): pipeline stages" in err
+    assert err.count("\n") == 1 and "no layout autopar's runtime can run (--fix cp=2): context parallelism" in err
     assert not (tmp_path / "own").exists()
     # planned for another framework: the plan is written, train.py is not, and verify refuses before launch
-    assert main(["plan", str(fixtures / "hf_neox.py"), *cfg, "--fix", "pp=2", "--framework", "torchtitan",
-                 "-o", str(tmp_path)]) == 0
-    assert "train.py not written: pipeline stages of HuggingFace GPTNeoXForCausalLM" in capsys.readouterr().err
+    assert main(["plan", model, *cfg, "--fix", "cp=2", "--framework", "torchtitan", "-o", str(tmp_path)]) == 0
+    assert "train.py not written: context parallelism needs GPTNeoXForCausalLM" in capsys.readouterr().err
     assert not (tmp_path / "train.py").exists()
     code = main(["verify", str(tmp_path / "plan.json")])
     err = capsys.readouterr().err
-    assert code == 2 and err.count("\n") == 1 and "GPTNeoXForCausalLM are not supported" in err
+    assert code == 2 and err.count("\n") == 1 and "cp_sequence_buffers" in err
 
 
 def test_verify_rejects_large_plans(tmp_path, capsys):
@@ -399,3 +411,12 @@ def test_verify_zero_bubble_schedules(verified, name, stage_to_rank):
         assert plan["parameters"]["tok.weight"]["stages"] == sorted({stage_to_rank[0], stage_to_rank[-1]})
     if plan["layout"]["tp"] > 1:
         assert _tp_as_planned(plan, out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["hf-gpt2-dp2-tp2", "hf-falcon-dp2-tp2", "hf-opt-pp2-dp2", "hf-bloom-pp2-dp2",
+                                  "hf-gemma2-pp2-dp2", "hf-mixtral-pp2-dp2"])
+def test_verify_huggingface_decoders(verified, name):
+    _, out = _verified(verified, name)
+    # GPT-2 and OPT have dropout on by default: verify ran both sides without it, and says so
+    assert (out["dropout_off"] > 0) == any(arch in name for arch in ("gpt2", "opt"))

@@ -39,7 +39,8 @@ def main():
     # 1. pipeline split, 2. tensor parallelism, 3. activation checkpointing, 4. data parallelism at the ZeRO
     # level; all on the meta device, then this rank's shards are allocated and initialized.
     parts = parallelize(build, mesh, device, args.seed, stage_layers=STAGE_LAYERS, chunks=chunks,
-                        container=LAYER_CONTAINER, tp_styles=lambda chunk, part: TP_PLAN.get(chunk, {}),
+                        container=LAYER_CONTAINER, ends=STACK_ENDS,
+                        tp_styles=lambda chunk, part: TP_PLAN.get(chunk, {}),
                         tied=TIED, recompute=RECOMPUTE, zero=ZERO, precision=args.precision, context=context)
     config = TrainingConfig(lr=args.lr, warmup_steps=args.warmup_steps,
                             decay_steps=max(1, args.steps - args.warmup_steps), max_grad_norm=args.max_grad_norm,

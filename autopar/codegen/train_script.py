@@ -121,6 +121,7 @@ def generate_train_script(plan: Plan, script_name: str = "train.py") -> str:
         f"SCHEDULE = {lay['schedule']!r}  # gpipe | 1f1b | interleaved | interleaved_zb | zbv | dualpipev\n"
         f"STAGE_LAYERS = {[tuple(r) for r in stage_layer_ranges(plan)]!r}  # layers of each pipeline chunk\n"
         f"LAYER_CONTAINER = {plan.model['layer_container']!r}\n"
+        f"STACK_ENDS = {plan.model.get('stack_ends')!r}  # modules run before / after the layers\n"
         f"RECOMPUTE = {lay['recompute']!r}  # none | selective | op | full\n"
         f"ZERO = {plan.zero}  # 0: replicate; 1, 2: fully_shard, kept gathered; 3: resharded after forward\n"
         f"TIED = {tied_pairs(plan)!r}  # (parameter, alias) pairs\n"

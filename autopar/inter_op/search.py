@@ -4,7 +4,8 @@ Search space (each key can be pinned with ``fixed``):
 
 - mesh ``pp x dp x cp x tp = N``; ``tp`` tiling an NVLink domain (a node, or a rack-scale domain such as
   GB200 NVL72's), across domains only where the network is nearly as fast (``tensor_parallel_degrees``;
-  a pinned ``tp`` may cross them anyway), and dividing the attention heads; ``cp`` cutting the sequence
+  a pinned ``tp`` may cross them anyway), and dividing the query heads and the key/value heads unless
+  there is one (multi-query attention: replicated, ``heads_refuse_tp``); ``cp`` cutting the sequence
   into ``2 * cp`` equal chunks, where the framework has context parallelism, of at least
   ``MIN_CP_TOKENS`` tokens per rank unless pinned (it may span domains: its traffic is the keys and
   values of a long sequence); ``pp`` at most the number of layers;
@@ -93,16 +94,29 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def attention_heads(graph: OpGraph) -> list[int]:
-    """Head counts (query and key/value) of the attention ops: tp must divide them."""
+def attention_heads(graph: OpGraph) -> list[tuple[int, int]]:
+    """(query heads, key/value heads) of every distinct attention op."""
     heads = set()
     for n in graph.ops():
         if n.op == "aten.scaled_dot_product_attention.default":
-            for i in range(3):
-                t = graph.tensor(n.args[i])
-                if t is not None and len(t.shape) == 4:
-                    heads.add(t.shape[1])
+            q, k = graph.tensor(n.args[0]), graph.tensor(n.args[1])
+            if q is not None and k is not None and len(q.shape) == len(k.shape) == 4:
+                heads.add((q.shape[1], k.shape[1]))
     return sorted(heads)
+
+
+def heads_refuse_tp(heads: list[tuple[int, int]], tp: int) -> str | None:
+    """Why ``tp`` cannot split the attention, or ``None``: each rank takes ``1 / tp`` of the query heads and
+    either its share of the key/value heads or, with a single one (multi-query attention), all of it,
+    replicated as Megatron-LM does (grouped-query attention with fewer key/value heads than ``tp`` would need
+    each rank to hold just the groups of its query heads, which no DTensor placement expresses)."""
+    for q, kv in heads:
+        counts = f"{q} query heads, {kv} kv head{'s' if kv > 1 else ''}"
+        if q % tp:
+            return f"tp={tp} does not divide the query heads ({counts})"
+        if kv % tp and kv != 1:
+            return f"tp={tp} does not divide the key/value heads, and only a single one can be replicated ({counts})"
+    return None
 
 
 class UnitCostCache:
@@ -174,10 +188,8 @@ class UnitCostCache:
 def check_fixed(graph: OpGraph, cluster: Cluster, global_batch: int, fixed: dict[str, Any]) -> None:
     """Clear errors for pinned values that cannot work."""
     n = cluster.gpus
-    if "tp" in fixed:
-        bad = [h for h in attention_heads(graph) if h % fixed["tp"]]
-        if bad:
-            raise AutoparError(f"--fix tp={fixed['tp']} does not divide the {bad[0]} attention heads")
+    if "tp" in fixed and (why := heads_refuse_tp(attention_heads(graph), fixed["tp"])):
+        raise AutoparError(f"--fix {why}")
     for key in ("dp", "tp", "pp", "cp"):
         if key in fixed and n % fixed[key]:
             raise AutoparError(f"--fix {key}={fixed[key]} does not divide the {n} devices")
@@ -237,7 +249,7 @@ def layouts(graph: OpGraph, cluster: Cluster, global_batch: int, fixed: dict[str
     seq = graph.seq_len
     cps = [d for d in divisors(n) if seq % (2 * d) == 0 and seq // d >= MIN_CP_TOKENS] if fw.context_parallel else []
     for tp in allowed("tp", tensor_parallel_degrees(cluster)):
-        if any(h % tp for h in heads):
+        if heads_refuse_tp(heads, tp):
             continue
         for cp in allowed("cp", [1] + [d for d in cps if d > 1 and (n // tp) % d == 0]):
             if (n // tp) % cp:

@@ -93,6 +93,25 @@ def _param_stages(graph: OpGraph, est: Estimate) -> dict[str, list[int]]:
     return out
 
 
+def stack_ends(graph: OpGraph) -> dict[str, list[str]]:
+    """The modules beside the layer stack (children of the modules on the path to it) by when the forward
+    first calls them: ``before`` the stack (embeddings) or ``after`` it (final norm, head).  From the traced
+    op order, since registration order need not say (OPT registers its final norm before its layers)."""
+    path = (graph.layer_container or "").split(".")
+    ends: dict[str, list[str]] = {"before": [], "after": []}
+    seen_layer = False
+    for n in graph.ops():
+        if n.layer is not None:
+            seen_layer = True
+            continue
+        parts = n.module.split(".") if n.module else []
+        depth = next((i for i, (a, b) in enumerate(zip(parts, path)) if a != b), None)  # None: on the path
+        child = ".".join(parts[:depth + 1]) if depth is not None else None
+        if child and child not in ends["before"] and child not in ends["after"]:
+            ends["after" if seen_layer else "before"].append(child)
+    return ends
+
+
 def build_plan(*, graph: OpGraph, model_ref: str, config: dict[str, Any], cluster: Cluster, ctx: PassContext,
                global_batch: int, estimate: Estimate, strategies: dict[str, Strategy],
                example_inputs: str | None = None, memory_limit_bytes: float | None = None,
@@ -144,7 +163,7 @@ def build_plan(*, graph: OpGraph, model_ref: str, config: dict[str, Any], cluste
                      "extra_time_s": dt, "extra_memory_bytes": dm} for alt, dt, dm in alternatives[n.name]]
     path = None if model_ref in ZOO else locate(model_ref)
     model = {"ref": model_ref, "path": path, "config": config, "fingerprint": model_fingerprint(graph, config),
-             "layer_container": graph.layer_container, "num_layers": len(graph.layers),
+             "layer_container": graph.layer_container, "num_layers": len(graph.layers), "stack_ends": stack_ends(graph),
              "layer_types": {h: idx for h, idx in first_of_type.items()}, "units": [k for k in keys
                                                                                     if k not in (PRE, POST)]}
     if example_inputs is not None:

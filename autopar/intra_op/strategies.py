@@ -16,6 +16,8 @@ Hand-written rules, only where DTensor has none (each tested in ``tests/test_str
 
 - attention batch sharding: DTensor offers only heads-sharding; attention is independent per batch
   element (``sdpa(q, k, v)[b] == sdpa(q[b], k[b], v[b])``), so ``S(0)`` on q, k, v, out is added;
+- multi-query attention (one key/value head): query heads split, the key/value head replicated (each query
+  head reads it whole), as Megatron-LM runs it;
 - ``cross_entropy_loss``: batch-sharded (``S(0)`` logits and targets -> partial mean) and vocab-parallel
   (``S(1)`` logits, replicated targets -> replicated loss, as ``loss_parallel`` does);
 - ``one_hot``: element-wise in the input's dims.
@@ -209,7 +211,12 @@ def _sdpa_strategies(graph: OpGraph, node: Node, batch: int) -> list[AxisStrateg
     batch_rule = AxisStrategy((shard(0),), (shard(0),) * 3 + ((shard(0),) if isinstance(mask, Ref) else ()))
     if isinstance(mask, Ref) and graph.tensor(mask).shape_at(batch)[0] == 1:
         batch_rule = AxisStrategy((shard(0),), (shard(0),) * 3 + (R,))
-    return [*rules, batch_rule]
+    rules.append(batch_rule)
+    if q.shape[1] > 1 and k.shape[1] == v.shape[1] == 1:  # multi-query: every query head reads the one K/V head
+        mask_heads = isinstance(mask, Ref) and graph.tensor(mask).shape_at(batch)[1] > 1
+        rules.append(AxisStrategy((shard(1),), (shard(1), R, R) + ((shard(1) if mask_heads else R,)
+                                                                   if isinstance(mask, Ref) else ())))
+    return rules
 
 
 def _cross_entropy_strategies(graph: OpGraph, node: Node) -> list[AxisStrategy]:

@@ -142,7 +142,7 @@ def apply(plan: Plan, loss_fn: Callable[..., torch.Tensor] | None = None, *,
     chunks = rank_chunks(plan.layout["schedule"], pp_rank, shape.pp, len(ranges))
     tied = tied_pairs(plan)
     parts = parallelize(build, mesh, device, seed, stage_layers=ranges, chunks=chunks,
-                        container=plan.model.get("layer_container"),
+                        container=plan.model.get("layer_container"), ends=plan.model.get("stack_ends"),
                         tp_styles=lambda chunk, part: tp_styles(plan, part) or {}, tied=tied,
                         recompute=plan.layout["recompute"], zero=plan.zero, precision=config.precision,
                         reference=whole, context=context)

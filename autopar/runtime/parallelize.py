@@ -47,11 +47,12 @@ from autopar.runtime.stages import prune
 
 
 def apply_pp(build: Callable[[], nn.Module], stage_layers: list[tuple[int, int]], chunks: Iterable[int],
-             container: str) -> list[nn.Module]:
+             container: str, ends: Mapping[str, list[str]] | None = None) -> list[nn.Module]:
     """One meta-device model per pipeline chunk of this rank, each pruned to the chunk's layers (the
-    embeddings stay on the first chunk, the head on the last).  Each is built afresh: no deep copies."""
+    embeddings stay on the first chunk, the head on the last; ``ends``: the plan's ``stack_ends``).  Each
+    is built afresh: no deep copies."""
     last = len(stage_layers) - 1
-    return [prune(build_on_meta(build).model, *stage_layers[c], c == 0, c == last, container) for c in chunks]
+    return [prune(build_on_meta(build).model, *stage_layers[c], c == 0, c == last, container, ends) for c in chunks]
 
 
 def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, styles: Mapping[str, ParallelStyle],
@@ -153,7 +154,7 @@ def parallelize(build: Callable[[], nn.Module], mesh: DeviceMesh, device: torch.
                 stage_layers: list[tuple[int, int]], chunks: list[int], container: str | None,
                 tp_styles: Callable[[int, nn.Module], Mapping[str, ParallelStyle]], tied: list[tuple[str, str]],
                 recompute: str, zero: int, precision: str, reference: MetaModel | None = None,
-                context: ContextParallel | None = None) -> list[nn.Module]:
+                context: ContextParallel | None = None, ends: Mapping[str, list[str]] | None = None) -> list[nn.Module]:
     """This rank's parts of the model (one per pipeline chunk it runs), split, tensor-parallel, checkpointed,
     data-parallel and only then allocated on ``device`` with the weights of ``seed``.
 
@@ -163,7 +164,7 @@ def parallelize(build: Callable[[], nn.Module], mesh: DeviceMesh, device: torch.
     """
     reference = reference or build_on_meta(build)
     if mesh["pp"].size() > 1:
-        parts = apply_pp(build, stage_layers, chunks, container or "")
+        parts = apply_pp(build, stage_layers, chunks, container or "", ends)
     else:
         parts = [build_on_meta(build).model]
     aliases = {alias: src for src, alias in tied}

@@ -35,6 +35,31 @@ def build_model(plan: Plan, seed: int | None) -> ModelSession:
     return ModelSession(module, model, modelfile.loss_fn_of(module))
 
 
+#: Attribute names that hold a dropout probability (HuggingFace attention modules keep ``attention_dropout``,
+#: OPT's layers ``dropout``, GPT-2's config ``*_pdrop``; OPT's ``layerdrop`` skips whole layers at random),
+#: besides ``nn.Dropout`` modules.
+_DROPOUT_NAMES = ("dropout", "pdrop", "layerdrop")
+
+
+def disable_dropout(model: nn.Module) -> int:
+    """Turn every dropout of ``model`` off: ``nn.Dropout`` modules, and probabilities modules or their
+    configs keep to pass to functional dropout (``F.dropout``, attention's ``dropout_p``).  Returns how many
+    were on.  ``autopar verify`` runs both sides so: a distributed run and one process draw different masks."""
+    switched = 0
+    for module in model.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd):
+            switched += module.p > 0
+            module.p = 0.0
+            continue
+        owners = [module] + ([module.config] if hasattr(module, "config") and not callable(module.config) else [])
+        for owner in owners:
+            for name, value in list(vars(owner).items()):
+                if any(key in name for key in _DROPOUT_NAMES) and isinstance(value, float) and value > 0:
+                    setattr(owner, name, 0.0)
+                    switched += 1
+    return switched
+
+
 def batch_for_step(plan: Plan, session: ModelSession, step: int, seed: int) -> tuple[torch.Tensor, ...]:
     """The synthetic global batch of ``step``: deterministic, identical in every process."""
     torch.manual_seed(seed + 1000 + step)
@@ -47,11 +72,12 @@ def reference_run(plan: Plan, steps: int, seed: int, config: TrainingConfig) -> 
     """Single-process training on the full batch: losses, last-step gradients and final parameters.
 
     Clipping and bf16 mixed precision are the distributed run's; with ``fp32`` and SGD the two agree to
-    rounding.
+    rounding.  Dropout is off (``disable_dropout``, as in the distributed run of ``autopar verify``).
     """
     from autopar.runtime.training import bf16_parameters, clip_grads, fp32_loss, grad_norm
 
     s = build_model(plan, seed)
+    dropout = disable_dropout(s.model)
     device = torch.device("cpu")
     opt = build_optimizer(list(s.model.parameters()), config, device)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: lr_factor(k, config))
@@ -71,4 +97,4 @@ def reference_run(plan: Plan, steps: int, seed: int, config: TrainingConfig) -> 
         losses.append(float(loss.detach()))
     grads = {n: p.grad.detach().clone() for n, p in s.model.named_parameters() if p.grad is not None}
     params = {n: p.detach().clone() for n, p in s.model.named_parameters()}
-    return {"losses": losses, "grads": grads, "params": params}
+    return {"losses": losses, "grads": grads, "params": params, "dropout_off": dropout}

@@ -5,29 +5,28 @@ Stages are built the way torchtitan builds them: every rank builds the whole mod
 layer range leave the block stack (a ``ModuleList`` becomes a ``ModuleDict`` keyed by the original
 indices, so parameter FQNs survive the split). Along the path to the stack, modules with parameters
 registered before it (embeddings) stay on the first stage only, those after it (final norm, head) on the
-last only; parameter-free modules (dropout, rotary tables) stay everywhere. With ``v`` virtual stages
-the layers are cut into ``pp * v`` chunks dealt out round-robin (chunk ``j`` on pipeline rank ``j %
-pp``), as Megatron-LM interleaves them.
+last only; parameter-free modules (dropout, rotary tables) stay everywhere. With several chunks per rank
+the layers are cut into chunks the plan lists, placed on ranks by the schedule's stage-to-rank mapping
+(``autopar.runtime.pipeline``).
 
 How a stage runs:
 
 - models of the zoo run their own ``forward``, which takes hidden states when the embedding is missing
   and skips a missing norm or head;
-- HuggingFace decoders shaped like Llama (``model.embed_tokens/layers/norm/rotary_emb``, ``lm_head``:
-  Llama, Mistral, Qwen2, ...) or GPT-2 (``transformer.wte/wpe/h/ln_f``, ``lm_head``) get a stage forward
-  that does what the decoder's own ``forward`` does (positions, the model's own causal mask, rotary or
-  learned position embeddings, the decoder layers) on the pieces the stage holds, and returns hidden
-  states, or logits on the last stage.  Other HuggingFace architectures are refused with a clear error.
+- HuggingFace decoders, whatever the architecture, run their own ``forward`` too (``hf_stage``): the
+  stage's layers in a stack that iterates like the ``ModuleList`` it replaces, parameter-free
+  placeholders for the embeddings of later stages (the first layer takes the stage's input instead) and
+  for the final norm and head of earlier ones (where the stage ends with its hidden states).
 """
 
 from __future__ import annotations
 
 import copy
-import sys
-from collections.abc import Callable
+from collections.abc import Mapping
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map_only
 
 from autopar.errors import AutoparError
 from autopar.plan_file import Plan
@@ -84,87 +83,149 @@ def _drop_ends(stage: nn.Module, container: str, first: bool, last: bool) -> Non
         parent = getattr(parent, name)
 
 
-#: HuggingFace decoder shapes autopar can split: the attribute holding the decoder, and what it must have.
-HF_DECODERS = {
-    "llama": ("model", ("embed_tokens", "layers", "norm", "rotary_emb")),  # Llama, Mistral, Qwen2, ...
-    "gpt2": ("transformer", ("wte", "wpe", "drop", "h", "ln_f")),
-}
+class StageLayers(nn.ModuleDict):
+    """A HuggingFace decoder's layers on one pipeline stage, keyed by their original indices (so FQNs survive),
+    iterated, indexed and sliced like the ``ModuleList`` they replace: the decoder's own loop
+    (``for layer in self.layers[:n]``) runs just these.  ``inject``: the stage's input, handed to its first
+    layer in place of what the (placeholder) embeddings made."""
+
+    inject: torch.Tensor | None = None
+
+    def _layers(self) -> list[nn.Module]:
+        layers = list(self.values())
+        if self.inject is not None and layers:
+            layers[0] = _Injected(layers[0], self.inject)
+        return layers
+
+    def __iter__(self):
+        return iter(self._layers())
+
+    def __getitem__(self, index):
+        if isinstance(index, (int, slice)):
+            return self._layers()[index]
+        return super().__getitem__(index)
 
 
-def hf_decoder_kind(model: nn.Module) -> str | None:
-    """``"llama"`` or ``"gpt2"`` for a HuggingFace decoder autopar can split, else ``None``."""
-    if not is_huggingface(model):
-        return None
-    for kind, (base, needed) in HF_DECODERS.items():
-        decoder = getattr(model, base, None)
-        if decoder is not None and hasattr(model, "lm_head") and all(hasattr(decoder, n) for n in needed):
-            return kind
-    return None
+class _Injected:
+    """A layer called with the stage's input as its hidden states (its first argument), so that activation
+    checkpointing saves and recomputes from that input; attributes are the layer's."""
+
+    def __init__(self, layer: nn.Module, hidden: torch.Tensor) -> None:
+        self._layer, self._hidden = layer, hidden
+
+    def __call__(self, _hidden: torch.Tensor, *args: object, **kwargs: object) -> object:
+        return self._layer(self._hidden, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._layer, name)
 
 
-def check_splittable(model: nn.Module) -> None:
-    """Raise a clear error when autopar cannot run ``model`` as pipeline stages."""
-    if is_huggingface(model) and hf_decoder_kind(model) is None:
-        raise AutoparError(f"pipeline stages of HuggingFace {type(model).__name__} are not supported: autopar "
-                           "splits decoders shaped like Llama (model.embed_tokens/layers/norm/rotary_emb, "
-                           "lm_head) or GPT-2 (transformer.wte/wpe/h/ln_f, lm_head)")
+class _StageEnd(Exception):
+    def __init__(self, hidden: torch.Tensor) -> None:
+        super().__init__()
+        self.hidden = hidden
 
 
-def _hf_layer_masks(base: nn.Module, h: torch.Tensor, positions: torch.Tensor) -> dict[str, object]:
-    """The decoder's attention masks by layer type, built by the model's own masking functions."""
-    modeling = sys.modules[type(base).__module__]
-    kwargs = {"config": base.config, "inputs_embeds": h, "attention_mask": None, "cache": None,
-              "position_ids": positions}
-    masks = {"full_attention": modeling.create_causal_mask(**kwargs)}
-    if getattr(base.config, "sliding_window", None) is not None:
-        masks["sliding_attention"] = modeling.create_sliding_window_causal_mask(**kwargs)
-    return masks
+class _Placeholder(nn.Module):
+    """A decoder module this stage does not hold, without parameters.  Before the layers (embeddings on a
+    later stage) it returns zeros shaped as the module's output (found by running it on the meta device),
+    which the first layer then ignores; after them (final norm, head on an earlier stage) the decoder's
+    forward never gets past it: it ends the stage with its input, the last layer's output."""
+
+    def __init__(self, module: nn.Module, before: bool) -> None:
+        super().__init__()
+        object.__setattr__(self, "_shape", copy.deepcopy(module).to("meta") if before else None)
+        self.dtype = torch.float32  # the stage input's (set by the stage forward)
+
+    def forward(self, *args: object, **kwargs: object) -> object:
+        if self._shape is None:
+            raise _StageEnd(args[0] if args else next(iter(kwargs.values())))
+        device = next(a.device for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
+        meta_args, meta_kwargs = tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
+        return tree_map_only(torch.Tensor, lambda t: torch.zeros(
+            t.shape, device=device, dtype=self.dtype if t.is_floating_point() else t.dtype),
+            self._shape(*meta_args, **meta_kwargs))
 
 
-def _hf_layer_type(config: object, index: int) -> str:
-    """``full_attention`` or ``sliding_attention``: per layer where the config lists them (Qwen2), else one
-    kind for all (Mistral slides whenever it has a window)."""
-    types = getattr(config, "layer_types", None)
-    if types:
-        return types[index]
-    return "sliding_attention" if getattr(config, "sliding_window", None) is not None else "full_attention"
+def _hf_ends(model: nn.Module, ends: Mapping[str, list[str]]) -> tuple[list[tuple[nn.Module, str]], ...]:
+    """(parent, name) of the modules with parameters the forward calls before the layer stack (embeddings)
+    and after it (final norm, head): the plan's ``stack_ends``, from the traced op order."""
+    def owned(names: list[str]) -> list[tuple[nn.Module, str]]:
+        out = []
+        for fqn in names:
+            owner, _, name = fqn.rpartition(".")
+            parent = model.get_submodule(owner) if owner else model
+            if next(getattr(parent, name).parameters(), None) is not None:
+                out.append((parent, name))
+        return out
+    return owned(ends.get("before", [])), owned(ends.get("after", []))
 
 
-def hf_stage_forward(stage: nn.Module, kind: str, first: bool, last: bool) -> Callable[[torch.Tensor], torch.Tensor]:
-    """What the decoder's own ``forward`` does, on the pieces the stage holds (hidden states in and out)."""
-    base = stage.model if kind == "llama" else stage.transformer
+def hf_stage(model: nn.Module, container: str, lo: int, hi: int, first: bool, last: bool,
+             ends: Mapping[str, list[str]] | None) -> nn.Module:
+    """A HuggingFace decoder cut down to layers ``[lo, hi)``, running its own ``forward``: the other layers
+    leave the stack; the embeddings of a later stage and the final norm and head of an earlier one become
+    parameter-free placeholders.  A later stage takes hidden states (token ids of their shape drive the
+    positions and masks, as in the whole model) and hands them to its first layer; an earlier one stops at
+    the final norm and returns what it was about to normalize.  No per-architecture code: whatever the
+    decoder does around its layers (masks, rotary or learned positions, ALiBi, scaling) it does itself."""
+    owner_name, _, attr = container.rpartition(".")
+    owner = model.get_submodule(owner_name) if owner_name else model
+    kept = {str(i): layer for i, layer in enumerate(getattr(owner, attr)) if lo <= i < hi}
+    layers = StageLayers(kept)
+    setattr(owner, attr, layers)
+    config = getattr(owner, "config", None)
+    if getattr(config, "layer_types", None):  # the loop looks a layer's type up by its position in the stack
+        owner.config = copy.copy(config)
+        owner.config.layer_types = [config.layer_types[int(i)] for i in kept]
+    if ends is None:
+        raise AutoparError("this plan does not say which modules run before and after the layers "
+                           "(model.stack_ends, written since plan schema 3): plan it again")
+    before, after = _hf_ends(model, ends)
+    placeholders = []
+    for ends, keep, is_before in ((before, first, True), (after, last, False)):
+        for parent, name in ends if not keep else ():
+            placeholders.append(_Placeholder(getattr(parent, name), is_before))
+            setattr(parent, name, placeholders[-1])
+    cls_forward = type(model).forward
+    received: list[torch.Tensor] = []
+    if not kept and not first and last and after:  # a head-only chunk: its input goes to the final norm
+        parent, name = after[0]
+        getattr(parent, name).register_forward_pre_hook(lambda _module, args: (received[-1], *args[1:]))
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
-        if kind == "llama":
-            h = base.embed_tokens(x) if first else x
-            masks = _hf_layer_masks(base, h, positions)
-            rotary = base.rotary_emb(h, position_ids=positions)
-            for index, layer in base.layers.items():
-                mask = masks[_hf_layer_type(base.config, int(index))]
-                h = layer(h, attention_mask=mask, position_ids=positions, position_embeddings=rotary)
-            return stage.lm_head(base.norm(h)) if last else h
-        h = base.drop(base.wte(x) + base.wpe(positions)) if first else x  # GPT-2
-        mask = _hf_layer_masks(base, h, positions)["full_attention"]
-        for layer in base.h.values():
-            h = layer(h, None, mask, position_ids=positions)
-        return stage.lm_head(base.ln_f(h)) if last else h
+        if not kept and not first and not last:
+            return x  # a chunk without layers between two others (never planned; kept exact anyway)
+        ids = x if first else torch.zeros(x.shape[:2], dtype=torch.long, device=x.device)
+        layers.inject = None if first else x
+        received[:] = [x]
+        for placeholder in placeholders:
+            placeholder.dtype = x.dtype if x.is_floating_point() else torch.float32
+        try:
+            out = cls_forward(model, input_ids=ids, use_cache=False)
+        except _StageEnd as end:  # a view (OPT's layers return one) would refuse the split backward's detach_
+            return end.hidden if end.hidden._base is None else end.hidden.clone()
+        finally:
+            layers.inject = None
+            received.clear()
+        return out.logits
 
-    return forward
+    model.forward = forward
+    return model
 
 
-def prune(model: nn.Module, lo: int, hi: int, first: bool, last: bool, container: str) -> nn.Module:
+def prune(model: nn.Module, lo: int, hi: int, first: bool, last: bool, container: str,
+          ends: Mapping[str, list[str]] | None = None) -> nn.Module:
     """``model`` itself, cut down to the layers ``[lo, hi)`` (plus the embeddings when ``first``, the head
-    when ``last``); HuggingFace decoders get a stage forward."""
-    check_splittable(model)
+    when ``last``); HuggingFace decoders run their own ``forward`` on the pieces (``hf_stage``, given the
+    plan's ``stack_ends``)."""
+    if is_huggingface(model):
+        return hf_stage(model, container, lo, hi, first, last, ends)
     blocks = _block_dict(model, container)
     for key in list(blocks.keys()):
         if not lo <= int(key) < hi:
             del blocks[key]
     _drop_ends(model, container, first, last)
-    kind = hf_decoder_kind(model)
-    if kind is not None:
-        model.forward = hf_stage_forward(model, kind, first, last)
     return model
 
 
@@ -173,4 +234,5 @@ def prune_to_stage(model: nn.Module, plan: Plan, chunk: int) -> nn.Module:
     at hand; the runtime builds each chunk afresh on the meta device, ``autopar.runtime.parallelize.apply_pp``)."""
     lo, hi = stage_layer_ranges(plan)[chunk]
     last = len(stage_layer_ranges(plan)) - 1
-    return prune(copy.deepcopy(model), lo, hi, chunk == 0, chunk == last, plan.model["layer_container"])
+    return prune(copy.deepcopy(model), lo, hi, chunk == 0, chunk == last, plan.model["layer_container"],
+                 plan.model.get("stack_ends"))

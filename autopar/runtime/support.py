@@ -8,7 +8,6 @@ from torch import nn
 from autopar import modelfile
 from autopar.errors import AutoparError
 from autopar.plan_file import Plan
-from autopar.runtime.stages import check_splittable
 from autopar.runtime.tensor_parallel import StyleSpec, tp_style_specs
 
 
@@ -22,8 +21,6 @@ def model_on_meta(plan: Plan) -> nn.Module:
 def check_runnable(plan: Plan, model: nn.Module) -> dict[str, StyleSpec] | None:
     """Raise a one-line ``AutoparError`` for a plan the runtime cannot run; returns its tp styles."""
     lay = plan.layout
-    if lay["pp"] > 1:
-        check_splittable(model)
     if lay.get("cp", 1) > 1:
         check_context_parallel(plan, model)
     return tp_style_specs(plan, model) if lay["tp"] > 1 else None

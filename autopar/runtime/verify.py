@@ -34,6 +34,8 @@ class VerifyResult:
     tolerance: float
     placements: dict[str, dict[str, str]]
     """How the distributed run held each DTensor parameter: placement per mesh axis (``S(k)``, ``R``)."""
+    dropout_off: int = 0
+    """Dropouts the model has on, which both sides ran without (they would draw different masks)."""
     activations: dict[int, tuple[int | None, float]] = field(default_factory=dict)
     """With ``memory``: per pipeline stage, the activation bytes its first rank measured in the last step
     (``None`` where torch's tracker cannot follow the stage) and the plan's ``estimated_activation_bytes``."""
@@ -184,5 +186,6 @@ def verify_many(plan_paths: Sequence[str | Path], steps: int = 3, seed: int = 0,
         results.append(VerifyResult(got[i]["losses"], want["losses"], _rel(losses, ref),
                                     _max_rel(got[i]["grads"], want["grads"], floor),
                                     _max_rel(got[i]["params"], want["params"], floor), tolerance,
-                                    got[i]["placements"], _activations(plan, got[i]) if memory else {}))
+                                    got[i]["placements"], want["dropout_off"],
+                                    _activations(plan, got[i]) if memory else {}))
     return results

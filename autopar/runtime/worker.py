@@ -21,7 +21,7 @@ from autopar.plan_file import Plan
 from autopar.runtime import checkpoint
 from autopar.runtime.apply import apply
 from autopar.runtime.memory import activation_peak_bytes
-from autopar.runtime.session import batch_for_step, build_model
+from autopar.runtime.session import batch_for_step, build_model, disable_dropout
 from autopar.runtime.training import NUMERICS, check_config
 
 
@@ -41,6 +41,8 @@ def run_one(plan_path: str, out: Path, args: argparse.Namespace) -> None:
     plan = Plan.load(plan_path)
     session = build_model(plan, None)  # structure only: the synthetic data's vocabulary
     trainer = apply(plan, session.loss_fn, config=check_config(args.numerics, args.lr), seed=args.seed)
+    for part in trainer.parts:  # the reference run draws other masks: both sides run without dropout
+        disable_dropout(part)
     if args.resume:
         checkpoint.load(trainer, args.resume)
     steps = range(args.start_step, args.start_step + args.steps)
