@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from autopar.errors import AutoparError
+from autopar.inter_op.estimate import backward_run_s
 from autopar.plan_file import Plan
 from autopar.solvers.pipeline import simulate_pipeline
 
@@ -52,7 +53,8 @@ def simulate(plan: Plan) -> list[Slice]:
                            "to draw its timeline")
     parts = [s["estimated_parts_per_microbatch_s"] for s in plan.stages]
     runs = simulate_pipeline(lay["schedule"], [_op_s("F", part) for part in parts],
-                             [_op_s("B", part) for part in parts], m, v, [part.get("weight_s", 0.0) for part in parts])
+                             [_op_s("B", part) for part in parts], m, v, [part.get("weight_s", 0.0) for part in parts],
+                             [part.get("rerun_s", 0.0) for part in parts])
     slices: list[Slice] = []
     for k, ops in enumerate(runs):
         for (kind, local, i), start, _ in ops:
@@ -64,7 +66,7 @@ def simulate(plan: Plan) -> list[Slice]:
 def _op_s(kind: str, part: dict[str, float]) -> float:
     """One micro-batch's forward (or recompute and backward) through the whole stage, its transfer included."""
     half_p2p = part["p2p_s"] / 2  # the stage's transfers: one after its forward, one after its backward
-    return half_p2p + (part["forward_s"] if kind == "F" else part["recompute_s"] + part["backward_s"])
+    return half_p2p + (part["forward_s"] if kind == "F" else backward_run_s(part))
 
 
 def _op_slices(stage: int, kind: str, chunk: int, mb: int, start: float, part: dict[str, float],
@@ -84,14 +86,12 @@ def _op_slices(stage: int, kind: str, chunk: int, mb: int, start: float, part: d
         out.append(Slice(stage, "compute", f"W{mb}" + (f".{chunk}" if v > 1 else ""), t, w, args))
         return out
     else:
-        w = part.get("weight_s", 0.0) / v if kind == "I" else 0.0
-        r = part["recompute_s"] / v
-        if w > 0:  # the weight step re-runs its own half of the recomputation
-            r /= 2
+        split = "rerun_s" in part  # a split schedule: I and W recompute once each, a whole B once
+        r = (part["rerun_s"] if split else part["recompute_s"]) / v
         if r > 0:
             out.append(Slice(stage, "compute", f"R{mb}" + (f".{chunk}" if v > 1 else ""), t, r, args))
             t += r
-        b = part["backward_s"] / v - (w - r if w > 0 else 0.0)
+        b = part["backward_s"] / v - ((part["weight_s"] - part["rerun_s"]) / v if kind == "I" else 0.0)
         out.append(Slice(stage, "compute", f"{kind}{mb}" + (f".{chunk}" if v > 1 else ""), t, b, args))
         tp, z3 = part.get("tp_backward_s", 0.0) / v, part.get("zero3_s", 0.0) / v
         if tp > 0:

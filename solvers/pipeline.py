@@ -109,6 +109,27 @@ def _walked_in_flight(schedule: Schedule, rank: int, p: int, m: int, v: int, res
     return max(held + residue * pending for held, pending in frontier)
 
 
+def splits_backward(schedule: str, p: int) -> bool:
+    """Whether the schedule runs (some) backwards as an input step and a weight step."""
+    return schedule in SPLIT_BACKWARD and p > 1
+
+
+@functools.lru_cache(maxsize=1024)
+def split_fraction(schedule: Schedule, p: int, m: int, v: int) -> float:
+    """The most, over ranks, of a rank's backwards that are split into an input and a weight step (1 for
+    ``interleaved_zb`` and ``zbv``; DualPipeV runs most of its backwards whole), 0 without a split."""
+    if not splits_backward(schedule, p):
+        return 0.0
+    if schedule != "dualpipev":  # their orders hold no whole backward (tests/test_pipeline.py)
+        return 1.0
+    shares = []
+    for rank in range(p):
+        kinds = [op[0] for op in schedule_order(schedule, rank, p, m, v)]
+        split, whole = kinds.count("I"), kinds.count("B")
+        shares.append(split / max(1, split + whole))
+    return max(shares)
+
+
 def steady_microbatches(schedule: Schedule, p: int, m: int) -> int:
     """A micro-batch count whose op orders hold as many chunks at once as ``m``'s: the warm-up sets the peak
     and the steady phase repeats it, so beyond three rounds (``interleaved_zb``, ``m`` a multiple of ``p``)
@@ -329,16 +350,20 @@ def _dualpipev_order(rank: int, p: int, m: int) -> list[Op]:
 
 
 def simulate_pipeline(schedule: Schedule, forward_s: Sequence[float], backward_s: Sequence[float], m: int,
-                      v: int = 1, weight_s: Sequence[float] | None = None) -> list[list[tuple[Op, float, float]]]:
+                      v: int = 1, weight_s: Sequence[float] | None = None,
+                      rerun_s: Sequence[float] | None = None) -> list[list[tuple[Op, float, float]]]:
     """Run the schedule op by op: per rank, its ops with their start and end times.  ``forward_s[k]`` and
-    ``backward_s[k]``: one micro-batch through all of stage ``k``'s chunks (each chunk takes ``1 / v``);
-    ``weight_s[k]``: the weight-gradient part of ``backward_s[k]`` (a split backward's ``W``; its ``I`` is
-    the rest).  A forward waits for the previous chunk's forward of its micro-batch, an input (or full)
-    backward for its own forward and the next chunk's input gradient, a weight step for its input step."""
+    ``backward_s[k]``: one micro-batch through all of stage ``k``'s chunks (each chunk takes ``1 / v``),
+    as a split backward runs it; ``weight_s[k]``: its weight step ``W`` (its input step ``I`` is the rest);
+    ``rerun_s[k]``: what ``W`` recomputes again, which a whole backward ``B`` runs once.  A forward waits
+    for the previous chunk's forward of its micro-batch, an input (or whole) backward for its own forward
+    and the next chunk's input gradient, a weight step for its input step."""
     p = len(forward_s)
     order, ops = _dependency_order(schedule, p, m, v)
     weight_s = weight_s if weight_s is not None else [0.0] * p
-    span = {"F": forward_s, "B": backward_s, "W": weight_s, "I": [b - w for b, w in zip(backward_s, weight_s)]}
+    rerun_s = rerun_s if rerun_s is not None else [0.0] * p
+    span = {"F": forward_s, "B": [b - r for b, r in zip(backward_s, rerun_s)], "W": weight_s,
+            "I": [b - w for b, w in zip(backward_s, weight_s)]}
     durations = [[span[kind][k] / v for kind, _, _ in ops[k]] for k in range(p)]
     free = [0.0] * p
     ends: list[float] = [0.0] * len(order)
@@ -353,14 +378,14 @@ def simulate_pipeline(schedule: Schedule, forward_s: Sequence[float], backward_s
     return out
 
 
-@functools.lru_cache(maxsize=2048)
+@functools.lru_cache(maxsize=128)  # an entry holds every op of the schedule: keep few
 def _dependency_order(schedule: Schedule, p: int, m: int, v: int) -> tuple[tuple[tuple[int, int, tuple[int, ...]], ...],
-                                                                           tuple[list[Op], ...]]:
+                                                                           tuple[tuple[Op, ...], ...]]:
     """Every op of the schedule as ``(rank, index in its rank's order, positions of the ops it waits for)``,
     in an order where each op comes after those (the ranks run their orders round-robin as far as their
     inputs allow; the order does not depend on the ops' durations), and each rank's ops."""
     last = p * v - 1
-    queues = tuple(schedule_order(schedule, k, p, m, v) for k in range(p))
+    queues = tuple(tuple(schedule_order(schedule, k, p, m, v)) for k in range(p))
     heads = [0] * p
     position: dict[tuple[str, int, int], int] = {}
     order: list[tuple[int, int, tuple[int, ...]]] = []

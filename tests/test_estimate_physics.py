@@ -234,6 +234,13 @@ def test_split_backward_recomputes_twice_and_refuses_per_op_checkpointing(gpt):
     once = _estimate(gpt, fix + ",schedule=1f1b").breakdown["recompute_s"]
     # torch.utils.checkpoint recomputes once per autograd pass: the input step's and the weight step's
     assert _estimate(gpt, fix + ",schedule=zbv").breakdown["recompute_s"] == pytest.approx(2 * once, rel=0.05)
+    # DualPipeV runs most backwards whole (one pass, one recomputation) and splits the rest
+    from autopar.solvers.pipeline import split_fraction
+
+    share = split_fraction("dualpipev", 4, 8, 2)
+    assert 0 < share < 1
+    dual = _estimate(gpt, fix + ",mbs=1,schedule=dualpipev").breakdown["recompute_s"]
+    assert dual == pytest.approx((1 + share) * once, rel=0.05)
     with pytest.raises(AutoparError, match="recompute=op"):
         _estimate(gpt, "dp=64,pp=4,schedule=zbv,recompute=op")
     with pytest.raises(AutoparError, match="zero 0-2"):
@@ -253,3 +260,34 @@ def test_a_v_puts_both_ends_on_the_first_rank(gpt):
     # the head's weights (tied to the embedding: a copy on each end) are the first rank's under a V
     assert est.stages[0].state_bytes > looped.stages[0].state_bytes
     assert est.stages[-1].state_bytes < looped.stages[-1].state_bytes
+
+
+def test_best_first_search_finds_what_the_exhaustive_one_finds(gpt):
+    """The pruning (balanced lower bound, stage details and simulated bubbles only past the cut-off) never
+    drops the best layout: with a cut-off that never binds (top_k over every layout) the best is the same."""
+    cluster = A100.with_overrides(gpus=16)
+    budget = cluster.usable_memory_bytes
+    pruned = search(gpt, cluster, _ctx(cluster=cluster), 64, parse_fix("pp=4"), budget)
+    exhaustive = search(gpt, cluster, _ctx(cluster=cluster), 64, parse_fix("pp=4"), budget, top_k=100_000)
+    assert pruned.evaluated < exhaustive.evaluated
+    assert pruned.best.estimate.layout == exhaustive.best.estimate.layout
+    assert any(c.estimate.layout.schedule in ("interleaved_zb", "zbv", "dualpipev") for c in exhaustive.candidates)
+
+
+def test_the_bubble_bound_never_exceeds_the_simulated_bubble():
+    import random
+
+    from autopar.inter_op.estimate import _bubble_bound_s, _bubble_s
+    from autopar.inter_op.layout import Layout
+
+    rng = random.Random(0)
+    for _ in range(60):
+        p, v = rng.choice([(2, 2), (4, 2), (4, 1), (8, 2)])
+        schedule = rng.choice(["zbv", "dualpipev"] if v == 2 else ["interleaved_zb"])
+        m = rng.choice([2 * p, 3 * p, 4 * p])
+        parts = [{"forward_s": rng.uniform(1, 2), "backward_s": rng.uniform(2, 4), "recompute_s": 0.0,
+                  "p2p_s": rng.uniform(0, 0.2), "weight_s": rng.uniform(0.5, 1.5), "rerun_s": 0.0} for _ in range(p)]
+        times = [x["forward_s"] + x["backward_s"] + x["p2p_s"] for x in parts]
+        lay = Layout(dp=1, tp=1, pp=p, mbs=1, num_microbatches=m, schedule=schedule, v=v, recompute="none",
+                     sp=False, zero=0)
+        assert _bubble_bound_s(parts, times, lay) <= _bubble_s(parts, times, lay) + 1e-9

@@ -183,3 +183,13 @@ def test_in_flight_needs_only_a_few_rounds_of_the_order(schedule):
                     continue
                 assert _held_frontiers(schedule, p, m, v) == _held_frontiers(
                     schedule, p, steady_microbatches(schedule, p, m), v), (p, v, m)
+
+
+@pytest.mark.parametrize(("schedule", "v"), [("interleaved_zb", 1), ("interleaved_zb", 4), ("zbv", 2)])
+def test_only_dualpipev_runs_whole_backwards(schedule, v):
+    from autopar.solvers.pipeline import schedule_order, split_fraction
+
+    for p, m in ((2, 4), (4, 8), (4, 12)):
+        assert all(op[0] != "B" for k in range(p) for op in schedule_order(schedule, k, p, m, v))
+        assert split_fraction(schedule, p, m, v) == 1.0
+    assert 0 < split_fraction("dualpipev", 4, 16, 2) < 1

@@ -86,7 +86,7 @@ def test_breakdown_adds_up(gpt):
 def test_fixed_layout_that_does_not_divide_heads():
     llama = trace_model("llama", {"layers": 2, "hidden": 256, "heads": 32, "ffn": 512, "vocab": 256,
                                   "seq_len": 128}, ctx=CTX).graph
-    with pytest.raises(AutoparError, match="tp=3 does not divide the 32 attention heads"):
+    with pytest.raises(AutoparError, match=r"tp=3 does not divide the query heads \(32 query heads, 32 kv heads\)"):
         search(llama, A100.with_overrides(gpus=24), CTX, 48, parse_fix("tp=3"), A100.usable_memory_bytes)
 
 
@@ -167,7 +167,7 @@ def test_infeasible_memory_is_a_clear_error(capsys, tmp_path):
 def test_fix_that_does_not_divide_is_a_clear_error(capsys):
     code = main([*SMALL_ARGS, "--fix", "tp=3"])
     err = capsys.readouterr().err
-    assert code == 2 and "tp=3 does not divide the 8 attention heads" in err
+    assert code == 2 and "tp=3 does not divide the query heads (8 query heads, 8 kv heads)" in err
 
 
 def test_evaluate_many_layouts(capsys, tmp_path):

@@ -26,8 +26,9 @@ which only a framework with TP comm overlap (``Framework.tp_comm_overlap``) hide
   their time is the simulated schedule, their activations in flight are walked off its op order, and a
   chunk holds its weight-bearing ops' output gradients between the two steps.  Under recomputation the
   weight step runs the checkpointed forward again (its autograd pass is a new graph task, and
-  ``torch.utils.checkpoint`` recomputes once per graph task).  In a V (``zbv``, ``dualpipev``) the first
-  rank holds the embedding and the head.
+  ``torch.utils.checkpoint`` recomputes once per graph task; DualPipeV runs most backwards whole, once).
+  In a V (``zbv``, ``dualpipev``) the first rank holds the embedding and the head; a rank's two chunks are
+  priced as one run of units (exact for a stack of like layers, approximate for mixed ones).
 - **context parallelism** (``autopar.inter_op.context_parallel``): a rank does ``1 / cp`` of every unit's
   token-wise work and attention, and waits for the key/value all-gather and its gradients' reduce-scatter
   over ``cp`` (``cp_comm_s``); the gradient reduction and ZeRO span ``dp x cp``.
@@ -56,7 +57,14 @@ from autopar.ir import OpGraph
 from autopar.kernels import memory_s
 from autopar.passes.context import PassContext
 from autopar.passes.flops import total_flops
-from autopar.solvers.pipeline import SPLIT_BACKWARD, V_SHAPED, bubble_s, in_flight_microbatches, simulate_pipeline
+from autopar.solvers.pipeline import (
+    V_SHAPED,
+    bubble_s,
+    in_flight_microbatches,
+    simulate_pipeline,
+    split_fraction,
+    splits_backward,
+)
 from autopar.solvers.stage_dp import StageSplit, UnitLoad, split_stages, split_uniform_stages, stage_memory_bytes
 
 ADAM_BYTES_PER_PARAM = 28  # read master, m, v (4 each), grad (2); write master, m, v (4 each), weights (2)
@@ -133,6 +141,7 @@ class _UnitLoad:
     extra_bytes: float  # alive only while the unit runs: activation transients and ``gathered_bytes``
     gathered_bytes: float  # ZeRO-3's gathered weights and unsharded gradient
     weight_s: float = 0.0  # split backward: the weight step (weight-gradient products, the recomputation again)
+    rerun_s: float = 0.0  # split backward: the recomputation the weight step runs again
     residue_bytes: float = 0.0  # split backward: held from the input step to the weight step
 
     def merged(self, other: _UnitLoad) -> _UnitLoad:
@@ -232,15 +241,16 @@ def _unit_load(u: UnitCost, is_layer: bool, layout: Layout, dp_link: AxisLink, c
         # the gathered weights of this unit and the prefetched next one, and one unsharded gradient
         gathered_bytes = 2 * gathered * pol.weight_bytes + gathered * fw.grad_reduce_bytes
         extra += gathered_bytes
-    weight = residue = 0.0
-    if layout.schedule in SPLIT_BACKWARD and layout.pp > 1:
-        # the weight step is a second autograd pass: checkpointed regions recompute for it again
-        weight, residue = u.bwd_weight_s + recompute, u.weight_grad_residue_bytes
-        recompute *= 2
+    weight = rerun = residue = 0.0
+    if splits_backward(layout.schedule, layout.pp):
+        # the weight step is a second autograd pass: checkpointed regions recompute for it again, on the
+        # backwards the schedule splits (all but DualPipeV's whole ones)
+        weight, rerun, residue = u.bwd_weight_s + recompute, recompute, u.weight_grad_residue_bytes
+        recompute *= 1 + split_fraction(layout.schedule, layout.pp, layout.num_microbatches, layout.v)
     time = compute + tp_exposed + cp + recompute + zero3
     tp_fwd = tp_exposed * u.tp_fwd_s / tp if tp > 0 else 0.0
     return _UnitLoad(time, compute, tp_exposed, tp_fwd, cp, cp_fwd, recompute, zero3, u.fwd_s, u.bwd_s, state, act,
-                     extra, gathered_bytes, weight, residue)
+                     extra, gathered_bytes, weight, rerun, residue)
 
 
 @dataclass(frozen=True, slots=True)
@@ -289,36 +299,46 @@ def _stage_parts(s: dict[str, float], layout: Layout) -> dict[str, float]:
              "backward_s": s["bwd"] + tp_bwd + cp_bwd + s["zero3"], "p2p_s": s["p2p"],
              "tp_forward_s": s["tp_fwd"], "tp_backward_s": tp_bwd, "cp_forward_s": s["cp_fwd"],
              "cp_backward_s": cp_bwd, "zero3_s": s["zero3"]}
-    if layout.schedule in SPLIT_BACKWARD and layout.pp > 1:
-        parts["weight_s"] = s["weight"]
+    if splits_backward(layout.schedule, layout.pp):
+        parts["weight_s"], parts["rerun_s"] = s["weight"], s["rerun"]
     return parts
 
 
 def _simulated(layout: Layout) -> bool:
     """Whether the bubble comes from simulating the schedule rather than the closed form."""
-    return layout.pp > 1 and (layout.schedule in SPLIT_BACKWARD or (layout.v > 1 and layout.num_microbatches
-                                                                     < layout.pp))
+    return splits_backward(layout.schedule, layout.pp) or (layout.pp > 1 and layout.v > 1
+                                                           and layout.num_microbatches < layout.pp)
 
 
 def _bubble_s(parts: list[dict[str, float]], stage_times: list[float], layout: Layout) -> float:
     """The pipeline's time beyond ``m`` slots of its slowest stage.  With interleaving and fewer micro-batches
     than stages the closed form is only a bound (the pipeline never fills, and the waits depend on every
-    stage's times), so the schedule is simulated op by op (a few hundred ops at most); so are the zero-bubble
-    schedules, whose weight steps fill the bubble as far as the schedule lets them."""
+    stage's times), so the schedule is simulated op by op; so are the zero-bubble schedules, whose weight
+    steps fill the bubble as far as the schedule lets them (``p x m x v`` ops and more: the search prices a
+    layout's bubble only once the rest of it, and a lower bound of the bubble, beat its cut-off)."""
     m, v = layout.num_microbatches, layout.v
     if not _simulated(layout):
         return bubble_s(stage_times, v, m)
-    forward, backward, weight = _op_times(parts)
-    return _makespan_s(layout.schedule, forward, backward, weight, m, v) - m * max(stage_times)
+    forward, backward, weight, rerun = _op_times(parts)
+    return _makespan_s(layout.schedule, forward, backward, weight, rerun, m, v) - m * max(stage_times)
 
 
 def _op_times(parts: list[dict[str, float]]) -> tuple[tuple[float, ...], ...]:
-    """Per stage, one micro-batch's forward, backward (recomputation included) and weight step through all
-    its chunks, each transfer split between the forward and the backward."""
+    """Per stage, one micro-batch's forward, backward as a split one runs it (recomputation included, twice
+    when split), weight step and what the weight step recomputes again, through all its chunks; each
+    transfer split between the forward and the backward."""
     half = [part["p2p_s"] / 2 for part in parts]
     return (tuple(part["forward_s"] + h for part, h in zip(parts, half)),
-            tuple(part["recompute_s"] + part["backward_s"] + h for part, h in zip(parts, half)),
-            tuple(part.get("weight_s", 0.0) for part in parts))
+            tuple(backward_run_s(part) + h for part, h in zip(parts, half)),
+            tuple(part.get("weight_s", 0.0) for part in parts), tuple(part.get("rerun_s", 0.0) for part in parts))
+
+
+def backward_run_s(part: dict[str, float]) -> float:
+    """One micro-batch's backward through a stage (``StageEstimate.parts_s``), as a split backward runs it
+    (its recomputation twice) where the schedule splits, else as one pass."""
+    if "rerun_s" in part:
+        return part["backward_s"] + 2 * part["rerun_s"]
+    return part["recompute_s"] + part["backward_s"]
 
 
 def _bubble_bound_s(parts: list[dict[str, float]], stage_times: list[float], layout: Layout) -> float:
@@ -337,8 +357,8 @@ def _bubble_bound_s(parts: list[dict[str, float]], stage_times: list[float], lay
 
 @functools.lru_cache(maxsize=1024)
 def _makespan_s(schedule: str, forward: tuple[float, ...], backward: tuple[float, ...], weight: tuple[float, ...],
-                m: int, v: int) -> float:
-    runs = simulate_pipeline(schedule, forward, backward, m, v, weight)
+                rerun: tuple[float, ...], m: int, v: int) -> float:
+    runs = simulate_pipeline(schedule, forward, backward, m, v, weight, rerun)
     return max(end for ops in runs for _, _, end in ops)
 
 
@@ -425,7 +445,7 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
                           "recompute": sum(x.recompute_s for x in units), "p2p": p2p_cost,
                           "zero3": sum(x.zero3_exposed_s for x in units), "local": local,
                           "forward": fwd + tp_fwd + cp_fwd, "tp_fwd": tp_fwd, "cp_fwd": cp_fwd, "bwd": bwd,
-                          "weight": sum(x.weight_s for x in units),
+                          "weight": sum(x.weight_s for x in units), "rerun": sum(x.rerun_s for x in units),
                           "tp_sync": sum(costs[key].tp_sync_s for key in members[k])})
     bottleneck = max(range(p), key=lambda k: stage_times[k])
     bn = per_stage[bottleneck]
@@ -581,6 +601,6 @@ def _tied_params(costs: dict[str, UnitCost]) -> float:
 def _recompute_flops(costs: dict[str, UnitCost], keys: list[str], layout: Layout, global_batch: int,
                      ctx: PassContext) -> float:
     micro = global_batch / max(1, layout.mbs)  # micro-batches over all dp ranks
-    again = 2 if layout.schedule in SPLIT_BACKWARD and layout.pp > 1 else 1  # the weight step recomputes too
+    again = 1 + split_fraction(layout.schedule, layout.pp, layout.num_microbatches, layout.v)  # weight steps too
     return again * micro * sum(layer_recompute(costs[k], layout.recompute, ctx.framework).flops
                                for k in keys if k not in (PRE, POST))

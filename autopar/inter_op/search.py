@@ -49,7 +49,7 @@ from autopar.intra_op.strategies import R, Strategy, param_tp_placements
 from autopar.ir import OpGraph
 from autopar.passes.context import PassContext
 from autopar.solvers.ilp import Backend
-from autopar.solvers.pipeline import MULTI_CHUNK, SPLIT_BACKWARD, V_SHAPED
+from autopar.solvers.pipeline import MULTI_CHUNK, SPLIT_BACKWARD, V_SHAPED, split_fraction, splits_backward
 
 MAX_MBS = 16
 #: A bound on the search space, not physics: context parallelism is offered unpinned only while every rank
@@ -289,11 +289,11 @@ def _layouts_at(rest: int, tp: int, cp: int, layers: int, global_batch: int, fix
             for sp in allowed("sp", [False, True] if tp > 1 and fw.sequence_parallel else [False]):
                 for schedule, v in _schedules(pp, m, layers, fixed, fw):
                     for recompute in allowed("recompute", list(RECOMPUTE)):
-                        if recompute == "op" and schedule in SPLIT_BACKWARD and pp > 1:
+                        if recompute == "op" and splits_backward(schedule, pp):
                             continue  # selective-checkpoint regions refuse the weight step's second pass
                         zeros = [z for z in (0, 1, 2, 3) if fw.zero_allowed(z, pp)] if dp > 1 else [0]
                         for zero in allowed("zero", zeros):
-                            if zero == 3 and schedule in SPLIT_BACKWARD and pp > 1:
+                            if zero == 3 and splits_backward(schedule, pp):
                                 continue  # the weight step would not find the resharded blocks' weights
                             yield Layout(dp=dp, tp=tp, pp=pp, mbs=mbs, num_microbatches=m, schedule=schedule,
                                          v=v, recompute=recompute, sp=sp, zero=zero, cp=cp)
@@ -345,22 +345,25 @@ def runtime_runs(layout: Layout, shards_parameters: bool) -> bool:
     return layout.tp == 1 or layout.mbs % layout.tp == 0 or shards_parameters
 
 
-def _lower_bound(costs: dict[str, UnitCost], sequence: list[str], layout: Layout, ctx: PassContext) -> float:
+def _lower_bound(costs: dict[str, UnitCost], counts: dict[str, int], layout: Layout, ctx: PassContext,
+                 memo: dict[tuple, tuple[float, float]]) -> float:
     """Iteration time if every stage were perfectly balanced and nothing but compute, exposed tp
-    communication and recomputation cost anything."""
-    fw = ctx.framework
-    hidden_tp = fw.tp_comm_overlap and layout.sp
-    again = 2 if layout.schedule in SPLIT_BACKWARD and layout.pp > 1 else 1  # the weight step recomputes too
-    counts: dict[str, int] = {}
-    for k in sequence:
-        counts[k] = counts.get(k, 0) + 1
-    total = 0.0
-    for k, n in counts.items():
-        u = costs[k]
-        tp = 0.0 if hidden_tp else u.tp_fwd_s + u.tp_bwd_s
-        rerun = again * layer_recompute(u, layout.recompute, fw).time_s if k not in (PRE, POST) else 0.0
-        total += n * (u.fwd_s + u.bwd_s + tp + rerun)
-    return layout.num_microbatches * total / (layout.pp * layout.cp)
+    communication and recomputation cost anything.  ``counts``: how often each unit occurs; ``memo``: the
+    work of one micro-batch and its recomputation, per unit costs and mode (shared across layouts)."""
+    key = (id(costs), layout.recompute, layout.sp)
+    if key not in memo:
+        fw = ctx.framework
+        hidden_tp = fw.tp_comm_overlap and layout.sp
+        work = rerun = 0.0
+        for k, n in counts.items():
+            u = costs[k]
+            work += n * (u.fwd_s + u.bwd_s + (0.0 if hidden_tp else u.tp_fwd_s + u.tp_bwd_s))
+            if k not in (PRE, POST):
+                rerun += n * layer_recompute(u, layout.recompute, fw).time_s
+        memo[key] = (work, rerun)
+    work, rerun = memo[key]
+    again = 1 + split_fraction(layout.schedule, layout.pp, layout.num_microbatches, layout.v)  # weight steps too
+    return layout.num_microbatches * (work + again * rerun) / (layout.pp * layout.cp)
 
 
 def search(graph: OpGraph, cluster: Cluster, ctx: PassContext, global_batch: int, fixed: dict[str, Any],
@@ -386,11 +389,13 @@ def search(graph: OpGraph, cluster: Cluster, ctx: PassContext, global_batch: int
     # best first: every layout's perfectly balanced bound, then the layouts in its order, until the bound of
     # the next one cannot beat the K-th best found (the rest cannot either)
     queue: list[tuple[float, tuple, str, Layout]] = []
+    counts = {k: sequence.count(k) for k in dict.fromkeys(sequence)}
+    memo: dict[tuple, tuple[float, float]] = {}
     for layout in layouts(graph, cluster, global_batch, fixed, ctx.framework):
         for variant in VARIANTS if layout.tp > 1 else VARIANTS[:1]:
             costs, strategies = cache.get(layout.tp, layout.mbs, layout.sp, variant)
             if runtime_runs(layout, cache.shards_parameters(strategies)):
-                queue.append((_lower_bound(costs, sequence, layout, ctx), _layout_key(layout), variant, layout))
+                queue.append((_lower_bound(costs, counts, layout, ctx, memo), _layout_key(layout), variant, layout))
     queue.sort(key=lambda q: q[:3])
     for bound, _, variant, layout in queue:
         costs, strategies = cache.get(layout.tp, layout.mbs, layout.sp, variant)
@@ -408,7 +413,6 @@ def search(graph: OpGraph, cluster: Cluster, ctx: PassContext, global_batch: int
         for _, _, variant, layout in queue:
             costs, strategies = cache.get(layout.tp, layout.mbs, layout.sp, variant)
             est = estimate_layout(graph, costs, layout, global_batch, cluster, ctx, memory_budget_bytes, flops)
-            evaluated += 1
             if est is not None and (accept is None or accept(est, strategies)):
                 _keep(spill, Candidate(est, variant, strategies, cache.alternatives(strategies)), top_k, _rank)
     chosen = _distinct(fitting, top_k) if fitting else _distinct(sorted(spill, key=_spill_rank), top_k)

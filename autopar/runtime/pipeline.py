@@ -39,6 +39,11 @@ def tied_pairs(plan: Plan) -> list[tuple[str, str]]:
     return [(fqn, alias) for fqn, p in plan.parameters.items() for alias in p.get("aliases", [])]
 
 
+def _laid_out_as(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``grad`` with ``like``'s placements (DTensors), or as it is."""
+    return grad.redistribute(like.device_mesh, like.placements) if hasattr(like, "placements") else grad
+
+
 class PipelineRunner:
     """This rank's stages (its chunks of the model, already parallelized) and the schedule that runs them;
     ``step`` runs one iteration's micro-batches."""
@@ -105,12 +110,14 @@ class PipelineRunner:
         if not self.tied or self.pp == 1:
             return
         names = dict(self.named_parameters())
-        if self._tie_group is None:  # both copies on this rank
+        if self.first_rank == self.last_rank:  # a V: both copies on this rank
             for fqn, alias in self.tied:
                 a, b = names.get(fqn), names.get(alias)
                 if a is not None and b is not None and a.grad is not None and b.grad is not None:
-                    total = a.grad + b.grad
-                    a.grad, b.grad = total, total.clone()
+                    a.grad.add_(_laid_out_as(b.grad, a.grad))
+                    b.grad.copy_(_laid_out_as(a.grad, b.grad))
+            return
+        if self._tie_group is None:  # a middle rank: no tied copy
             return
         for fqn, alias in self.tied:
             p = names.get(fqn, names.get(alias))

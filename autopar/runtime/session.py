@@ -39,6 +39,8 @@ def build_model(plan: Plan, seed: int | None) -> ModelSession:
 #: OPT's layers ``dropout``, GPT-2's config ``*_pdrop``; OPT's ``layerdrop`` skips whole layers at random),
 #: besides ``nn.Dropout`` modules.
 _DROPOUT_NAMES = ("dropout", "pdrop", "layerdrop")
+#: Config fields of heads a causal LM does not run (classification, GPT-2's summary head): not counted.
+_OTHER_HEADS = ("classifier", "summary")
 
 
 def disable_dropout(model: nn.Module) -> int:
@@ -54,6 +56,8 @@ def disable_dropout(model: nn.Module) -> int:
         owners = [module] + ([module.config] if hasattr(module, "config") and not callable(module.config) else [])
         for owner in owners:
             for name, value in list(vars(owner).items()):
+                if name.startswith(_OTHER_HEADS):
+                    continue
                 if any(key in name for key in _DROPOUT_NAMES) and isinstance(value, float) and value > 0:
                     setattr(owner, name, 0.0)
                     switched += 1

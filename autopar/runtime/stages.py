@@ -113,8 +113,10 @@ class _Injected:
     def __init__(self, layer: nn.Module, hidden: torch.Tensor) -> None:
         self._layer, self._hidden = layer, hidden
 
-    def __call__(self, _hidden: torch.Tensor, *args: object, **kwargs: object) -> object:
-        return self._layer(self._hidden, *args, **kwargs)
+    def __call__(self, *args: object, **kwargs: object) -> object:
+        if "hidden_states" in kwargs:
+            return self._layer(*args, **{**kwargs, "hidden_states": self._hidden})
+        return self._layer(self._hidden, *args[1:], **kwargs)
 
     def __getattr__(self, name: str) -> object:
         return getattr(self._layer, name)
@@ -168,7 +170,12 @@ def hf_stage(model: nn.Module, container: str, lo: int, hi: int, first: bool, la
     parameter-free placeholders.  A later stage takes hidden states (token ids of their shape drive the
     positions and masks, as in the whole model) and hands them to its first layer; an earlier one stops at
     the final norm and returns what it was about to normalize.  No per-architecture code: whatever the
-    decoder does around its layers (masks, rotary or learned positions, ALiBi, scaling) it does itself."""
+    decoder does around its layers (masks, rotary or learned positions, ALiBi, scaling) it does itself.
+    What it needs: the hidden states are all the layers carry from the embeddings (a decoder whose layers
+    also read per-layer embedding outputs, as Gemma 3n's do, would get zeros on later stages)."""
+    if ends is None:
+        raise AutoparError("this plan does not say which modules run before and after the layers "
+                           "(model.stack_ends, written since plan schema 3): plan it again")
     owner_name, _, attr = container.rpartition(".")
     owner = model.get_submodule(owner_name) if owner_name else model
     kept = {str(i): layer for i, layer in enumerate(getattr(owner, attr)) if lo <= i < hi}
@@ -178,9 +185,6 @@ def hf_stage(model: nn.Module, container: str, lo: int, hi: int, first: bool, la
     if getattr(config, "layer_types", None):  # the loop looks a layer's type up by its position in the stack
         owner.config = copy.copy(config)
         owner.config.layer_types = [config.layer_types[int(i)] for i in kept]
-    if ends is None:
-        raise AutoparError("this plan does not say which modules run before and after the layers "
-                           "(model.stack_ends, written since plan schema 3): plan it again")
     before, after = _hf_ends(model, ends)
     placeholders = []
     for ends, keep, is_before in ((before, first, True), (after, last, False)):
