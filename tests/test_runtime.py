@@ -86,6 +86,10 @@ VERIFIED = {
        for arch, name, fix in (("gpt2", "dp2-tp2", "dp=2,tp=2"), ("falcon", "dp2-tp2", "dp=2,tp=2"),
                                ("opt", "pp2-dp2", "pp=2,dp=2"), ("bloom", "pp2-dp2", "pp=2,dp=2"),
                                ("gemma2", "pp2-dp2", "pp=2,dp=2"), ("mixtral", "pp2-dp2", "pp=2,dp=2"))},
+    # grouped-query attention with fewer K/V heads than tp (8 query, 2 kv, tp=4): query heads split, K/V whole
+    "hf-llama-gqa-tp4": (str(EXAMPLES / "hf_decoder.py"), ["--config", "arch=llama,layers=2,hidden=128,heads=8,"
+                                                           "kv_heads=2,vocab=128,seq_len=32", "--cluster", "cpu"], 8,
+                         "tp=4"),
 }
 
 
@@ -420,3 +424,17 @@ def test_verify_huggingface_decoders(verified, name):
     _, out = _verified(verified, name)
     # GPT-2 and OPT have dropout on by default: verify ran both sides without it, and says so
     assert (out["dropout_off"] > 0) == any(arch in name for arch in ("gpt2", "opt"))
+
+
+@pytest.mark.slow
+def test_grouped_query_attention_with_fewer_kv_heads_than_tp(verified):
+    """Megatron's layout for GQA under tp > kv heads: each rank keeps every K/V head (their projections
+    replicated), splits the query heads, and slices the repeated K/V heads its queries read."""
+    plan, _ = _verified(verified, "hf-llama-gqa-tp4")
+    sdpa = "aten.scaled_dot_product_attention.default"
+    attention = [e for e in plan["op_strategies"].values()
+                 if e["module"].endswith("layers.0.self_attn") and e["op"] == sdpa]
+    assert [e["tp"]["inputs"][:3] for e in attention] == [["S(1)", "S(1)", "S(1)"]]
+    k_proj = [e for e in plan["op_strategies"].values()
+              if e["module"].endswith("layers.0.self_attn.k_proj") and e["op"] == "aten.linear.default"]
+    assert [e["tp"]["outputs"] for e in k_proj] == [["R"]]

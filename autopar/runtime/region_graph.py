@@ -180,8 +180,8 @@ def _place_inputs(args: tuple, placements: Sequence[str | None], mesh: DeviceMes
             # pending sum, which DTensor cannot turn into a pending mean; its op dispatch reduces it instead
             return x
         if not isinstance(x, DTensor):
-            if target.is_replicate():
-                return x  # a tensor made inside the region: DTensor reads it as replicated
+            # a tensor made inside the region or passed by keyword (rotary tables): the same on every rank.
+            # Made a DTensor here, not left to implicit replication, which the backward does not run under.
             x = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
         return _consistent(x if x.placements == (target,) else x.redistribute(mesh, [target]))
 
@@ -223,6 +223,33 @@ def _structure(module: nn.Module) -> tuple:
     return tuple(parts)
 
 
+@contextlib.contextmanager
+def _attention_as_traced(module: nn.Module):
+    """Export a HuggingFace attention region down the path the planner's whole-model export took.
+
+    Exported whole, a HuggingFace decoder materializes its causal mask, and with a mask its SDPA integration
+    repeats the key/value heads before attention (``repeat_kv``).  A region exported alone gets no mask
+    (run eagerly, HuggingFace skips it), and the integration would then pass ``enable_gqa`` to attention
+    instead: other ops than the plan's.  Both compute the same; this keeps the plan's."""
+    if not any(cls.__module__.startswith("transformers.") for cls in type(module).__mro__):
+        yield
+        return
+    try:
+        from transformers.integrations import sdpa_attention
+    except ImportError:
+        yield
+        return
+    saved = getattr(sdpa_attention, "use_gqa_in_sdpa", None)
+    if saved is None:
+        yield
+        return
+    sdpa_attention.use_gqa_in_sdpa = lambda *args, **kwargs: False
+    try:
+        yield
+    finally:
+        sdpa_attention.use_gqa_in_sdpa = saved
+
+
 #: Exported region graphs, shared by the identical regions of a layer stack (one export per rank and type).
 _GRAPHS: dict[tuple, RegionGraph | None] = {}
 
@@ -260,7 +287,8 @@ class PlannedRegion:
         try:
             # identity hooks: an activation checkpoint running around this first call must not count the
             # trace's tensors as saved by the forward (its recomputation finds the graph made and saves fewer)
-            with autocast, torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            with autocast, torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t), \
+                    _attention_as_traced(shadow):
                 program = torch.export.export(shadow, fake_args, fake_kwargs, strict=False)
         except Exception as exc:  # any export failure: the region still runs, by DTensor's own rules
             log.warning("autopar: %s could not be exported (%s); it runs by DTensor's own sharding choices, "
