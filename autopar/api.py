@@ -15,6 +15,7 @@ names or shapes differ from the plan's, and ``autopar verify`` when its graph do
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -23,13 +24,14 @@ from torch import nn
 
 from autopar.cluster import Cluster, cluster_from_args
 from autopar.errors import AutoparError
-from autopar.framework import DEFAULT_FRAMEWORK, load_framework
+from autopar.framework import DEFAULT_FRAMEWORK, Framework, load_framework
 from autopar.frontend import TracedModel, trace_model
 from autopar.inter_op.layout import normalize_fix, parse_fix
 from autopar.inter_op.search import SearchResult, search
 from autopar.inter_op.to_plan import build_plan
 from autopar.modelfile import factory_ref
 from autopar.passes import PassContext
+from autopar.passes.context import TRAINING_PRECISIONS, PrecisionPolicy
 from autopar.plan_file import Plan
 from autopar.report import human_bytes
 from autopar.runnable import runtime_filter
@@ -78,9 +80,11 @@ def _fixed(fix: str | dict[str, Any] | None) -> dict[str, Any]:
 
 def setup(cluster: str | Cluster, gpus: int | None, gpus_per_node: int | None, inter_node_gbps: float | None,
           global_batch: int | None, time_limit_s: float, memory_limit_gb: float | None, attention: str,
-          framework: str) -> tuple[Cluster, PassContext, int, float]:
+          framework: str, precision: str = "bf16") -> tuple[Cluster, PassContext, int, float]:
     """Check the planning options; the cluster, the pass context, the global batch (default max(256, GPUs))
-    and the per-device memory budget in bytes (default the cluster's usable memory)."""
+    and the per-device memory budget in bytes (default the cluster's usable memory).  ``precision``: the
+    training precision of the context (``bf16`` or ``fp8``; ``auto`` gives a bf16 context, and
+    ``training_precisions`` says what to search)."""
     if global_batch is not None and global_batch < 1:
         raise AutoparError("global batch (--global-batch) must be >= 1")
     if time_limit_s <= 0:
@@ -94,10 +98,32 @@ def setup(cluster: str | Cluster, gpus: int | None, gpus_per_node: int | None, i
         spec = cluster.with_overrides(gpus=gpus, gpus_per_node=gpus_per_node, inter_node_bandwidth_bytes_per_s=inter)
     else:
         spec = cluster_from_args(cluster, gpus, gpus_per_node, inter_node_gbps)
-    ctx = PassContext(cluster=spec, attention=attention, framework=load_framework(framework))
+    fw = load_framework(framework)
+    training_precisions(precision, spec, fw)
+    ctx = PassContext(cluster=spec, attention=attention, framework=fw,
+                      precision=PrecisionPolicy(training="bf16" if precision == "auto" else precision))
     batch = global_batch if global_batch is not None else max(256, spec.gpus)
     budget = memory_limit_gb * 2**30 if memory_limit_gb is not None else spec.usable_memory_bytes
     return spec, ctx, batch, budget
+
+
+def training_precisions(precision: str, cluster: Cluster, framework: Framework) -> tuple[str, ...]:
+    """The training precisions a search over ``precision`` (``bf16``, ``fp8`` or ``auto``) tries: ``auto`` adds
+    fp8 where the devices have FP8 tensor cores and the framework trains in it.  An fp8 the cluster or the
+    framework cannot run is an error."""
+    if precision not in (*TRAINING_PRECISIONS, "auto"):
+        raise AutoparError(f"precision (--precision) must be one of {', '.join(TRAINING_PRECISIONS)} or auto, "
+                           f"not {precision!r}")
+    can = cluster.has_fp8 and framework.fp8_scaling != "none"
+    if precision == "fp8" and not cluster.has_fp8:
+        raise AutoparError(f"--precision fp8: {cluster.device} ({cluster.name}) has no FP8 tensor cores "
+                           "(its peak_fp8_flops is 0); use --precision bf16")
+    if precision == "fp8" and framework.fp8_scaling == "none":
+        raise AutoparError(f"--precision fp8: framework {framework.name} does not train in FP8 in autopar's model "
+                           "(fp8_scaling = none); use --precision bf16 or another --framework")
+    if precision == "auto":
+        return ("bf16", "fp8") if can else ("bf16",)
+    return (precision,)
 
 
 def plan_model(model: ModelLike, *, config: dict[str, Any] | None = None,
@@ -106,24 +132,31 @@ def plan_model(model: ModelLike, *, config: dict[str, Any] | None = None,
                global_batch: int | None = None, seq_len: int | None = None, fix: str | dict[str, Any] | None = None,
                memory_limit_gb: float | None = None, attention: str = "flash", solver: str = "cbc",
                time_limit_s: float | None = None, top: int = 1, framework: str = DEFAULT_FRAMEWORK,
-               every_layer: bool = False, on_progress: Callable[[str], None] | None = None) -> Planning:
+               every_layer: bool = False, on_progress: Callable[[str], None] | None = None,
+               precision: str = "bf16") -> Planning:
     """Trace ``model``, search its layouts on ``cluster`` and build the plan(s); raises ``AutoparError`` with
     a one-line message when the input is bad or nothing fits.  ``on_progress`` is told what runs now (the
-    trace, each intra-op solve, the search's count)."""
+    trace, each intra-op solve, the search's count).  ``precision`` ``auto`` searches bf16 and, where the
+    cluster and framework can, fp8, and keeps the faster."""
     fixed = _fixed(fix)
     if top < 1:
         raise AutoparError("top (--top) must be >= 1")
     time_limit_s = DEFAULT_TIME_LIMIT_S if time_limit_s is None else time_limit_s
     spec, ctx, batch, budget = setup(cluster, gpus, gpus_per_node, inter_node_gbps, global_batch, time_limit_s,
-                                     memory_limit_gb, attention, framework)
+                                     memory_limit_gb, attention, framework, precision)
     ref, built = model_ref(model)
     inputs_ref = factory_ref(example_inputs) if example_inputs is not None else None
     if on_progress is not None:
         on_progress(f"tracing {ref}")
     traced = trace_model(ref, config, seq_len, ctx, every_layer, example_inputs=inputs_ref, built=built)
     runnable = runtime_filter(traced.graph, ref, traced.config, spec, ctx, batch, inputs_ref)
-    res = search(traced.graph, spec, ctx, batch, fixed, budget, solver, time_limit_s, top, on_progress,
-                 accept=runnable.accept if runnable else None)
+    res = None
+    for training in training_precisions(precision, spec, ctx.framework):
+        tried = dataclasses.replace(ctx, precision=dataclasses.replace(ctx.precision, training=training))
+        found = search(traced.graph, spec, tried, batch, fixed, budget, solver, time_limit_s, top, on_progress,
+                       accept=runnable.accept if runnable else None)
+        if res is None or _faster(found, res):
+            res, ctx = found, tried
     best = res.best
     pinned = (fix if isinstance(fix, str) else ",".join(f"{k}={v}" for k, v in sorted(fixed.items()))) or "none"
     if best is None and runnable is not None and runnable.reasons:
@@ -143,23 +176,35 @@ def plan_model(model: ModelLike, *, config: dict[str, Any] | None = None,
     return Planning(plans, res, traced, spec, batch)
 
 
+def _faster(a: SearchResult, b: SearchResult) -> bool:
+    """Whether ``a``'s best layout beats ``b``'s: one that fits beats one that does not, then the faster."""
+    if a.best is None or b.best is None:
+        return b.best is None and a.best is not None
+    ka = (not a.best.estimate.fits, a.best.estimate.iteration_time_s)
+    kb = (not b.best.estimate.fits, b.best.estimate.iteration_time_s)
+    return ka < kb
+
+
 def plan(model: ModelLike, *, config: dict[str, Any] | None = None,
          example_inputs: Callable[..., Any] | None = None, cluster: str | Cluster = DEFAULT_CLUSTER,
          gpus: int | None = None, gpus_per_node: int | None = None, global_batch: int | None = None,
          seq_len: int | None = None, fix: str | dict[str, Any] | None = None, memory_limit_gb: float | None = None,
          attention: str = "flash", solver: str = "cbc", time_limit_s: float | None = None, top: int = 1,
-         framework: str = DEFAULT_FRAMEWORK) -> Plan | list[Plan]:
+         framework: str = DEFAULT_FRAMEWORK, precision: str = "bf16") -> Plan | list[Plan]:
     """Plan ``model`` (a zoo name, a model file, an ``nn.Module`` class or factory, or a built module) as
     ``autopar plan`` does: the best Plan, or with ``top > 1`` a list of the best distinct ones, best first.
 
     ``config`` goes to the factory (or ``build_model``); ``example_inputs(batch_size, seq_len, **config)``,
     a top-level function, replaces the model's own; ``fix`` pins layout keys (``"tp=8,pp=2"`` or a dict);
+    ``precision`` is the training precision: ``bf16`` (default), ``fp8`` (the layers' Linears, on devices
+    with FP8 tensor cores) or ``auto`` (the faster of the two);
     the defaults are those of the CLI (``a100-80gb``, all its GPUs, a global batch of max(256, GPUs))."""
     planning = plan_model(model, config=config, example_inputs=example_inputs, cluster=cluster, gpus=gpus,
                           gpus_per_node=gpus_per_node, global_batch=global_batch, seq_len=seq_len, fix=fix,
                           memory_limit_gb=memory_limit_gb, attention=attention, solver=solver,
-                          time_limit_s=time_limit_s, top=top, framework=framework)
+                          time_limit_s=time_limit_s, top=top, framework=framework, precision=precision)
     return planning.plan if top == 1 else planning.plans
 
 
-__all__ = ["DEFAULT_CLUSTER", "ModelLike", "Planning", "model_ref", "plan", "plan_model", "setup"]
+__all__ = ["DEFAULT_CLUSTER", "ModelLike", "Planning", "model_ref", "plan", "plan_model", "setup",
+           "training_precisions"]

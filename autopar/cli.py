@@ -61,6 +61,9 @@ def _add_framework_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--framework", default=DEFAULT_FRAMEWORK, metavar="PRESET|FILE",
                    help=f"the software that trains the plan ({', '.join(FRAMEWORKS)}) or a TOML file; "
                         f"autopar's own runtime is {DEFAULT_FRAMEWORK} (default)")
+    p.add_argument("--precision", choices=("bf16", "fp8", "auto"), default="bf16",
+                   help="training precision: bf16 (default), fp8 (the layers' Linears in FP8, on devices with FP8 "
+                        "tensor cores) or auto (plan: the faster of the two)")
 
 
 def _add_cluster_args(p: argparse.ArgumentParser) -> None:
@@ -181,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _setup(args: argparse.Namespace) -> tuple[Cluster, PassContext, TracedModel, int, float]:
     cluster, ctx, batch, budget = setup(args.cluster, args.gpus, args.gpus_per_node, args.inter_node_gbps,
                                         args.global_batch, args.time_limit, args.memory_limit, args.attention,
-                                        args.framework)
+                                        args.framework, args.precision)
     traced = trace_model(args.model, parse_config(args.config), args.seq_len, ctx, args.trace_every_layer)
     return cluster, ctx, traced, batch, budget
 
@@ -208,7 +211,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                               global_batch=args.global_batch, seq_len=args.seq_len, fix=args.fix,
                               memory_limit_gb=args.memory_limit, attention=args.attention, solver=args.solver,
                               time_limit_s=args.time_limit, top=args.top, framework=args.framework,
-                              every_layer=args.trace_every_layer, on_progress=tick)
+                              every_layer=args.trace_every_layer, on_progress=tick, precision=args.precision)
     finally:
         if progress is not None:
             progress.stop()

@@ -38,7 +38,7 @@ _FRACTIONS = ("gemm_efficiency", "attention_efficiency", "flash1_attention_effic
               "intra_node_collective_efficiency", "inter_node_collective_efficiency", "tree_bandwidth_fraction")
 _INTEGERS = ("gpus", "gpus_per_node", "sm_count", "attention_block", "nics_per_node", "pod_gpus", "nvlink_domain_size")
 #: Keys a cluster file may leave out, and their values then.
-_DEFAULTS = {"nvlink_domain_size": 0}
+_DEFAULTS = {"nvlink_domain_size": 0, "peak_fp8_flops": 0.0, "fp8_gemm_efficiency": 0.0, "fp8_gemm_k_overhead": 0.0}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -122,6 +122,14 @@ class Cluster:
     overlap_slowdown: float
     """Fraction by which compute slows while a collective runs beside it (NCCL kernels occupy SMs and
     memory bandwidth), so overlapped communication is never entirely free."""
+    peak_fp8_flops: float = 0.0
+    """Peak dense FP8 tensor-core FLOP/s per device; 0: the device has no FP8 tensor cores (``--precision fp8``
+    is refused)."""
+    fp8_gemm_efficiency: float = 0.0
+    """``gemm_efficiency`` for FP8 products (cuBLASLt ``e4m3``/``e5m2`` with fp32 accumulation), of
+    ``peak_fp8_flops``."""
+    fp8_gemm_k_overhead: float = 0.0
+    """``gemm_k_overhead`` of FP8 products, in elements of the reduction dimension."""
     nvlink_domain_size: int = 0
     """GPUs on one NVLink (NVSwitch) domain, a whole number of nodes: the intra-node bandwidth and latencies
     hold inside it, the network's between domains.  0: one node (``gpus_per_node``), as in DGX/HGX
@@ -161,6 +169,9 @@ class Cluster:
         for f in _FRACTIONS:
             if not 0 < getattr(self, f) <= 1:
                 raise ClusterSpecError(f"cluster {self.name}: {f} must be in (0, 1]")
+        if self.peak_fp8_flops and not 0 < self.fp8_gemm_efficiency <= 1:
+            raise ClusterSpecError(f"cluster {self.name}: fp8_gemm_efficiency must be in (0, 1] when peak_fp8_flops "
+                                   "is set")
         if not all(0 < x <= 1 for x in self.protocol_bandwidth_fraction):
             raise ClusterSpecError(f"cluster {self.name}: protocol_bandwidth_fraction values must be in (0, 1]")
         if not 0 <= self.overlap_slowdown < 1:
@@ -189,6 +200,11 @@ class Cluster:
     def nic_bandwidth_per_gpu_bytes_per_s(self) -> float:
         """Network bandwidth one GPU has when every GPU of its node sends at once."""
         return self.inter_node_bandwidth_bytes_per_s * min(self.nics_per_node, self.gpus_per_node) / self.gpus_per_node
+
+    @property
+    def has_fp8(self) -> bool:
+        """Whether the device has FP8 tensor cores (``peak_fp8_flops``)."""
+        return self.peak_fp8_flops > 0
 
     def with_overrides(self, **overrides: Any) -> Cluster:
         """A copy with some fields replaced (``None`` values are ignored)."""

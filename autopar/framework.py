@@ -112,6 +112,14 @@ class Framework:
     """ZeRO levels it implements without pipeline parallelism."""
     zero_levels_with_pp: tuple[int, ...]
     """... and with it."""
+    fp8_scaling: Literal["none", "dynamic", "delayed"] = "none"
+    """How it trains Linears in FP8 (``autopar.intra_op.fp8``): ``dynamic`` (torchao's float8 training,
+    tensorwise or rowwise: each cast first reads its tensor for the amax), ``delayed`` (Transformer Engine's
+    DelayedScaling: the scale comes from the amax history and the cast records the new amax), ``none`` (no
+    FP8 training: ``--precision fp8`` is refused)."""
+    fp8_param_gather: bool = False
+    """Whether ZeRO-3 all-gathers the FP8 Linears' weights in FP8, cast on the shard (torchao's
+    ``enable_fsdp_float8_all_gather``, Megatron's ``--fp8-param-gather``): one byte per element on the wire."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -139,6 +147,8 @@ class Framework:
         if self.selective_recompute not in ("attention_core", "attention_module"):
             raise FrameworkSpecError(f"framework {self.name}: selective_recompute must be attention_core or "
                                      "attention_module")
+        if self.fp8_scaling not in ("none", "dynamic", "delayed"):
+            raise FrameworkSpecError(f"framework {self.name}: fp8_scaling must be none, dynamic or delayed")
         if self.zero3_unit not in ZERO_UNITS:
             raise FrameworkSpecError(f"framework {self.name}: zero3_unit must be one of {', '.join(ZERO_UNITS)}")
 
@@ -162,7 +172,8 @@ _FIELDS = {f.name for f in fields(Framework)}
 def load_framework(spec: str) -> Framework:
     """A preset name (``torch``, ``megatron-core``, ...) or a path to a TOML file."""
     values, origin = load_spec(spec, what="framework", folder="frameworks", presets=FRAMEWORKS, fields=_FIELDS,
-                               base_values=lambda b: load_framework(b).to_dict(), error=FrameworkSpecError)
+                               base_values=lambda b: load_framework(b).to_dict(), error=FrameworkSpecError,
+                               defaults={"fp8_scaling": "none", "fp8_param_gather": False})
     for key in ("schedules", "zero_levels", "zero_levels_with_pp"):
         if isinstance(values.get(key), list):
             values[key] = tuple(values[key])

@@ -39,9 +39,13 @@ SPLIT_K = (1, 2, 4, 8, 16)
 _FLASH_EFFICIENCY = {1: "flash1_attention_efficiency", 2: "attention_efficiency", 3: "flash3_attention_efficiency"}
 
 
-def gemm_efficiency(cluster: Cluster, m: float, n: float, k: float, batch: float = 1) -> float:
-    """Fraction of peak a ``batch x (m x k) @ (k x n)`` product reaches on ``cluster``."""
-    return _efficiency(cluster.gemm_efficiency, cluster.sm_count, cluster.gemm_tiles, cluster.gemm_k_overhead,
+def gemm_efficiency(cluster: Cluster, m: float, n: float, k: float, batch: float = 1, fp8: bool = False) -> float:
+    """Fraction of peak (the FP8 peak when ``fp8``) a ``batch x (m x k) @ (k x n)`` product reaches on
+    ``cluster``.  FP8 products tile their output as bf16 ones do (CUTLASS SM90 FP8 kernels use the same
+    output tiles) and keep twice the elements of ``k`` in flight (``fp8_gemm_k_overhead``)."""
+    main, overhead = ((cluster.fp8_gemm_efficiency, cluster.fp8_gemm_k_overhead) if fp8
+                      else (cluster.gemm_efficiency, cluster.gemm_k_overhead))
+    return _efficiency(main, cluster.sm_count, cluster.gemm_tiles, overhead,
                        max(1, round(m)), max(1, round(n)), max(1, round(k)), max(1, round(batch)))
 
 
@@ -64,11 +68,13 @@ def _efficiency(peak_fraction: float, sms: int, tile_set: tuple[tuple[float, flo
     return peak_fraction * best
 
 
-def gemm_s(cluster: Cluster, m: float, n: float, k: float, batch: float = 1) -> float:
-    """Compute time of a ``batch x (m x k) @ (k x n)`` product (FLOPs only; callers add the memory roofline)."""
+def gemm_s(cluster: Cluster, m: float, n: float, k: float, batch: float = 1, fp8: bool = False) -> float:
+    """Compute time of a ``batch x (m x k) @ (k x n)`` product (FLOPs only; callers add the memory roofline),
+    in FP8 at ``peak_fp8_flops`` when ``fp8``."""
     if min(m, n, k, batch) <= 0:
         return 0.0
-    return 2.0 * batch * m * n * k / (cluster.peak_flops * gemm_efficiency(cluster, m, n, k, batch))
+    peak = cluster.peak_fp8_flops if fp8 else cluster.peak_flops
+    return 2.0 * batch * m * n * k / (peak * gemm_efficiency(cluster, m, n, k, batch, fp8))
 
 
 def flash_attention_s(cluster: Cluster, flops: float, version: int = 2) -> float:

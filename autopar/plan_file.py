@@ -20,8 +20,9 @@ from autopar import __version__
 from autopar.errors import AutoparError
 from autopar.ir import OpGraph
 
-SCHEMA_VERSION = 3  # 2: the mesh gained the context-parallel axis, (pp, dp, cp, tp); 3: the schedule
-# records its stage-to-rank mapping (V-shaped zero-bubble schedules), tied parameters the ranks holding a copy
+SCHEMA_VERSION = 4  # 2: the mesh gained the context-parallel axis, (pp, dp, cp, tp); 3: the schedule
+# records its stage-to-rank mapping (V-shaped zero-bubble schedules), tied parameters the ranks holding a copy;
+# 4: the training precision (bf16, or fp8 and the Linears that train in it)
 _FLOAT_DIGITS = 12  # significant digits kept for floats: identical bytes across runs and platforms
 
 
@@ -63,7 +64,7 @@ def _checksum(body: dict[str, Any]) -> str:
 REQUIRED = {
     "schema_version": int, "autopar_version": str, "model": dict, "cluster": dict, "global_batch": int,
     "seq_len": int, "mesh": dict, "layout": dict, "stages": list, "schedule": dict, "zero": int,
-    "parameters": dict, "estimate": dict,
+    "parameters": dict, "estimate": dict, "precision": dict,
 }
 
 
@@ -91,6 +92,9 @@ class Plan:
     op_strategies: dict[str, Any] = field(default_factory=dict)
     """Op name -> {axis: {outputs, inputs}} for the ops of the first layer of each type and outside layers."""
     attention: str = "flash"
+    precision: dict[str, Any] = field(default_factory=lambda: {"training": "bf16"})
+    """``training`` (``bf16`` or ``fp8``); for fp8 also ``fp8_linears`` (the FQNs of the Linears that train in
+    FP8) and ``fp8_scaling`` (the framework's: ``dynamic`` or ``delayed``)."""
     schema_version: int = SCHEMA_VERSION
     autopar_version: str = __version__
 
@@ -101,6 +105,7 @@ class Plan:
             "seq_len": self.seq_len, "mesh": self.mesh, "layout": self.layout, "stages": self.stages,
             "schedule": self.schedule, "zero": self.zero, "parameters": self.parameters,
             "estimate": self.estimate, "op_strategies": self.op_strategies, "attention": self.attention,
+            "precision": self.precision,
         }
         return _round_floats(json.loads(json.dumps(body)))
 
@@ -158,6 +163,11 @@ class Plan:
         fp = model_fingerprint(graph, config)
         if fp != self.model.get("fingerprint"):
             raise PlanError(f"the model does not match the plan (fingerprint {fp} != {self.model.get('fingerprint')})")
+
+    @property
+    def fp8(self) -> bool:
+        """Whether the plan trains Linears in FP8 (``precision.training``)."""
+        return self.precision.get("training") == "fp8"
 
     @property
     def num_devices(self) -> int:

@@ -74,6 +74,13 @@ def render_show(plan: Plan, console: Console) -> None:
                           f"of {lay['mbs']} per data-parallel rank")
     head.add_row("iteration", f"{human_time(est['iteration_time_s'])} ({est['tokens_per_s']:,.0f} tokens/s, "
                               f"MFU {est['mfu']:.1%}, {est.get('framework', 'torch')} runtime)")
+    if plan.fp8:
+        detail = est.get("compute_detail", {})
+        head.add_row("precision", f"fp8: {len(plan.precision.get('fp8_linears', []))} Linears "
+                                  f"({plan.precision.get('fp8_scaling')} scaling); casts "
+                                  f"{human_time(detail.get('fp8_casts_s', 0.0))} of the compute")
+    else:
+        head.add_row("precision", "bf16")
     console.print(head)
 
     stages = Table(title="Stages", title_justify="left")
@@ -205,6 +212,11 @@ def plan_changes(a: Plan, b: Plan) -> list[Change]:
     for key in ("global_batch", "seq_len", "attention"):
         if getattr(a, key) != getattr(b, key):
             out.append(Change(key, getattr(a, key), getattr(b, key)))
+    if a.precision.get("training") != b.precision.get("training"):
+        out.append(Change("precision", a.precision.get("training"), b.precision.get("training")))
+    elif a.precision != b.precision:
+        out.append(Change("FP8 Linears", len(a.precision.get("fp8_linears", [])),
+                          len(b.precision.get("fp8_linears", []))))
     for key in sorted(set(a.layout) | set(b.layout)):
         if a.layout.get(key) != b.layout.get(key):
             out.append(Change(f"layout {key}", a.layout.get(key), b.layout.get(key)))

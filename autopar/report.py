@@ -91,8 +91,15 @@ def render_plan(result: dict[str, Any], console: Console) -> None:
                                 f"attention in full), HFU {est['hfu']:.1%} (executed, recompute included)")
     table.add_row("peak memory", f"{human_bytes(est['peak_memory_bytes'])} per device"
                                  f" ({'fits' if est['fits'] else 'DOES NOT FIT'})")
+    table.add_row("precision", est.get("precision", "bf16") + (" (the layers' Linears; attention, norms, embedding "
+                                                             "and head in bf16)" if est.get("precision") == "fp8"
+                                                             else ""))
     for key, value in est["breakdown"].items():
         table.add_row(f"  {key.removesuffix('_s').replace('_', ' ')}", human_time(value))
+        if key == "compute_s":
+            for part, t in est.get("compute_detail", {}).items():
+                if t > 0:
+                    table.add_row(f"    of which {part.removesuffix('_s').replace('_', ' ')}", human_time(t))
     solve = result["solve"]
     status = solve["status"] + (f", within {solve['gap']:.1%} of optimal" if solve["status"] != "optimal" else "")
     table.add_row("solve", f"{solve['time_s']:.2f} s ({solve['solver']}, {status}, "

@@ -13,6 +13,7 @@ ATTENTION_KERNELS: tuple[Attention, ...] = get_args(Attention)
 #: Kernels that never materialize the s x s scores, and their FlashAttention version.
 FLASH_VERSION: dict[str, int] = {"flash": 2, "flash1": 1, "flash3": 3}
 FLASH_KERNELS = tuple(FLASH_VERSION)
+TRAINING_PRECISIONS = ("bf16", "fp8")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -32,8 +33,14 @@ class PrecisionPolicy:
     """The fp32 master weights' part of ``optimizer_bytes`` (under FSDP2 they are the parameters themselves)."""
     activation_bytes: int = 2
     """Floating-point activations (bf16/fp16)."""
+    training: Literal["bf16", "fp8"] = "bf16"
+    """The precision the layers' Linears train in: ``fp8`` runs their products in FP8 (``autopar.intra_op.fp8``);
+    weights, activations and everything else stay as above."""
 
     def __post_init__(self) -> None:
+        if self.training not in TRAINING_PRECISIONS:
+            raise ValueError(f"training precision must be one of {', '.join(TRAINING_PRECISIONS)}, "
+                             f"got {self.training!r}")
         for name in ("weight_bytes", "optimizer_bytes", "master_weight_bytes", "activation_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")

@@ -24,6 +24,13 @@ def main():
     ap.add_argument("--resume", help="load a DCP checkpoint before training")
     args = ap.parse_args()
     device = device_for_rank()
+    if FP8_LINEARS:
+        try:
+            check_fp8_device(device)
+        except AutoparError as exc:  # one line, from the first rank; every rank stops
+            if os.environ.get("RANK", "0") == "0":
+                print(f"train.py: error: {exc}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
     if device.type == "cpu":
         return_freed_tensors_to_the_os()  # so that peak RSS measures live tensors
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
@@ -41,7 +48,8 @@ def main():
     parts = parallelize(build, mesh, device, args.seed, stage_layers=STAGE_LAYERS, chunks=chunks,
                         container=LAYER_CONTAINER, ends=STACK_ENDS,
                         tp_styles=lambda chunk, part: TP_PLAN.get(chunk, {}),
-                        tied=TIED, recompute=RECOMPUTE, zero=ZERO, precision=args.precision, context=context)
+                        tied=TIED, recompute=RECOMPUTE, zero=ZERO, precision=args.precision, context=context,
+                        fp8_linears=FP8_LINEARS)
     config = TrainingConfig(lr=args.lr, warmup_steps=args.warmup_steps,
                             decay_steps=max(1, args.steps - args.warmup_steps), max_grad_norm=args.max_grad_norm,
                             precision=args.precision)

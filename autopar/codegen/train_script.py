@@ -29,17 +29,21 @@ from autopar.runtime.tensor_parallel import runs_loss_parallel, tp_style_specs
 
 IMPORTS = """import argparse
 import math
+import os
+import sys
 import time
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from autopar.errors import AutoparError
 from autopar.modelfile import build as build_from
 from autopar.modelfile import load_module, loss_fn_of
 from autopar.runtime import checkpoint
 from autopar.runtime.apply import device_for_rank
 from autopar.runtime.data import run_batches
+from autopar.runtime.fp8 import check_fp8_device
 from autopar.runtime.materialize import build_on_meta
 from autopar.runtime.parallelize import MESH_DIMS, context_of, parallelize
 from autopar.runtime.pipeline import rank_chunks
@@ -109,6 +113,7 @@ def generate_train_script(plan: Plan, script_name: str = "train.py") -> str:
         "applies them. Edit freely.\n"
         f'Estimated iteration time on {plan.cluster["name"]}: {est["iteration_time_s"]:.4g} s.\n"""\n\n'
     )
+    fp8_linears = plan.precision.get("fp8_linears", []) if plan.fp8 else []
     literals = (
         f"MODEL_FILE = {str(path)!r}\n"
         f"EXAMPLE_INPUTS = {plan.model.get('example_inputs')!r}  # a SOURCE:FUNCTION replacing the model's own\n"
@@ -130,6 +135,8 @@ def generate_train_script(plan: Plan, script_name: str = "train.py") -> str:
         "  # the head keeps its logits sharded on the vocabulary: the loss runs under loss_parallel\n"
         f"ESTIMATE = {pprint.pformat(estimate, sort_dicts=True)}  # the plan's, on {plan.cluster['name']}\n"
         f"PEAK_FLOPS = {plan.cluster['peak_flops']!r}  # per device of {plan.cluster['name']}: MFU is against it\n"
+        "# Linears that train in FP8 (torchao float8; CUDA with compute capability >= 8.9): empty in a bf16 plan\n"
+        f"FP8_LINEARS = {pprint.pformat(fp8_linears, compact=True, width=116)}\n"
     )
     kinds = {kind for specs in plans.values() for kind, _ in specs.values()}
     torch_styles = sorted(kinds - set(AUTOPAR_STYLES))

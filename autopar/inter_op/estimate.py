@@ -113,9 +113,13 @@ class Estimate:
     breakdown: dict[str, float]
     stages: tuple[StageEstimate, ...]
     framework: str
+    compute_detail: dict[str, float] = field(default_factory=dict)
+    """What ``compute_s`` spends on the matrix products, attention and FP8 casts (the slowest stage's
+    micro-batches; recomputation is in ``recompute_s``): where an FP8 plan's speed-up goes."""
+    precision: str = "bf16"
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        return {"compute_detail": dict(self.compute_detail), "precision": self.precision,
             "iteration_time_s": self.iteration_time_s, "tokens_per_s": self.tokens_per_s,
             "model_flops_per_iter": self.model_flops_per_iter,
             "hardware_flops_per_iter": self.hardware_flops_per_iter, "tflops_per_gpu": self.tflops_per_gpu,
@@ -143,6 +147,9 @@ class _UnitLoad:
     weight_s: float = 0.0  # split backward: the weight step (weight-gradient products, the recomputation again)
     rerun_s: float = 0.0  # split backward: the recomputation the weight step runs again
     residue_bytes: float = 0.0  # split backward: held from the input step to the weight step
+    product_s: float = 0.0  # the matrix products' part of ``compute_s``
+    attention_s: float = 0.0  # attention's part of ``compute_s``
+    fp8_cast_s: float = 0.0  # the FP8 casts' part of ``compute_s``
 
     def merged(self, other: _UnitLoad) -> _UnitLoad:
         """This unit and ``other`` on one rank (a V's first rank holds the embedding and the head)."""
@@ -230,7 +237,7 @@ def _unit_load(u: UnitCost, is_layer: bool, layout: Layout, dp_link: AxisLink, c
     if z >= 3 and dp > 1 and u.params_local > 0:
         count, gathered = _zero3_collectives(u, ctx)
         copies = fw.list_collectives
-        gather = count * all_gather_s(u.params_local * pol.weight_bytes / count, dp_link, copies)
+        gather = count * all_gather_s(_gathered_weight_bytes(u, ctx) / count, dp_link, copies)
         scatter = count * reduce_scatter_s(u.params_local * fw.grad_reduce_bytes / count, dp_link, copies)
         gathers = 1 + (1 if fw.zero3_reshard_after_forward else 0)
         if is_layer and layout.recompute == "full" and fw.zero3_unit != "block":
@@ -250,7 +257,14 @@ def _unit_load(u: UnitCost, is_layer: bool, layout: Layout, dp_link: AxisLink, c
     time = compute + tp_exposed + cp + recompute + zero3
     tp_fwd = tp_exposed * u.tp_fwd_s / tp if tp > 0 else 0.0
     return _UnitLoad(time, compute, tp_exposed, tp_fwd, cp, cp_fwd, recompute, zero3, u.fwd_s, u.bwd_s, state, act,
-                     extra, gathered_bytes, weight, rerun, residue)
+                     extra, gathered_bytes, weight, rerun, residue, u.product_s, u.attention_s, u.fp8_cast_s)
+
+
+def _gathered_weight_bytes(u: UnitCost, ctx: PassContext) -> float:
+    """Bytes of ``u``'s weights one ZeRO-3 all-gather moves: 16-bit, or one byte for the FP8 Linears' weights
+    where the framework gathers them cast (``Framework.fp8_param_gather``)."""
+    fp8 = u.fp8_params if ctx.precision.training == "fp8" and ctx.framework.fp8_param_gather else 0.0
+    return (u.params_local - fp8) * ctx.precision.weight_bytes + fp8
 
 
 @dataclass(frozen=True, slots=True)
@@ -446,6 +460,8 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
                           "zero3": sum(x.zero3_exposed_s for x in units), "local": local,
                           "forward": fwd + tp_fwd + cp_fwd, "tp_fwd": tp_fwd, "cp_fwd": cp_fwd, "bwd": bwd,
                           "weight": sum(x.weight_s for x in units), "rerun": sum(x.rerun_s for x in units),
+                          "products": sum(x.product_s for x in units), "attention": sum(x.attention_s for x in units),
+                          "fp8_casts": sum(x.fp8_cast_s for x in units),
                           "tp_sync": sum(costs[key].tp_sync_s for key in members[k])})
     bottleneck = max(range(p), key=lambda k: stage_times[k])
     bn = per_stage[bottleneck]
@@ -490,7 +506,9 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
         model_flops_per_iter=model_flops, hardware_flops_per_iter=hw_flops,
         tflops_per_gpu=model_flops / iteration / n / 1e12, mfu=model_flops / iteration / n / cluster.peak_flops,
         hfu=hw_flops / iteration / n / cluster.peak_flops, peak_memory_bytes=peak,
-        fits=fits and peak <= memory_budget_bytes, breakdown=breakdown, stages=tuple(stages), framework=fw.name)
+        fits=fits and peak <= memory_budget_bytes, breakdown=breakdown, stages=tuple(stages), framework=fw.name,
+        compute_detail={f"{key}_s": m * bn[key] for key in ("products", "attention", "fp8_casts")},
+        precision=ctx.precision.training)
 
 
 _EMPTY_LOAD = _UnitLoad(**{f.name: 0.0 for f in dataclasses.fields(_UnitLoad)})

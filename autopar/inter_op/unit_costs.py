@@ -22,6 +22,7 @@ from autopar.intra_op.sharding_costs import (
     PRODUCT_OPS,
     collectives_s,
     compute_s,
+    fp8_cast_s,
     grad_placements,
     param_cost,
     redistribute_collectives,
@@ -77,6 +78,10 @@ class UnitCost:
     bwd_weight_s: float = 0.0  # the weight-gradient products in ``bwd_s``: a split backward's weight step
     weight_grad_residue_bytes: float = 0.0  # the output gradients of the ops with parameters, which a split
     # backward keeps from its input step to its weight step (``stage_backward_input``'s param groups)
+    product_s: float = 0.0  # forward and backward time of the matrix products (FP8 casts excluded)
+    attention_s: float = 0.0  # forward and backward time of attention
+    fp8_cast_s: float = 0.0  # forward and backward time of the FP8 casts (``autopar.intra_op.fp8``)
+    fp8_params: float = 0.0  # elements one device holds of the FP8 Linears' weights
     params_local: float = field(init=False)  # elements one device holds of all of them (read per layout)
 
     def __post_init__(self) -> None:
@@ -317,6 +322,8 @@ def _unit_cost(graph: OpGraph, names: list[str], strategies: dict[str, Strategy]
     input_bytes = 0.0
     params: dict[str, float] = {}
     fwd_flops = attn_flops = kv_bytes = 0.0
+    product = attention = fp8_cast = 0.0
+    fp8_weights: set[str] = set()
     seen: set[str] = set()
     for i, name in enumerate(names):
         node = graph[name]
@@ -324,7 +331,15 @@ def _unit_cost(graph: OpGraph, names: list[str], strategies: dict[str, Strategy]
         f, b = compute_s(node, graph, strat, mesh, mbs, cluster, ctx)
         reruns = i <= stop
         fwd, bwd = fwd + f, bwd + b
-        bwd_weight += min(b, weight_grad_s(node, graph, strat, mesh, mbs, cluster))
+        bwd_weight += min(b, weight_grad_s(node, graph, strat, mesh, mbs, cluster, ctx))
+        cast_f, cast_b = fp8_cast_s(node, graph, strat, mesh, mbs, cluster, ctx)
+        if cast_f or cast_b:
+            fp8_cast += cast_f + cast_b
+            fp8_weights.add(tensor_refs(node)[1].name)
+        if node.op in PRODUCT_OPS:
+            product += f + b - cast_f - cast_b
+        elif node.op in ATTENTION_OPS:
+            attention += f + b
         if any(graph[r.name].kind == "param" and graph.tensor(r).requires_grad for r in tensor_refs(node)):
             residue += _output_bytes(graph, node, strat, mesh, mbs, ctx)
         flops = node.annotations["flops"].fwd * graph.scale(node, mbs)
@@ -392,7 +407,9 @@ def _unit_cost(graph: OpGraph, names: list[str], strategies: dict[str, Strategy]
                     op_recompute_s=op_recompute, op_saved_bytes=input_bytes + op_saved,
                     op_recompute_flops=op_recompute_flops, transient_bytes=transient, param_modules=len(modules),
                     largest_module_params=max(modules.values(), default=0.0), attention_kv_bytes=kv_bytes,
-                    bwd_weight_s=bwd_weight, weight_grad_residue_bytes=residue)
+                    bwd_weight_s=bwd_weight, weight_grad_residue_bytes=residue, product_s=product,
+                    attention_s=attention, fp8_cast_s=fp8_cast,
+                    fp8_params=sum(params.get(graph[w].target, 0.0) for w in fp8_weights))
 
 
 def _output_bytes(graph: OpGraph, node: Node, strat: Strategy, mesh: MeshSpec, mbs: int, ctx: PassContext) -> float:

@@ -33,6 +33,7 @@ from functools import lru_cache
 
 from autopar.cluster import AxisLink, Cluster, MeshSpec
 from autopar.collectives import all_gather_s, all_reduce_s, collective_s, reduce_scatter_s
+from autopar.intra_op.fp8 import cast_cost, fp8_eligible
 from autopar.intra_op.strategies import PARTIAL, R, Strategy, shard_dim, tensor_refs
 from autopar.ir import Node, OpGraph, TensorInfo
 from autopar.kernels import flash_attention_s, gemm_s, memory_s
@@ -332,7 +333,7 @@ def product_gemms(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec
 
 
 def weight_grad_s(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec, batch: int,
-                  cluster: Cluster) -> float:
+                  cluster: Cluster, ctx: PassContext) -> float:
     """Time of the products that make ``node``'s parameter gradients (``X^T dY`` of a linear): the part of its
     backward a split-backward pipeline schedule defers to its weight step.  Other ops' parameter gradients
     (norm scales, embedding rows) are memory-bound slivers of their backward and stay with it."""
@@ -349,7 +350,32 @@ def weight_grad_s(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec
             weights.append(g)
     if b.requires_grad and graph[refs[1].name].kind == "param":
         weights.append(bwd[0])
-    return sum(gemm_s(cluster, g.m, g.n, g.k, g.batch) for g in weights)
+    fp8 = fp8_linear(node, graph, strategy, mesh, batch, ctx)
+    return sum(gemm_s(cluster, g.m, g.n, g.k, g.batch, fp8) for g in weights)
+
+
+def fp8_linear(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec, batch: int,
+               ctx: PassContext) -> bool:
+    """Whether ``node`` trains in FP8 (``autopar.intra_op.fp8``): an ``fp8`` plan, a Linear of a transformer
+    layer with a parameter weight, its local weight aligned to 16."""
+    if ctx.precision.training != "fp8" or node.op != "aten.linear.default" or node.layer is None:
+        return False
+    refs = tensor_refs(node)
+    if len(refs) < 2 or graph[refs[1].name].kind != "param":
+        return False
+    gemms = product_gemms(node, graph, strategy, mesh, batch)
+    return gemms is not None and fp8_eligible(gemms[0][0].m, gemms[0][0].n, gemms[0][0].k)
+
+
+def fp8_cast_s(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec, batch: int, cluster: Cluster,
+               ctx: PassContext) -> tuple[float, float]:
+    """(forward, backward) time of the FP8 casts of ``node``'s operands; zero unless it trains in FP8."""
+    if not fp8_linear(node, graph, strategy, mesh, batch, ctx):
+        return 0.0, 0.0
+    g = product_gemms(node, graph, strategy, mesh, batch)[0][0]
+    c = cast_cost(g.batch * g.m, g.n, g.k, ctx.framework.fp8_scaling)
+    return (memory_s(cluster, c.fwd_bytes) + c.fwd_kernels * cluster.kernel_overhead_s,
+            memory_s(cluster, c.bwd_bytes) + c.bwd_kernels * cluster.kernel_overhead_s)
 
 
 def _attention_s(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec, batch: int, cluster: Cluster,
@@ -398,12 +424,16 @@ def compute_s(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec, ba
     launch_f = traffic.fwd_kernels * cluster.kernel_overhead_s
     launch_b = traffic.bwd_kernels * cluster.kernel_overhead_s
     gemms = product_gemms(node, graph, strategy, mesh, batch) if flops.fwd > 0 else None
+    fp8 = gemms is not None and fp8_linear(node, graph, strategy, mesh, batch, ctx)
     if gemms is not None:
-        fwd_c = sum(gemm_s(cluster, g.m, g.n, g.k, g.batch) for g in gemms[0])
-        bwd_c = sum(gemm_s(cluster, g.m, g.n, g.k, g.batch) for g in gemms[1])
+        fwd_c = sum(gemm_s(cluster, g.m, g.n, g.k, g.batch, fp8) for g in gemms[0])
+        bwd_c = sum(gemm_s(cluster, g.m, g.n, g.k, g.batch, fp8) for g in gemms[1])
     else:
         peak = cluster.peak_flops * cluster.gemm_efficiency
         fwd_c, bwd_c = flops.fwd * scale / split / peak, flops.bwd * scale / split / peak
     fwd = max(fwd_c, memory_s(cluster, fwd_bytes)) + launch_f
     bwd = max(bwd_c, memory_s(cluster, bwd_bytes)) + launch_b
+    if fp8:
+        cast_f, cast_b = fp8_cast_s(node, graph, strategy, mesh, batch, cluster, ctx)
+        fwd, bwd = fwd + cast_f, bwd + cast_b
     return fwd, bwd

@@ -31,6 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from autopar import modelfile
 from autopar.errors import AutoparError
 from autopar.plan_file import Plan
+from autopar.runtime.fp8 import check_fp8_device
 from autopar.runtime.materialize import build_on_meta
 from autopar.runtime.parallelize import MESH_DIMS, context_of, parallelize
 from autopar.runtime.pipeline import rank_chunks, tied_pairs
@@ -126,6 +127,8 @@ def apply(plan: Plan, loss_fn: Callable[..., torch.Tensor] | None = None, *,
     specs = tp_style_specs(plan, whole.model) if plan.layout["tp"] > 1 else None
     shape = run_shape(plan, specs)
     device = device or device_for_rank()
+    if plan.fp8 and device.type != "meta":
+        check_fp8_device(device)
     dims = shape.dims
     if mesh is None:
         try:
@@ -145,7 +148,8 @@ def apply(plan: Plan, loss_fn: Callable[..., torch.Tensor] | None = None, *,
                         container=plan.model.get("layer_container"), ends=plan.model.get("stack_ends"),
                         tp_styles=lambda chunk, part: tp_styles(plan, part) or {}, tied=tied,
                         recompute=plan.layout["recompute"], zero=plan.zero, precision=config.precision,
-                        reference=whole, context=context)
+                        reference=whole, context=context,
+                        fp8_linears=plan.precision.get("fp8_linears", ()) if plan.fp8 else ())
     sharded_loss = shape.tp > 1 and runs_loss_parallel(specs)
     return Trainer(parts, mesh, loss_fn, chunks=chunks, num_chunks=len(ranges), schedule=plan.layout["schedule"],
                    num_microbatches=plan.layout["num_microbatches"], micro_batch=shape.micro_batch, zero=plan.zero,

@@ -158,6 +158,9 @@ def verify_many(plan_paths: Sequence[str | Path], steps: int = 3, seed: int = 0,
     plans = [Plan.load(path) for path in plan_paths]
     traces: dict[tuple[str, str, int], object] = {}  # plans of one model share its trace (seconds each)
     for path, plan in zip(plan_paths, plans):
+        if plan.fp8:  # verify runs on CPU ranks, which have no FP8 products
+            raise AutoparError(f"{path}: this plan trains in FP8 (precision fp8) and verify runs on CPU, which has "
+                               "no FP8 products: plan the layout with --precision bf16 to verify it")
         ref = plan.model.get("path") or plan.model["ref"]
         key = (ref, json.dumps(plan.model["config"], sort_keys=True), plan.seq_len)
         try:
