@@ -274,6 +274,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         if not isinstance(raw, dict):
             raise AutoparError(f"{path}:{i}: expected a JSON object of layout keys")
         requests.append((i, raw))
+    if args.precision == "auto":
+        raise AutoparError("evaluate prices the layouts it is given: --precision must be bf16 or fp8, not auto")
     cluster, ctx, traced, batch, budget = _setup(args)
     for i, raw in requests:
         out: dict[str, Any] = {"line": i, "input": raw}

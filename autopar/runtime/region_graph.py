@@ -183,7 +183,10 @@ def _place_inputs(args: tuple, placements: Sequence[str | None], mesh: DeviceMes
             # a tensor made inside the region or passed by keyword (rotary tables): the same on every rank.
             # Made a DTensor here, not left to implicit replication, which the backward does not run under.
             x = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
-        return _consistent(x if x.placements == (target,) else x.redistribute(mesh, [target]))
+        if x.placements != (target,):
+            # the redistribution's gradient comes back in the collective's layout: relaid for x's producer
+            x = _relaid_in_backward(x).redistribute(mesh, [target])
+        return _consistent(x)
 
     out = []
     for a in args:
@@ -209,6 +212,26 @@ def _consistent(x: DTensor) -> DTensor:
     relaid = x.to_local().permute(order).contiguous().permute(back)  # differentiable, as every op here
     return DTensor.from_local(relaid, x.device_mesh, x.placements, run_check=False, shape=x.shape,
                               stride=x.stride())
+
+
+class _RelayGrad(torch.autograd.Function):
+    """Identity forward; in backward, the gradient laid out in the dim order its DTensor strides give
+    (``_consistent``): a redistribution's transpose in backward leaves the same mismatch as in forward, and
+    the backward of a ``view`` before it then fails on it."""
+
+    @staticmethod
+    def forward(ctx: Any, x: DTensor) -> DTensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> Any:
+        return _consistent(grad) if isinstance(grad, DTensor) else grad
+
+
+def _relaid_in_backward(x: Any) -> Any:
+    if isinstance(x, DTensor) and x.requires_grad and x.is_floating_point():
+        return _RelayGrad.apply(x)
+    return x
 
 
 def _structure(module: nn.Module) -> tuple:

@@ -81,12 +81,13 @@ class PlacedParameters(ParallelStyle):
             where = self.placements.get(f"{name}.{pname}" if name else pname, Replicate())
             module.register_parameter(pname, nn.Parameter(distribute_tensor(p.data, mesh, [where])))
 
+    def _whole(self, x: Any, mesh: DeviceMesh) -> Any:
+        if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
+            x = DTensor.from_local(x, mesh, [self.input_layouts], run_check=False)
+        return x.redistribute(mesh, [Replicate()]) if isinstance(x, DTensor) else x
+
     def _inputs(self, module: nn.Module, args: tuple, mesh: DeviceMesh) -> tuple:
-        def whole(x: Any) -> Any:
-            if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
-                x = DTensor.from_local(x, mesh, [self.input_layouts], run_check=False)
-            return x.redistribute(mesh, [Replicate()]) if isinstance(x, DTensor) else x
-        return tree_map(whole, args)
+        return tree_map(lambda x: self._whole(x, mesh), args)
 
     def _outputs(self, module: nn.Module, outputs: Any, mesh: DeviceMesh) -> Any:
         def to_local(x: Any) -> Any:
@@ -97,10 +98,13 @@ class PlacedParameters(ParallelStyle):
         if device_mesh.device_type == "cpu":
             register_cpu_attention_rules()
         planned = PlannedRegion(module, self.ops) if self.ops else None  # a meta copy, before distribution
+        activation = next(iter(inspect.signature(module.forward).parameters), None)
         distribute_module(module, device_mesh, self._partition, self._inputs, self._outputs)
         inner = module.forward
 
         def forward(*args: Any, **kwargs: Any) -> Any:
+            if not args and activation in kwargs:  # the activation by name (HuggingFace's hidden_states=)
+                kwargs = {**kwargs, activation: self._whole(kwargs[activation], device_mesh)}
             with implicit_replication():
                 graph = planned.graph_for(module, args, kwargs) if planned is not None else None
                 if graph is None:
