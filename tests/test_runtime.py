@@ -46,6 +46,9 @@ VERIFIED = {
     "megatron-tp4": ("gpt", WIDE, 4, "tp=4,sp=off"),
     "dp2-tp2-fsdp": ("gpt", WIDE, 8, "dp=2,tp=2,sp=on,zero=3"),
     "hf-llama-dp2-tp2": (str(EXAMPLES / "hf_llama.py"), HF_LLAMA, 8, "dp=2,tp=2,sp=on"),
+    # its attention becomes a PlacedParameters region that HF calls with hidden_states= (sequence shards)
+    "hf-llama-tp4-sp": (str(EXAMPLES / "hf_llama.py"), ["--config", "layers=2,hidden=512,heads=8,ffn=1024,vocab=256,"
+                                                        "seq_len=16", "--cluster", "cpu"], 8, "tp=4,sp=on"),
     "tiny-on-tp": ("gpt", SMALL[1:5], 8, "tp=4,sp=off"),
     "pp2xtp2-1f1b": ("gpt", DEEP, 8, "pp=2,tp=2,sp=off,schedule=1f1b"),
     "pp2xdp2-selective": ("gpt", DEEP, 8, "pp=2,dp=2,schedule=1f1b,recompute=selective,zero=0"),
@@ -150,6 +153,12 @@ def test_verify_huggingface_llama_dp2_tp2(verified):
     plan, out = _verified(verified, "hf-llama-dp2-tp2")
     assert out["placements"]["model.layers.1.mlp.down_proj.weight"]["tp"] == "S(1)" and _tp_as_planned(plan, out)
     assert out["placements"]["model.layers.1.input_layernorm.weight"]["tp"] == "R"  # sequence-parallel norm
+
+
+@pytest.mark.slow
+def test_verify_huggingface_llama_tp4_sequence_parallel(verified):
+    plan, out = _verified(verified, "hf-llama-tp4-sp")
+    assert plan["layout"]["sp"] and _tp_as_planned(plan, out)
 
 
 @pytest.mark.slow
