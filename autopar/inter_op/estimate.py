@@ -324,14 +324,14 @@ def _simulated(layout: Layout) -> bool:
                                                            and layout.num_microbatches < layout.pp)
 
 
-def _bubble_s(parts: list[dict[str, float]], stage_times: list[float], layout: Layout) -> float:
+def _bubble_s(parts: list[dict[str, float]], stage_times: list[float], layout: Layout, exact: bool = False) -> float:
     """The pipeline's time beyond ``m`` slots of its slowest stage.  With interleaving and fewer micro-batches
     than stages the closed form is only a bound (the pipeline never fills, and the waits depend on every
     stage's times), so the schedule is simulated op by op; so are the zero-bubble schedules, whose weight
     steps fill the bubble as far as the schedule lets them (``p x m x v`` ops and more: the search prices a
     layout's bubble only once the rest of it, and a lower bound of the bubble, beat its cut-off)."""
     m, v = layout.num_microbatches, layout.v
-    if not _simulated(layout):
+    if not _simulated(layout) and not (exact and layout.pp > 1):
         return bubble_s(stage_times, v, m)
     forward, backward, weight, rerun = _op_times(parts)
     return _makespan_s(layout.schedule, forward, backward, weight, rerun, m, v) - m * max(stage_times)
@@ -398,10 +398,12 @@ def _p2p_s(boundary_bytes: float, layout: Layout, pp_link: AxisLink, tp_link: Ax
 def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, global_batch: int,
                     cluster: Cluster, ctx: PassContext, memory_budget_bytes: float,
                     flops: ModelFlops | None = None, allow_spill: bool = True,
-                    prune_above_s: float | None = None) -> Estimate | None:
+                    prune_above_s: float | None = None, exact_bubble: bool = False) -> Estimate | None:
     """Estimate ``layout``.  When no stage split fits ``memory_budget_bytes``: the best split ignoring
     memory, marked ``fits=False``, if ``allow_spill``, else ``None``.  ``prune_above_s``: return ``None`` as
-    soon as a perfectly balanced pipeline of these units would already be slower (the search's cut-off)."""
+    soon as a perfectly balanced pipeline of these units would already be slower (the search's cut-off).
+    ``exact_bubble``: simulate every pipeline schedule op by op (what ``autopar.timeline`` draws) instead
+    of the closed form, which is exact only for equal stages; the search ranks its last candidates so."""
     keys = unit_sequence(graph)
     p, m, v = layout.pp, layout.num_microbatches, layout.v
     if layout.cp > 1:
@@ -481,7 +483,7 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
     if prune_above_s is not None and sum(breakdown.values()) + _bubble_bound_s(parts, stage_times, layout) \
             >= prune_above_s:
         return None  # slower than the cut-off before its full bubble (which a simulated schedule makes costly)
-    breakdown["pp_bubble_s"] = _bubble_s(parts, stage_times, layout)
+    breakdown["pp_bubble_s"] = _bubble_s(parts, stage_times, layout, exact_bubble)
     stages = []
     for k in range(p):
         a, b = split.boundaries[k], split.boundaries[k + 1]

@@ -415,10 +415,30 @@ def search(graph: OpGraph, cluster: Cluster, ctx: PassContext, global_batch: int
             est = estimate_layout(graph, costs, layout, global_batch, cluster, ctx, memory_budget_bytes, flops)
             if est is not None and (accept is None or accept(est, strategies)):
                 _keep(spill, Candidate(est, variant, strategies, cache.alternatives(strategies)), top_k, _rank)
+    # the closed-form bubble is exact only for equal stages: the candidates kept are re-estimated with their
+    # schedules simulated op by op (as the timeline draws them) and ranked again
+    fitting = sorted(_exact(fitting, graph, cache, global_batch, cluster, ctx, memory_budget_bytes, flops),
+                     key=_rank)
+    spill = _exact(spill, graph, cache, global_batch, cluster, ctx, memory_budget_bytes, flops)
     chosen = _distinct(fitting, top_k) if fitting else _distinct(sorted(spill, key=_spill_rank), top_k)
     status = "feasible" if cache.statuses - {"optimal"} else "optimal"
     return SearchResult(chosen, evaluated, cache.solves - solves_before, time.perf_counter() - t0, status,
                         cache.gap if status != "optimal" else 0.0)
+
+
+def _exact(cands: list[Candidate], graph: OpGraph, cache: UnitCostCache, global_batch: int, cluster: Cluster,
+           ctx: PassContext, memory_budget_bytes: float, flops: ModelFlops) -> list[Candidate]:
+    """``cands`` with the pipelined ones re-estimated with their bubble simulated (``exact_bubble``)."""
+    out = []
+    for c in cands:
+        lay = c.estimate.layout
+        if lay.pp > 1:
+            costs, _ = cache.get(lay.tp, lay.mbs, lay.sp, c.variant)
+            est = estimate_layout(graph, costs, lay, global_batch, cluster, ctx, memory_budget_bytes, flops,
+                                  exact_bubble=True)
+            c = dataclasses.replace(c, estimate=est) if est is not None else c
+        out.append(c)
+    return out
 
 
 def _keep(bucket: list[Candidate], candidate: Candidate, top_k: int, rank: Callable[[Candidate], tuple]) -> None:
