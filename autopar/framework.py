@@ -112,11 +112,11 @@ class Framework:
     """ZeRO levels it implements without pipeline parallelism."""
     zero_levels_with_pp: tuple[int, ...]
     """... and with it."""
-    fp8_scaling: Literal["none", "dynamic", "delayed"] = "none"
-    """How it trains Linears in FP8 (``autopar.intra_op.fp8``): ``dynamic`` (torchao's float8 training,
-    tensorwise or rowwise: each cast first reads its tensor for the amax), ``delayed`` (Transformer Engine's
-    DelayedScaling: the scale comes from the amax history and the cast records the new amax), ``none`` (no
-    FP8 training: ``--precision fp8`` is refused)."""
+    fp8_scaling: Literal["none", "eager", "dynamic", "delayed"] = "none"
+    """How it trains Linears in FP8 (``autopar.intra_op.fp8``): ``eager`` (torchao's float8 training without
+    ``torch.compile``: every step of a cast is its own kernel), ``dynamic`` (torchao compiled: an amax pass,
+    then one fused cast), ``delayed`` (Transformer Engine's DelayedScaling: the scale comes from the amax
+    history and the cast records the new amax), ``none`` (no FP8 training: ``--precision fp8`` is refused)."""
     fp8_param_gather: bool = False
     """Whether ZeRO-3 all-gathers the FP8 Linears' weights in FP8, cast on the shard (torchao's
     ``enable_fsdp_float8_all_gather``, Megatron's ``--fp8-param-gather``): one byte per element on the wire."""
@@ -147,8 +147,8 @@ class Framework:
         if self.selective_recompute not in ("attention_core", "attention_module"):
             raise FrameworkSpecError(f"framework {self.name}: selective_recompute must be attention_core or "
                                      "attention_module")
-        if self.fp8_scaling not in ("none", "dynamic", "delayed"):
-            raise FrameworkSpecError(f"framework {self.name}: fp8_scaling must be none, dynamic or delayed")
+        if self.fp8_scaling not in ("none", "eager", "dynamic", "delayed"):
+            raise FrameworkSpecError(f"framework {self.name}: fp8_scaling must be none, eager, dynamic or delayed")
         if self.zero3_unit not in ZERO_UNITS:
             raise FrameworkSpecError(f"framework {self.name}: zero3_unit must be one of {', '.join(ZERO_UNITS)}")
 

@@ -94,7 +94,8 @@ class Plan:
     attention: str = "flash"
     precision: dict[str, Any] = field(default_factory=lambda: {"training": "bf16"})
     """``training`` (``bf16`` or ``fp8``); for fp8 also ``fp8_linears`` (the FQNs of the Linears that train in
-    FP8) and ``fp8_scaling`` (the framework's: ``dynamic`` or ``delayed``)."""
+    FP8), ``fp8_scaling`` (the framework's: ``eager``, ``dynamic`` or ``delayed``) and ``fp8_param_gather``
+    (ZeRO-3 gathers their weights in FP8)."""
     schema_version: int = SCHEMA_VERSION
     autopar_version: str = __version__
 

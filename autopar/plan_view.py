@@ -214,9 +214,13 @@ def plan_changes(a: Plan, b: Plan) -> list[Change]:
             out.append(Change(key, getattr(a, key), getattr(b, key)))
     if a.precision.get("training") != b.precision.get("training"):
         out.append(Change("precision", a.precision.get("training"), b.precision.get("training")))
-    elif a.precision != b.precision:
-        out.append(Change("FP8 Linears", len(a.precision.get("fp8_linears", [])),
-                          len(b.precision.get("fp8_linears", []))))
+    else:
+        for key in sorted((set(a.precision) | set(b.precision)) - {"training", "fp8_linears"}):
+            if a.precision.get(key) != b.precision.get(key):
+                out.append(Change(f"precision {key}", a.precision.get(key), b.precision.get(key)))
+        if a.precision.get("fp8_linears") != b.precision.get("fp8_linears"):
+            out.append(Change("FP8 Linears", len(a.precision.get("fp8_linears", [])),
+                              len(b.precision.get("fp8_linears", []))))
     for key in sorted(set(a.layout) | set(b.layout)):
         if a.layout.get(key) != b.layout.get(key):
             out.append(Change(f"layout {key}", a.layout.get(key), b.layout.get(key)))

@@ -9,8 +9,8 @@ rank is free and its inputs are there (the previous chunk's forward, the next ch
 After the pipeline drains, each stage waits out what the estimate adds once per iteration: the optimizer
 step and gradient accumulation, the tp gradient sync, the exposed data-parallel sync.
 
-The stages end at the estimate's ``iteration_time_s`` when they are balanced or the slowest is the last;
-very uneven splits part from the estimate's closed-form bubble (``autopar.solvers.pipeline``).
+The stages end at the estimate's ``iteration_time_s``: the plan's bubble is this same simulation (the search
+re-estimates the layouts it keeps with it; ``autopar.inter_op.search``).
 
 The trace has one process per pipeline stage and four tracks (threads): compute (forward, recompute,
 backward slices per micro-batch and chunk, and the once-per-iteration work), tp, dp and p2p

@@ -9,8 +9,8 @@ With ``p`` stages, ``m`` micro-batches, per-micro-batch stage times ``t_i`` and 
   own path through every chunk: with fewer micro-batches than stages (``m < p``) the pipeline never
   fills, and the time is ``sum_i t_i + (m - 1) * t_max / v`` for equal stages; for unequal ones the
   estimate runs ``simulate_pipeline`` there, as ``autopar.timeline`` does.  The closed forms are exact for
-  equal stages and close when the slowest stage is the last; very uneven splits can differ from the
-  simulation by tens of percent.
+  equal stages only (very uneven splits differ from the simulation by tens of percent, either way): the
+  search ranks with them and then re-estimates the layouts it keeps with ``simulate_pipeline``.
 - activations alive at stage ``i`` (in micro-batches of the whole stage): one without a pipeline;
   GPipe ``m`` (all forwards run before any backward); 1F1B ``min(p - i, m)``; interleaved 1F1B
   ``min(m*v, (v - 1) * r + 2 (p - i - 1) + 1)`` chunks of ``1/v`` of the stage, with ``r = m / max(1, m // p)``

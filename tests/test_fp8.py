@@ -22,7 +22,7 @@ from autopar.inter_op.unit_costs import UnitCost
 from autopar.intra_op.fp8 import cast_cost, fp8_eligible
 from autopar.kernels import gemm_s
 from autopar.plan_file import Plan
-from autopar.runtime.fp8 import check_fp8_device
+from autopar.runtime.fp8 import check_fp8_device, check_fp8_regions
 
 H100 = load_cluster("h100-80gb")
 A100 = load_cluster("a100-80gb")
@@ -45,6 +45,9 @@ def test_casts_read_twice_under_dynamic_scaling_and_once_under_delayed():
     assert dynamic.fwd_bytes == 5 * (x + w)  # amax read, cast read, one-byte write
     assert dynamic.bwd_bytes == 5 * (2 * dy + w + x)  # dY for both products, W and X again (TN layouts)
     assert delayed.fwd_bytes == 3 * (x + w) and delayed.fwd_kernels == dynamic.fwd_kernels // 2
+    # eager torchao: abs, max, upcast, scale, clamp and cast are six kernels over the tensor
+    eager = cast_cost(4096, 1024, 512, "eager")
+    assert eager.fwd_bytes == 33 * (x + w) and eager.fwd_kernels == 6 * 2
 
 
 def test_only_weights_aligned_to_16_run_in_fp8():
@@ -62,6 +65,11 @@ def test_fp8_is_refused_where_it_cannot_run():
     assert training_precisions("auto", H100, load_framework("torch")) == ("bf16", "fp8")
     with pytest.raises(AutoparError, match="needs CUDA GPUs with FP8 tensor cores; this run is on cpu"):
         check_fp8_device(torch.device("cpu"))
+    # a region that runs the plan's traced ops cannot hold a Float8Linear
+    with pytest.raises(AutoparError, match=r"FP8 Linear model\.layers\.0\.self_attn\.q_proj lies in model"):
+        check_fp8_regions(["model.layers.0.mlp.up_proj", "model.layers.0.self_attn.q_proj"],
+                          ["model.layers.0.self_attn"])
+    check_fp8_regions(["model.layers.0.mlp.up_proj"], ["model.layers.0.self_attn"])
 
 
 def _plan_70b(tmp_path, precision: str) -> dict:
@@ -123,7 +131,7 @@ def test_verify_refuses_an_fp8_plan_in_one_line(tmp_path, capsys):
     assert len(err) == 1 and "trains in FP8" in err[0] and "--precision bf16" in err[0]
     # show says it, diff against the bf16 plan of the same layout names it
     assert main(["show", str(out / "plan.json")]) == 0
-    assert "fp8: 14 Linears (dynamic scaling)" in capsys.readouterr().out
+    assert "fp8: 14 Linears (eager scaling)" in capsys.readouterr().out  # torchao uncompiled, as the runtime runs
     bf16 = tmp_path / "bf16"
     assert main(["plan", "llama", "--config", ",".join(f"{k}={v}" for k, v in SMALL_LLAMA.items()), "--cluster",
                  "h100-80gb", "--gpus", "4", "--global-batch", "8", "--fix", "dp=2,tp=2,sp=off", "-o", str(bf16),

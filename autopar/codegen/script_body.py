@@ -49,7 +49,7 @@ def main():
                         container=LAYER_CONTAINER, ends=STACK_ENDS,
                         tp_styles=lambda chunk, part: TP_PLAN.get(chunk, {}),
                         tied=TIED, recompute=RECOMPUTE, zero=ZERO, precision=args.precision, context=context,
-                        fp8_linears=FP8_LINEARS)
+                        fp8_linears=FP8_LINEARS, fp8_param_gather=FP8_PARAM_GATHER)
     config = TrainingConfig(lr=args.lr, warmup_steps=args.warmup_steps,
                             decay_steps=max(1, args.steps - args.warmup_steps), max_grad_norm=args.max_grad_norm,
                             precision=args.precision)

@@ -137,6 +137,7 @@ def generate_train_script(plan: Plan, script_name: str = "train.py") -> str:
         f"PEAK_FLOPS = {plan.cluster['peak_flops']!r}  # per device of {plan.cluster['name']}: MFU is against it\n"
         "# Linears that train in FP8 (torchao float8; CUDA with compute capability >= 8.9): empty in a bf16 plan\n"
         f"FP8_LINEARS = {pprint.pformat(fp8_linears, compact=True, width=116)}\n"
+        f"FP8_PARAM_GATHER = {bool(plan.precision.get('fp8_param_gather'))}  # ZeRO-3 gathers their weights in FP8\n"
     )
     kinds = {kind for specs in plans.values() for kind, _ in specs.values()}
     torch_styles = sorted(kinds - set(AUTOPAR_STYLES))

@@ -462,8 +462,6 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
                           "zero3": sum(x.zero3_exposed_s for x in units), "local": local,
                           "forward": fwd + tp_fwd + cp_fwd, "tp_fwd": tp_fwd, "cp_fwd": cp_fwd, "bwd": bwd,
                           "weight": sum(x.weight_s for x in units), "rerun": sum(x.rerun_s for x in units),
-                          "products": sum(x.product_s for x in units), "attention": sum(x.attention_s for x in units),
-                          "fp8_casts": sum(x.fp8_cast_s for x in units),
                           "tp_sync": sum(costs[key].tp_sync_s for key in members[k])})
     bottleneck = max(range(p), key=lambda k: stage_times[k])
     bn = per_stage[bottleneck]
@@ -509,8 +507,14 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
         tflops_per_gpu=model_flops / iteration / n / 1e12, mfu=model_flops / iteration / n / cluster.peak_flops,
         hfu=hw_flops / iteration / n / cluster.peak_flops, peak_memory_bytes=peak,
         fits=fits and peak <= memory_budget_bytes, breakdown=breakdown, stages=tuple(stages), framework=fw.name,
-        compute_detail={f"{key}_s": m * bn[key] for key in ("products", "attention", "fp8_casts")},
+        compute_detail=_compute_detail(loads[split.boundaries[bottleneck]:split.boundaries[bottleneck + 1]], m),
         precision=ctx.precision.training)
+
+
+def _compute_detail(units: list[_UnitLoad], m: int) -> dict[str, float]:
+    """``Estimate.compute_detail`` from the slowest stage's units (summed only for the layout kept)."""
+    return {"products_s": m * sum(x.product_s for x in units), "attention_s": m * sum(x.attention_s for x in units),
+            "fp8_casts_s": m * sum(x.fp8_cast_s for x in units)}
 
 
 _EMPTY_LOAD = _UnitLoad(**{f.name: 0.0 for f in dataclasses.fields(_UnitLoad)})

@@ -205,4 +205,4 @@ def _precision(graph: OpGraph, ctx: PassContext, tp_place: dict[str, str], tp: i
     if ctx.precision.training != "fp8":
         return {"training": "bf16"}
     return {"training": "fp8", "fp8_scaling": ctx.framework.fp8_scaling,
-            "fp8_linears": fp8_linears(graph, ctx, tp_place, tp)}
+            "fp8_param_gather": ctx.framework.fp8_param_gather, "fp8_linears": fp8_linears(graph, ctx, tp_place, tp)}

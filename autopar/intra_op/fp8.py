@@ -14,10 +14,21 @@ cast once per product it enters: ``X`` and ``W`` twice (forward, and weight or i
 twice (both backward products).  torchao saves the bf16 input and weight for backward and casts them
 again there (``float8_linear.matmul_with_hp_or_float8_args``), so saved activations do not change.
 
-A cast is memory-bound.  Dynamic scaling (torchao) reads the tensor once for its amax and again to cast
-it, writing one byte per element: 5 bytes per bf16 element, two kernels.  Delayed scaling (Transformer
-Engine's ``DelayedScaling``) takes the scale from the amax history and records the new amax in the cast
-kernel: 3 bytes, one kernel.  Scales (one per tensor or per row) are negligible next to the tensors.
+A cast is memory-bound, and what it moves depends on how it runs (``Framework.fp8_scaling``):
+
+- ``eager``: torchao without ``torch.compile`` (autopar's runtime) runs its dynamic scaling as separate ops
+  (``float8_utils.tensor_to_amax``, ``float8_scaling_utils.hp_tensor_and_scale_to_float8``): ``abs`` (read 2
+  bytes, write 2), ``max`` (read 2), the upcast to fp32 (read 2, write 4), the multiply by the scale (read
+  4, write 4), the saturating clamp (read 4, write 4) and the cast (read 4, write 1): 33 bytes per bf16
+  element over six kernels;
+- ``dynamic``: the same, compiled (torchtitan compiles its float8 blocks): one pass reads the tensor for its
+  amax, a fused one reads it again and writes one byte: 5 bytes, two kernels;
+- ``delayed``: Transformer Engine's ``DelayedScaling`` takes the scale from the amax history and records the
+  new amax in the cast kernel: 3 bytes, one kernel.
+
+Scales (one per tensor or per row) are negligible next to the tensors.  torchao pads the token dimension of
+the weight-gradient product to 16 (``pad_inner_dim``, which autopar's runtime sets); only the weight's own
+dimensions must align.
 """
 
 from __future__ import annotations
@@ -27,8 +38,8 @@ from dataclasses import dataclass
 #: ``torch._scaled_mm`` needs both dimensions of each FP8 operand to be multiples of 16.
 FP8_ALIGNMENT = 16
 #: Bytes moved and kernels launched per element cast from bf16 to FP8, by scaling.
-CAST_BYTES_PER_ELEMENT = {"dynamic": 5.0, "delayed": 3.0}
-CAST_KERNELS = {"dynamic": 2, "delayed": 1}
+CAST_BYTES_PER_ELEMENT = {"eager": 33.0, "dynamic": 5.0, "delayed": 3.0}
+CAST_KERNELS = {"eager": 6, "dynamic": 2, "delayed": 1}
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +54,7 @@ class CastCost:
 
 def fp8_eligible(m: float, n: float, k: float) -> bool:
     """Whether a Linear whose local forward product is ``(m x k) @ (k x n)`` can run in FP8: its weight's
-    local dimensions ``n x k`` are multiples of 16 (the tokens ``m`` are padded by torchao when needed)."""
+    local dimensions ``n x k`` are multiples of 16 (the tokens ``m`` are padded, ``pad_inner_dim``)."""
     return all(float(d).is_integer() and int(d) % FP8_ALIGNMENT == 0 for d in (n, k))
 
 

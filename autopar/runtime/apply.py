@@ -149,7 +149,8 @@ def apply(plan: Plan, loss_fn: Callable[..., torch.Tensor] | None = None, *,
                         tp_styles=lambda chunk, part: tp_styles(plan, part) or {}, tied=tied,
                         recompute=plan.layout["recompute"], zero=plan.zero, precision=config.precision,
                         reference=whole, context=context,
-                        fp8_linears=plan.precision.get("fp8_linears", ()) if plan.fp8 else ())
+                        fp8_linears=plan.precision.get("fp8_linears", ()) if plan.fp8 else (),
+                        fp8_param_gather=bool(plan.precision.get("fp8_param_gather")))
     sharded_loss = shape.tp > 1 and runs_loss_parallel(specs)
     return Trainer(parts, mesh, loss_fn, chunks=chunks, num_chunks=len(ranges), schedule=plan.layout["schedule"],
                    num_microbatches=plan.layout["num_microbatches"], micro_batch=shape.micro_batch, zero=plan.zero,

@@ -41,7 +41,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from autopar.runtime.context_parallel import ContextParallel, shard_sequence_buffers
-from autopar.runtime.fp8 import convert_linears_to_fp8
+from autopar.runtime.fp8 import check_fp8_regions, convert_linears_to_fp8
 from autopar.runtime.materialize import MetaModel, build_on_meta, materialize
 from autopar.runtime.recompute import apply_recompute
 from autopar.runtime.stages import prune
@@ -156,14 +156,15 @@ def parallelize(build: Callable[[], nn.Module], mesh: DeviceMesh, device: torch.
                 tp_styles: Callable[[int, nn.Module], Mapping[str, ParallelStyle]], tied: list[tuple[str, str]],
                 recompute: str, zero: int, precision: str, reference: MetaModel | None = None,
                 context: ContextParallel | None = None, ends: Mapping[str, list[str]] | None = None,
-                fp8_linears: Collection[str] = ()) -> list[nn.Module]:
+                fp8_linears: Collection[str] = (), fp8_param_gather: bool = False) -> list[nn.Module]:
     """This rank's parts of the model (one per pipeline chunk it runs), split, tensor-parallel, checkpointed,
     data-parallel and only then allocated on ``device`` with the weights of ``seed``.
 
     ``tp_styles(chunk, module)`` gives the ``parallelize_module`` styles of a chunk.  ``reference``: the
     whole model on the meta device, if the caller has built one already (it is never sharded: the recipe of
     every parameter and buffer).  ``context``: this rank's context-parallel group (``context_of``).
-    ``fp8_linears``: the Linears an FP8 plan trains in FP8 (``autopar.runtime.fp8``), swapped first.
+    ``fp8_linears``: the Linears an FP8 plan trains in FP8 (``autopar.runtime.fp8``), swapped first;
+    ``fp8_param_gather``: ZeRO-3 gathers their weights in FP8.
     """
     reference = reference or build_on_meta(build)
     if mesh["pp"].size() > 1:
@@ -174,7 +175,10 @@ def parallelize(build: Callable[[], nn.Module], mesh: DeviceMesh, device: torch.
     dp_mesh = replica_mesh(mesh)
     for chunk, part in zip(chunks, parts):
         if fp8_linears:
-            convert_linears_to_fp8(part, fp8_linears, gather_in_fp8=zero >= 3)
+            if mesh["tp"].size() > 1:
+                check_fp8_regions(fp8_linears, [name for name, style in tp_styles(chunk, part).items()
+                                                if type(style).__name__ == "PlacedParameters"])
+            convert_linears_to_fp8(part, fp8_linears, gather_in_fp8=fp8_param_gather and zero >= 3)
         if mesh["tp"].size() > 1:
             apply_tp(part, mesh["tp"], tp_styles(chunk, part), tied)
         apply_ac(part, container, recompute)

@@ -30,6 +30,8 @@ def _saved_by_op_checkpointing() -> tuple[set, set]:
     """(products, attention kernels) whose outputs per-op checkpointing keeps."""
     aten = torch.ops.aten
     products = {aten.mm.default, aten.addmm.default, aten.bmm.default}
+    if hasattr(aten, "_scaled_mm"):  # an FP8 Linear's product (torchao's Float8Linear)
+        products.add(aten._scaled_mm.default)
     attention = {getattr(aten, name).default for name in (
         "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
         "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
