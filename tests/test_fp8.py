@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from autopar.models.llama import build_model as build_llama
 from autopar.passes import PassContext
 from autopar.passes.context import PrecisionPolicy
 
@@ -140,3 +141,13 @@ def test_verify_refuses_an_fp8_plan_in_one_line(tmp_path, capsys):
     assert main(["diff", str(bf16 / "plan.json"), str(out / "plan.json")]) == 1
     assert any(line.split("│")[1:4] and "precision" in line and "fp8" in line
                for line in capsys.readouterr().out.splitlines())
+
+
+@autopar.parallelize(cluster="h100-80gb", gpus=4, global_batch=8, fix="dp=2,tp=2,sp=off", precision="fp8")
+def fp8_llama(**config):
+    return build_llama(**config)
+
+
+def test_the_decorator_plans_in_the_precision_it_is_given():
+    plan = fp8_llama.autopar_plan(**SMALL_LLAMA)
+    assert plan.fp8 and "blocks.1.ffn.down" in plan.precision["fp8_linears"]
