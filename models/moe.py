@@ -1,7 +1,9 @@
 """A GPT-style transformer whose MLPs are top-k routed mixtures of experts (Switch/GShard style).
 
-A model file for ``autopar plan``.  Config keys: those of ``models/gpt.py`` plus ``experts``, ``top_k``
-and ``capacity_factor``.  Routing is per sequence with a fixed expert capacity
+A model file for ``autopar plan``.  Config keys: those of ``models/gpt.py`` plus ``experts``, ``top_k``,
+``capacity_factor`` and ``shared_experts`` (0 by default: DeepSeek-MoE's and Qwen-MoE's always-on experts,
+one dense MLP ``shared_experts`` times ``ffn`` wide beside the routed ones, which every token passes).
+Routing is per sequence with a fixed expert capacity
 ``C = ceil(top_k * seq * capacity_factor / experts)``; tokens over capacity are dropped (their residual
 passes through).  Dispatch and combine use gather/scatter on index tensors, so every shape is static and
 ``torch.export`` can trace it; expert weights are stacked ``[experts, ...]`` so the expert dimension can be
@@ -10,6 +12,7 @@ sharded (expert parallelism).  Defaults: 12 layers, hidden 1024, 8 experts, top-
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -30,10 +33,13 @@ class MoEConfig(gpt.GPTConfig):
     experts: int = 8
     top_k: int = 2
     capacity_factor: float = 1.25
+    shared_experts: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
         require_positive_ints(self, "experts", "top_k")
+        if not isinstance(self.shared_experts, int) or isinstance(self.shared_experts, bool) or self.shared_experts < 0:
+            raise ValueError(f"shared_experts must be a non-negative integer, got {self.shared_experts!r}")
         if not isinstance(self.capacity_factor, (int, float)) or self.capacity_factor <= 0:
             raise ValueError(f"capacity_factor must be a positive number, got {self.capacity_factor!r}")
         if not 1 <= self.top_k <= self.experts:
@@ -48,6 +54,9 @@ class MoEMLP(nn.Module):
         self.w_in = nn.Parameter(torch.empty(cfg.experts, cfg.hidden, cfg.ffn))
         self.w_out = nn.Parameter(torch.empty(cfg.experts, cfg.ffn, cfg.hidden))
         self.dropout = nn.Dropout(cfg.dropout)
+        # always-on experts: one dense MLP as wide as all of them (DeepSeek-MoE's fused shared experts)
+        self.shared = (gpt.MLP(dataclasses.replace(cfg, ffn=cfg.ffn * cfg.shared_experts))
+                       if cfg.shared_experts else None)
 
     def capacity(self, seq: int) -> int:
         return max(1, math.ceil(self.top_k * seq * self.capacity_factor / self.experts))
@@ -77,7 +86,8 @@ class MoEMLP(nn.Module):
         # under autocast the products are 16-bit and the residual stream is not: combine in the stream's dtype
         weighted = (expert_out * slot_gate.unsqueeze(-1)).to(padded.dtype)
         combined = padded.new_zeros(b, t + 1, h).scatter_add(1, index, weighted)
-        return self.dropout(combined[:, :t])
+        out = self.dropout(combined[:, :t])
+        return out if self.shared is None else out + self.shared(x)
 
 
 class Block(gpt.Block):
@@ -92,5 +102,5 @@ class MoETransformer(gpt.GPT):
 
 
 def build_model(**config) -> MoETransformer:
-    """Build the MoE transformer from the gpt keys plus ``experts, top_k, capacity_factor``."""
+    """Build the MoE transformer from the gpt keys plus ``experts, top_k, capacity_factor, shared_experts``."""
     return MoETransformer(MoEConfig(**config))

@@ -63,6 +63,9 @@ VERIFIED = {
                          "pp=2,tp=2,sp=off,schedule=1f1b"),
     "moe-sp-off": ("moe", MOE, 8, "dp=2,tp=2,sp=off"),
     "moe-sp-on": ("moe", MOE, 8, "dp=2,tp=2,sp=on"),
+    # a shared expert (a dense MLP every token passes) beside the routed ones
+    "moe-shared-expert": ("moe", ["--config", "layers=2,hidden=128,heads=4,vocab=256,seq_len=16,experts=4,"
+                                  "shared_experts=1", "--cluster", "cpu"], 8, "dp=2,tp=2,sp=off"),
     "hf-gpt2-tied-pipeline": (str(EXAMPLES / "hf_gpt2.py"), ["--config", "layers=2,hidden=64,heads=4,vocab=128,"
                                                              "seq_len=16", "--cluster", "cpu"], 8,
                               "pp=2,dp=2,schedule=gpipe,zero=0"),
@@ -214,6 +217,13 @@ def test_verify_moe_dp2_tp2_with_experts_sharded_on_tp(verified, sp):
     assert "PlacedParameters(placements={'w_in': Shard(0), 'w_out': Shard(0)}" in script
     assert out["placements"]["blocks.1.mlp.w_out"]["tp"] == "S(0)"  # the run held experts sharded
     assert out["placements"]["blocks.1.mlp.router.weight"]["tp"] == "R" and _tp_as_planned(plan, out)
+
+
+@pytest.mark.slow
+def test_verify_moe_with_a_shared_expert(verified):
+    plan, out = _verified(verified, "moe-shared-expert")
+    assert plan["parameters"]["blocks.0.mlp.shared.fc.weight"]["shape"] == [4 * 128, 128]
+    assert _tp_as_planned(plan, out)
 
 
 @pytest.mark.slow
