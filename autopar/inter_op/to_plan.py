@@ -7,7 +7,7 @@ from typing import Any
 from autopar.cluster import Cluster
 from autopar.inter_op.estimate import Estimate
 from autopar.inter_op.unit_costs import POST, PRE, unit_sequence
-from autopar.intra_op.fp8 import fp8_eligible
+from autopar.intra_op.fp8 import fp8_eligible, layer_linear_weight
 from autopar.intra_op.strategies import R, Strategy, param_tp_placements, shard_dim, tensor_refs
 from autopar.ir import OpGraph
 from autopar.modelfile import ZOO, locate
@@ -120,10 +120,9 @@ def fp8_linears(graph: OpGraph, ctx: PassContext, tp_place: dict[str, str], tp: 
         return []
     out = set()
     for n in graph.ops():
-        refs = tensor_refs(n)
-        if n.op != "aten.linear.default" or n.layer is None or len(refs) < 2 or graph[refs[1].name].kind != "param":
+        weight = layer_linear_weight(n, graph)
+        if weight is None:
             continue
-        weight = graph[refs[1].name]
         shape = [float(d) for d in weight.out.shape]
         dim = shard_dim(tp_place.get(weight.target, R))
         if dim is not None:

@@ -35,6 +35,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from autopar.intra_op.strategies import tensor_refs
+from autopar.ir import Node, OpGraph
+
 #: ``torch._scaled_mm`` needs both dimensions of each FP8 operand to be multiples of 16.
 FP8_ALIGNMENT = 16
 #: Bytes moved and kernels launched per element cast from bf16 to FP8, by scaling.
@@ -52,6 +55,16 @@ class CastCost:
     bwd_kernels: int
 
 
+def layer_linear_weight(node: Node, graph: OpGraph) -> Node | None:
+    """The parameter node of ``node``'s weight when ``node`` is a Linear of a transformer layer (what FP8
+    training swaps), else ``None``."""
+    if node.op != "aten.linear.default" or node.layer is None:
+        return None
+    refs = tensor_refs(node)
+    weight = graph[refs[1].name] if len(refs) >= 2 else None
+    return weight if weight is not None and weight.kind == "param" else None
+
+
 def fp8_eligible(m: float, n: float, k: float) -> bool:
     """Whether a Linear whose local forward product is ``(m x k) @ (k x n)`` can run in FP8: its weight's
     local dimensions ``n x k`` are multiples of 16 (the tokens ``m`` are padded, ``pad_inner_dim``)."""
@@ -67,4 +80,5 @@ def cast_cost(m: float, n: float, k: float, scaling: str) -> CastCost:
     return CastCost(per * (x + w), per * (2 * dy + w + x), 2 * kernels, 4 * kernels)
 
 
-__all__ = ["CAST_BYTES_PER_ELEMENT", "CAST_KERNELS", "FP8_ALIGNMENT", "CastCost", "cast_cost", "fp8_eligible"]
+__all__ = ["CAST_BYTES_PER_ELEMENT", "CAST_KERNELS", "FP8_ALIGNMENT", "CastCost", "cast_cost", "fp8_eligible",
+           "layer_linear_weight"]

@@ -33,7 +33,7 @@ from functools import lru_cache
 
 from autopar.cluster import AxisLink, Cluster, MeshSpec
 from autopar.collectives import all_gather_s, all_reduce_s, collective_s, reduce_scatter_s
-from autopar.intra_op.fp8 import cast_cost, fp8_eligible
+from autopar.intra_op.fp8 import cast_cost, fp8_eligible, layer_linear_weight
 from autopar.intra_op.strategies import PARTIAL, R, Strategy, shard_dim, tensor_refs
 from autopar.ir import Node, OpGraph, TensorInfo
 from autopar.kernels import flash_attention_s, gemm_s, memory_s
@@ -354,28 +354,34 @@ def weight_grad_s(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec
     return sum(gemm_s(cluster, g.m, g.n, g.k, g.batch, fp8) for g in weights)
 
 
+def _fp8_forward(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec, batch: int,
+                 ctx: PassContext) -> Gemm | None:
+    """The local forward product of ``node`` if it trains in FP8 (``autopar.intra_op.fp8``: an ``fp8`` plan, a
+    Linear of a transformer layer with a parameter weight, its local weight aligned to 16), else ``None``."""
+    if ctx.precision.training != "fp8" or layer_linear_weight(node, graph) is None:
+        return None
+    gemms = product_gemms(node, graph, strategy, mesh, batch)
+    g = gemms[0][0] if gemms is not None else None
+    return g if g is not None and fp8_eligible(g.m, g.n, g.k) else None
+
+
 def fp8_linear(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec, batch: int,
                ctx: PassContext) -> bool:
-    """Whether ``node`` trains in FP8 (``autopar.intra_op.fp8``): an ``fp8`` plan, a Linear of a transformer
-    layer with a parameter weight, its local weight aligned to 16."""
-    if ctx.precision.training != "fp8" or node.op != "aten.linear.default" or node.layer is None:
-        return False
-    refs = tensor_refs(node)
-    if len(refs) < 2 or graph[refs[1].name].kind != "param":
-        return False
-    gemms = product_gemms(node, graph, strategy, mesh, batch)
-    return gemms is not None and fp8_eligible(gemms[0][0].m, gemms[0][0].n, gemms[0][0].k)
+    """Whether ``node`` trains in FP8 (see ``_fp8_forward``)."""
+    return _fp8_forward(node, graph, strategy, mesh, batch, ctx) is not None
+
+
+def _cast_s(g: Gemm, cluster: Cluster, ctx: PassContext) -> tuple[float, float]:
+    c = cast_cost(g.batch * g.m, g.n, g.k, ctx.framework.fp8_scaling)
+    return (memory_s(cluster, c.fwd_bytes) + c.fwd_kernels * cluster.kernel_overhead_s,
+            memory_s(cluster, c.bwd_bytes) + c.bwd_kernels * cluster.kernel_overhead_s)
 
 
 def fp8_cast_s(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec, batch: int, cluster: Cluster,
                ctx: PassContext) -> tuple[float, float]:
     """(forward, backward) time of the FP8 casts of ``node``'s operands; zero unless it trains in FP8."""
-    if not fp8_linear(node, graph, strategy, mesh, batch, ctx):
-        return 0.0, 0.0
-    g = product_gemms(node, graph, strategy, mesh, batch)[0][0]
-    c = cast_cost(g.batch * g.m, g.n, g.k, ctx.framework.fp8_scaling)
-    return (memory_s(cluster, c.fwd_bytes) + c.fwd_kernels * cluster.kernel_overhead_s,
-            memory_s(cluster, c.bwd_bytes) + c.bwd_kernels * cluster.kernel_overhead_s)
+    g = _fp8_forward(node, graph, strategy, mesh, batch, ctx)
+    return (0.0, 0.0) if g is None else _cast_s(g, cluster, ctx)
 
 
 def _attention_s(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec, batch: int, cluster: Cluster,
@@ -424,7 +430,8 @@ def compute_s(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec, ba
     launch_f = traffic.fwd_kernels * cluster.kernel_overhead_s
     launch_b = traffic.bwd_kernels * cluster.kernel_overhead_s
     gemms = product_gemms(node, graph, strategy, mesh, batch) if flops.fwd > 0 else None
-    fp8 = gemms is not None and fp8_linear(node, graph, strategy, mesh, batch, ctx)
+    fp8_g = _fp8_forward(node, graph, strategy, mesh, batch, ctx) if gemms is not None else None
+    fp8 = fp8_g is not None
     if gemms is not None:
         fwd_c = sum(gemm_s(cluster, g.m, g.n, g.k, g.batch, fp8) for g in gemms[0])
         bwd_c = sum(gemm_s(cluster, g.m, g.n, g.k, g.batch, fp8) for g in gemms[1])
@@ -433,7 +440,7 @@ def compute_s(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec, ba
         fwd_c, bwd_c = flops.fwd * scale / split / peak, flops.bwd * scale / split / peak
     fwd = max(fwd_c, memory_s(cluster, fwd_bytes)) + launch_f
     bwd = max(bwd_c, memory_s(cluster, bwd_bytes)) + launch_b
-    if fp8:
-        cast_f, cast_b = fp8_cast_s(node, graph, strategy, mesh, batch, cluster, ctx)
+    if fp8_g is not None:
+        cast_f, cast_b = _cast_s(fp8_g, cluster, ctx)
         fwd, bwd = fwd + cast_f, bwd + cast_b
     return fwd, bwd
