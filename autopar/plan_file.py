@@ -20,9 +20,10 @@ from autopar import __version__
 from autopar.errors import AutoparError
 from autopar.ir import OpGraph
 
-SCHEMA_VERSION = 4  # 2: the mesh gained the context-parallel axis, (pp, dp, cp, tp); 3: the schedule
+SCHEMA_VERSION = 5  # 2: the mesh gained the context-parallel axis, (pp, dp, cp, tp); 3: the schedule
 # records its stage-to-rank mapping (V-shaped zero-bubble schedules), tied parameters the ranks holding a copy;
-# 4: the training precision (bf16, or fp8 and the Linears that train in it)
+# 4: the training precision (bf16, or fp8 and the Linears that train in it); 5: expert parallelism (layout.ep,
+# the experts' placement on ep, each stage's all-to-all bytes)
 _FLOAT_DIGITS = 12  # significant digits kept for floats: identical bytes across runs and platforms
 
 

@@ -63,8 +63,9 @@ def render_model_summary(summary: dict[str, Any], title: str, console: Console) 
 
 def layout_text(layout: dict[str, Any]) -> str:
     sched = layout["schedule"] + (f" v={layout['v']}" if layout["v"] > 1 else "")
-    cp = layout.get("cp", 1)
-    return (f"dp={layout['dp']}" + (f" cp={cp}" if cp > 1 else "") + f" tp={layout['tp']} pp={layout['pp']} "
+    cp, ep = layout.get("cp", 1), layout.get("ep", 1)
+    return (f"dp={layout['dp']}" + (f" ep={ep}" if ep > 1 else "") + (f" cp={cp}" if cp > 1 else "")
+            + f" tp={layout['tp']} pp={layout['pp']} "
             f"mbs={layout['mbs']} "
             f"m={layout['num_microbatches']} {sched} recompute={layout['recompute']} "
             f"sp={'on' if layout['sp'] else 'off'} zero={layout['zero']}")

@@ -8,7 +8,8 @@ on the tp group are sized as the planner sizes them (``autopar.collectives``: an
 output) and compared with the bytes the plan records: its first stage's tp collectives per micro-batch
 times the micro-batches, plus the per-iteration gradient synchronization on tp.  A ratio near 1 says the
 runtime communicates what the plan assumed; far from 1, the runtime differs from the plan.  The times
-both come to are reported too.
+both come to are reported too.  With expert parallelism, the dispatch and combine all-to-alls off the tp group
+are compared the same way with the plan's ``estimated_ep_bytes_per_microbatch``.
 
 Rank 0's compute runs for real on the CPU, so the models are small.  Writes
 ``benchmarks/results/runtime_comm.json``.
@@ -53,6 +54,8 @@ CASES = [
     ("llama dp2 x tp4", "llama", "layers=2,hidden=4096,heads=32,vocab=32000,seq_len=512", "dp=2,tp=4,sp=off,zero=0"),
     ("moe tp8 (experts on tp)", "moe", "layers=2,hidden=2048,heads=16,vocab=32000,seq_len=512,experts=8",
      "tp=8,sp=off"),
+    ("moe dp4 x tp2, ep2", "moe", "layers=2,hidden=2048,heads=16,vocab=32000,seq_len=512,experts=8",
+     "dp=4,tp=2,ep=2,sp=off"),
 ]
 
 #: Functional collective -> (the planner's collective, whether the tensor argument is the gathered output's
@@ -150,7 +153,13 @@ def measure(plan_path: Path) -> dict:
     planned_bytes = sum(planned.values())
     runtime_s = sum(r[2] for r in by_kind.values())
     planned_s = plan.estimate["breakdown"]["tp_comm_s"]
-    return {"layout": plan.layout, "num_microbatches": m, "planned_tp_bytes": planned_bytes,
+    # expert parallelism's dispatch and combine: the all-to-alls off the tp group (DTensor's on tp are above)
+    ep_runtime = sum(nbytes for name, nbytes, group in comm.records
+                     if name == "all_to_all_single" and group != tp_group)
+    ep_planned = m * stage.get("estimated_ep_bytes_per_microbatch", {}).get("all_to_all", 0.0)
+    return {"planned_ep_bytes": ep_planned, "runtime_ep_bytes": ep_runtime,
+            "ep_ratio": ep_runtime / ep_planned if ep_planned else None,
+            "layout": plan.layout, "num_microbatches": m, "planned_tp_bytes": planned_bytes,
             "runtime_tp_bytes": runtime_bytes, "ratio": runtime_bytes / planned_bytes if planned_bytes else None,
             "planned_tp_comm_s": planned_s, "runtime_tp_comm_s": runtime_s,
             "planned": dict(sorted(planned.items())),
@@ -176,6 +185,10 @@ def main() -> None:
         table.add_row(r["case"], f"{r['planned_tp_bytes'] / 2**20:.1f}", f"{r['runtime_tp_bytes'] / 2**20:.1f}",
                       f"{r['ratio']:.2f}" if r["ratio"] else "-", parts, planned)
     Console().print(table)
+    for r in rows:
+        if r["ep_ratio"] is not None:
+            print(f"{r['case']}: expert-parallel all-to-all {r['runtime_ep_bytes'] / 2**20:.1f} MiB moved, "
+                  f"{r['planned_ep_bytes'] / 2**20:.1f} MiB planned (ratio {r['ep_ratio']:.2f})")
     out = ROOT / "benchmarks" / "results" / "runtime_comm.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rows, indent=2, sort_keys=True) + "\n")

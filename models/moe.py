@@ -6,8 +6,10 @@ one dense MLP ``shared_experts`` times ``ffn`` wide beside the routed ones, whic
 Routing is per sequence with a fixed expert capacity
 ``C = ceil(top_k * seq * capacity_factor / experts)``; tokens over capacity are dropped (their residual
 passes through).  Dispatch and combine use gather/scatter on index tensors, so every shape is static and
-``torch.export`` can trace it; expert weights are stacked ``[experts, ...]`` so the expert dimension can be
-sharded (expert parallelism).  Defaults: 12 layers, hidden 1024, 8 experts, top-2.
+``torch.export`` can trace it.  The experts are one module (``Experts``) whose weights are stacked
+``[experts, ...]`` and whose input and output are every expert's slots, ``[batch, experts, capacity,
+hidden]``: expert parallelism shards the expert dimension and dispatches the slots with one all-to-all
+each way (``autopar.runtime.expert_parallel``).  Defaults: 12 layers, hidden 1024, 8 experts, top-2.
 """
 
 from __future__ import annotations
@@ -46,24 +48,37 @@ class MoEConfig(gpt.GPTConfig):
             raise ValueError(f"top_k ({self.top_k}) must be between 1 and experts ({self.experts})")
 
 
+class Experts(nn.Module):
+    """``experts`` two-layer GELU MLPs with stacked weights, run on every expert's slots at once."""
+
+    def __init__(self, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.w_in = nn.Parameter(torch.empty(cfg.experts, cfg.hidden, cfg.ffn))
+        self.w_out = nn.Parameter(torch.empty(cfg.experts, cfg.ffn, cfg.hidden))
+
+    def forward(self, slots: torch.Tensor) -> torch.Tensor:
+        """``slots`` [batch, experts, capacity, hidden] -> the experts' outputs, the same shape."""
+        hidden = F.gelu(torch.einsum("bech,ehf->becf", slots, self.w_in), approximate="tanh")
+        return torch.einsum("becf,efh->bech", hidden, self.w_out)
+
+
 class MoEMLP(nn.Module):
     def __init__(self, cfg: MoEConfig) -> None:
         super().__init__()
-        self.experts, self.top_k, self.capacity_factor = cfg.experts, cfg.top_k, cfg.capacity_factor
+        self.num_experts, self.top_k, self.capacity_factor = cfg.experts, cfg.top_k, cfg.capacity_factor
         self.router = nn.Linear(cfg.hidden, cfg.experts, bias=False)
-        self.w_in = nn.Parameter(torch.empty(cfg.experts, cfg.hidden, cfg.ffn))
-        self.w_out = nn.Parameter(torch.empty(cfg.experts, cfg.ffn, cfg.hidden))
+        self.experts = Experts(cfg)
         self.dropout = nn.Dropout(cfg.dropout)
         # always-on experts: one dense MLP as wide as all of them (DeepSeek-MoE's fused shared experts)
         self.shared = (gpt.MLP(dataclasses.replace(cfg, ffn=cfg.ffn * cfg.shared_experts))
                        if cfg.shared_experts else None)
 
     def capacity(self, seq: int) -> int:
-        return max(1, math.ceil(self.top_k * seq * self.capacity_factor / self.experts))
+        return max(1, math.ceil(self.top_k * seq * self.capacity_factor / self.num_experts))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, h = x.shape
-        e, k, cap = self.experts, self.top_k, self.capacity(t)
+        e, k, cap = self.num_experts, self.top_k, self.capacity(t)
         probs = F.softmax(self.router(x), dim=-1)  # [b, t, e]
         gate, expert = probs.topk(k, dim=-1)  # [b, t, k]
         gate = gate / gate.sum(dim=-1, keepdim=True)
@@ -80,9 +95,7 @@ class MoEMLP(nn.Module):
         slot_gate = slot_gate.scatter(1, slot, gate.reshape(b, t * k) * keep)[:, : e * cap]
         padded = torch.cat([x, x.new_zeros(b, 1, h)], dim=1)  # row t is the empty slot
         index = slot_token.unsqueeze(-1).expand(-1, -1, h)
-        expert_in = padded.gather(1, index).view(b, e, cap, h)
-        hidden = F.gelu(torch.einsum("bech,ehf->becf", expert_in, self.w_in), approximate="tanh")
-        expert_out = torch.einsum("becf,efh->bech", hidden, self.w_out).reshape(b, e * cap, h)
+        expert_out = self.experts(padded.gather(1, index).view(b, e, cap, h)).reshape(b, e * cap, h)
         # under autocast the products are 16-bit and the residual stream is not: combine in the stream's dtype
         weighted = (expert_out * slot_gate.unsqueeze(-1)).to(padded.dtype)
         combined = padded.new_zeros(b, t + 1, h).scatter_add(1, index, weighted)

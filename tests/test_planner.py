@@ -112,8 +112,8 @@ def test_plan_cli_json_and_plan_file(capsys, tmp_path):
     for key in ("iteration_time_s", "tokens_per_s", "model_flops_per_iter", "hardware_flops_per_iter",
                 "tflops_per_gpu", "mfu", "hfu", "peak_memory_bytes", "fits", "breakdown"):
         assert key in data["estimate"]
-    assert set(data["estimate"]["breakdown"]) == {"compute_s", "tp_comm_s", "cp_comm_s", "pp_bubble_s", "pp_p2p_s",
-                                                  "dp_comm_exposed_s", "recompute_s"}
+    assert set(data["estimate"]["breakdown"]) == {"compute_s", "tp_comm_s", "cp_comm_s", "ep_comm_s", "pp_bubble_s",
+                                                  "pp_p2p_s", "dp_comm_exposed_s", "recompute_s"}
     assert {"time_s", "solver", "status"} <= set(data["solve"])
     for key in ("parameters", "layers", "layer_types", "flops_per_token", "trace_time_s"):
         assert key in data["model"]

@@ -61,7 +61,11 @@ VERIFIED = {
     "hf-llama-pp2-tp2": (str(EXAMPLES / "hf_llama.py"), ["--config", "layers=2,hidden=512,heads=8,ffn=1024,vocab=256,"
                                                          "seq_len=16", "--cluster", "cpu"], 8,
                          "pp=2,tp=2,sp=off,schedule=1f1b"),
-    "moe-sp-off": ("moe", MOE, 8, "dp=2,tp=2,sp=off"),
+    "moe-sp-off": ("moe", MOE, 8, "dp=2,tp=2,ep=1,sp=off"),
+    # expert parallelism: experts split over ep = 2 of the dp ranks (FSDP over the dp / ep holding the same),
+    # and over ep x tp, dispatched and combined by all-to-all
+    "moe-dp4-ep2-zero3": ("moe", MOE, 8, "dp=4,ep=2,zero=3"),
+    "moe-dp2-tp2-ep2": ("moe", MOE, 8, "dp=2,tp=2,ep=2,sp=off"),
     "moe-sp-on": ("moe", MOE, 8, "dp=2,tp=2,sp=on"),
     # a shared expert (a dense MLP every token passes) beside the routed ones
     "moe-shared-expert": ("moe", ["--config", "layers=2,hidden=128,heads=4,vocab=256,seq_len=16,experts=4,"
@@ -212,11 +216,25 @@ def test_verify_huggingface_llama_pp2_tp2(verified):
 def test_verify_moe_dp2_tp2_with_experts_sharded_on_tp(verified, sp):
     plan, out = _verified(verified, f"moe-sp-{sp}")
     # the ILP shards the stacked experts on tp (expert parallelism): no parallelize_module style says that
-    assert plan["parameters"]["blocks.0.mlp.w_in"]["placements"]["tp"] == "S(0)"
+    assert plan["parameters"]["blocks.0.mlp.experts.w_in"]["placements"]["tp"] == "S(0)"
     script = (verified[f"moe-sp-{sp}"][2] / "train.py").read_text()
-    assert "PlacedParameters(placements={'w_in': Shard(0), 'w_out': Shard(0)}" in script
-    assert out["placements"]["blocks.1.mlp.w_out"]["tp"] == "S(0)"  # the run held experts sharded
+    assert "PlacedParameters(placements={'experts.w_in': Shard(0), 'experts.w_out': Shard(0)}" in script
+    assert out["placements"]["blocks.1.mlp.experts.w_out"]["tp"] == "S(0)"  # the run held experts sharded
     assert out["placements"]["blocks.1.mlp.router.weight"]["tp"] == "R" and _tp_as_planned(plan, out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("case", "tp"), [("moe-dp4-ep2-zero3", None), ("moe-dp2-tp2-ep2", "S(0)")])
+def test_verify_moe_with_expert_parallelism(verified, case, tp):
+    plan, out = _verified(verified, case)
+    assert plan["layout"]["ep"] == 2
+    assert plan["parameters"]["blocks.0.mlp.experts.w_in"]["placements"]["ep"] == "S(0)"
+    assert plan["parameters"]["blocks.0.mlp.router.weight"]["placements"]["ep"] == "R"
+    held = out["placements"]["blocks.1.mlp.experts.w_out"]
+    assert held["ep"] == "S(0)" and held.get("tp") == tp  # split on ep (and tp), as planned
+    assert "ep" not in out["placements"]["blocks.1.mlp.router.weight"]  # the rest is whole on ep
+    script = (verified[case][2] / "train.py").read_text()
+    assert "EP = 2" in script and "'blocks.1.mlp.experts'" in script
 
 
 @pytest.mark.slow

@@ -45,3 +45,17 @@ def test_runtime_moves_the_tp_bytes_the_plan_records(tmp_path, monkeypatch, runt
     row = runtime_comm.measure(tmp_path / "plan.json")
     assert row["planned_tp_bytes"] > 0, "the plan shards nothing on tp: pick a larger model"
     assert 0.9 <= row["ratio"] <= 1.1, row
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fix", ["dp=8,ep=4", "dp=4,tp=2,ep=2,sp=off"], ids=["dp8-ep4", "dp4xtp2-ep2"])
+def test_runtime_moves_the_all_to_all_bytes_the_plan_records(tmp_path, monkeypatch, runtime_comm, fix):
+    """Expert parallelism: the dispatch and combine all-to-alls of one iteration (forward and backward) are
+    the bytes the plan records per micro-batch (``estimated_ep_bytes_per_microbatch``) times the
+    micro-batches; with tp the experts are split there too and each tp rank exchanges only its share."""
+    monkeypatch.setenv("AUTOPAR_DEVICE", "cpu")
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(["plan", "moe", "--config", CONFIG + ",experts=8", "--cluster", "a100-80gb", "--gpus", "8",
+                     "--global-batch", "8", "--fix", fix, "-o", str(tmp_path)]) == 0
+    row = runtime_comm.measure(tmp_path / "plan.json")
+    assert row["planned_ep_bytes"] > 0 and 0.9 <= row["ep_ratio"] <= 1.1, row

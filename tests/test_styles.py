@@ -78,17 +78,18 @@ def test_a_single_block_stage_enters_and_leaves_the_split_stream(tmp_path):
 
 
 def test_expert_weights_become_a_placed_parameters_region(tmp_path):
-    _, specs = _specs(tmp_path, "moe", MOE, "dp=2,tp=2,sp=off")
+    _, specs = _specs(tmp_path, "moe", MOE, "dp=2,tp=2,ep=1,sp=off")
     kind, kwargs = specs["blocks.0.mlp"]
     assert kind == "PlacedParameters" and set(kwargs) == {"placements", "ops"}
-    assert kwargs["placements"] == "{'w_in': Shard(0), 'w_out': Shard(0)}"
+    assert kwargs["placements"] == "{'experts.w_in': Shard(0), 'experts.w_out': Shard(0)}"
     assert "blocks.0.mlp.router" not in specs  # replicated inside the region
     style = make_style(specs["blocks.0.mlp"])
-    assert isinstance(style, PlacedParameters) and style.placements == {"w_in": Shard(0), "w_out": Shard(0)}
+    assert isinstance(style, PlacedParameters)
+    assert style.placements == {"experts.w_in": Shard(0), "experts.w_out": Shard(0)}
     assert style.ops[0].op == "aten.linear.default" and len(style.ops) == len(evaluate(kwargs["ops"]))
     _, specs = _specs(tmp_path / "sp", "moe", MOE, "dp=2,tp=2,sp=on")
     assert {k: v for k, v in specs["blocks.0.mlp"][1].items() if k != "ops"} == {
-        "placements": "{'w_in': Shard(0), 'w_out': Shard(0)}", "input_layouts": "Shard(1)",
+        "placements": "{'experts.w_in': Shard(0), 'experts.w_out': Shard(0)}", "input_layouts": "Shard(1)",
         "output_layouts": "Shard(1)"}
 
 

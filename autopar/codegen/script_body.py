@@ -43,13 +43,13 @@ def main():
     chunks = rank_chunks(SCHEDULE, mesh.get_local_rank("pp"), MESH_SHAPE[0], len(STAGE_LAYERS))
     report = StepReport(ESTIMATE, GLOBAL_BATCH * SEQ_LEN, math.prod(MESH_SHAPE), PEAK_FLOPS, device)
 
-    # 1. pipeline split, 2. tensor parallelism, 3. activation checkpointing, 4. data parallelism at the ZeRO
-    # level; all on the meta device, then this rank's shards are allocated and initialized.
+    # 1. pipeline split, 2. tensor parallelism, 3. expert parallelism, 4. activation checkpointing, 5. data
+    # parallelism at the ZeRO level; all on the meta device, then this rank's shards are allocated and initialized.
     parts = parallelize(build, mesh, device, args.seed, stage_layers=STAGE_LAYERS, chunks=chunks,
                         container=LAYER_CONTAINER, ends=STACK_ENDS,
                         tp_styles=lambda chunk, part: TP_PLAN.get(chunk, {}),
                         tied=TIED, recompute=RECOMPUTE, zero=ZERO, precision=args.precision, context=context,
-                        fp8_linears=FP8_LINEARS, fp8_param_gather=FP8_PARAM_GATHER)
+                        fp8_linears=FP8_LINEARS, fp8_param_gather=FP8_PARAM_GATHER, ep=EP, experts=EXPERTS)
     config = TrainingConfig(lr=args.lr, warmup_steps=args.warmup_steps,
                             decay_steps=max(1, args.steps - args.warmup_steps), max_grad_norm=args.max_grad_norm,
                             precision=args.precision)

@@ -3,7 +3,7 @@
 The plan's choices are literals at the top of the script (mesh shape, the ``parallelize_module`` styles
 of each pipeline chunk, the chunks' layers, the schedule, the ZeRO level, the recompute mode, the plan's
 estimate); the fixed body (``script_body.py``) passes them to autopar's runtime, which applies them in
-torchtitan's order on a meta-device model: pipeline split, TP, activation checkpointing, data parallelism,
+torchtitan's order on a meta-device model: pipeline split, TP, EP, activation checkpointing, data parallelism,
 then this rank's shards are allocated and initialized.  The script therefore needs autopar installed, and
 runs the same code ``autopar verify`` checks.  It trains ``--steps`` steps (AdamW, bf16 mixed precision,
 warmup and cosine decay), on ``--data`` or the model file's ``batches`` or synthetic tokens; it prints the
@@ -21,6 +21,7 @@ from autopar import __version__, modelfile
 from autopar.codegen.script_body import BODY
 from autopar.plan_file import Plan
 from autopar.runtime.apply import run_shape
+from autopar.runtime.expert_parallel import planned_experts
 from autopar.runtime.pipeline import tied_pairs
 from autopar.runtime.stages import prune_to_stage, stage_layer_ranges
 from autopar.runtime.styles import StyleSpec, evaluate, style_source
@@ -130,6 +131,8 @@ def generate_train_script(plan: Plan, script_name: str = "train.py") -> str:
         f"RECOMPUTE = {lay['recompute']!r}  # none | selective | op | full\n"
         f"ZERO = {plan.zero}  # 0: replicate; 1, 2: fully_shard, kept gathered; 3: resharded after forward\n"
         f"TIED = {tied_pairs(plan)!r}  # (parameter, alias) pairs\n"
+        f"EP = {lay.get('ep', 1)}  # expert parallelism: the experts split over groups of EP data-parallel ranks\n"
+        f"EXPERTS = {pprint.pformat(planned_experts(plan), sort_dicts=True)}  # experts module -> split on tp too\n"
         f"{_tp_plan_source(plans)}"
         f"LOSS_PARALLEL = {any(runs_loss_parallel(specs) for specs in plans.values())}"
         "  # the head keeps its logits sharded on the vocabulary: the loss runs under loss_parallel\n"

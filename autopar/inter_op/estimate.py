@@ -32,6 +32,11 @@ which only a framework with TP comm overlap (``Framework.tp_comm_overlap``) hide
 - **context parallelism** (``autopar.inter_op.context_parallel``): a rank does ``1 / cp`` of every unit's
   token-wise work and attention, and waits for the key/value all-gather and its gradients' reduce-scatter
   over ``cp`` (``cp_comm_s``); the gradient reduction and ZeRO span ``dp x cp``.
+- **expert parallelism** (``autopar.inter_op.expert_parallel``): a rank holds ``1 / ep`` of the stacked
+  experts and runs them on its ``ep`` group's slots; each experts module waits for two all-to-alls in
+  forward (dispatch, combine) and two in backward, with a permuting copy on each side (``ep_comm_s``,
+  not overlapped, as torchtitan runs them).  The experts' state, gradient reduction and ZeRO sharding span
+  the ``dp / ep`` ranks holding the same experts.
 - **overlap costs**: overlapped communication still slows the compute beside it (``overlap_slowdown``).
 - **optimizer step**: Adam reads and writes 28 bytes per local parameter, memory-bound.
 
@@ -51,6 +56,7 @@ from autopar.cluster import AxisLink, Cluster, axis_link
 from autopar.collectives import all_gather_s, all_reduce_s, reduce_scatter_s, send_recv_s
 from autopar.framework import Framework
 from autopar.inter_op.context_parallel import context_parallel_share
+from autopar.inter_op.expert_parallel import expert_exchange_s, expert_parallel_share
 from autopar.inter_op.layout import Layout
 from autopar.inter_op.unit_costs import POST, PRE, UnitCost, unit_sequence
 from autopar.ir import OpGraph
@@ -91,6 +97,7 @@ class StageEstimate:
     # unsharded gradient, at the unit that peaks; ``memory_bytes`` = held state + the two above, at most
     tp_bytes: dict[str, float]  # collective kind -> bytes of the tp collectives of one micro-batch (``tp_bytes``)
     tp_sync_bytes: dict[str, float]  # the same for the once-per-iteration gradient synchronization on tp
+    ep_bytes: dict[str, float]  # the expert-parallel all-to-alls of one micro-batch (``ep_bytes``)
     parts_s: dict[str, float] = field(default_factory=dict)
     """One micro-batch of ``time_s`` by what the stage does: ``forward_s``, ``recompute_s``, ``backward_s``
     (exposed tp and ZeRO-3 communication included) and ``p2p_s`` add up to it; ``tp_forward_s``,
@@ -150,6 +157,8 @@ class _UnitLoad:
     product_s: float = 0.0  # the matrix products' part of ``compute_s``
     attention_s: float = 0.0  # attention's part of ``compute_s``
     fp8_cast_s: float = 0.0  # the FP8 casts' part of ``compute_s``
+    ep_s: float = 0.0  # expert parallelism's dispatch and combine all-to-alls, forward and backward
+    ep_fwd_s: float = 0.0  # the forward's share of ``ep_s``
 
     def merged(self, other: _UnitLoad) -> _UnitLoad:
         """This unit and ``other`` on one rank (a V's first rank holds the embedding and the head)."""
@@ -216,8 +225,18 @@ def _recompute_regathers(mode: str, fw: Framework) -> bool:
     return mode in ("full", "op") or (mode == "selective" and fw.selective_recompute == "attention_module")
 
 
-def _unit_load(u: UnitCost, is_layer: bool, layout: Layout, dp_link: AxisLink, cp_link: AxisLink,
-               cluster: Cluster, ctx: PassContext) -> _UnitLoad:
+@dataclass(frozen=True, slots=True)
+class _Links:
+    """The links of a layout's mesh axes (``autopar.cluster.axis_link``)."""
+
+    dp: AxisLink  # dp x cp: the replicas of the dense weights
+    cp: AxisLink
+    ep: AxisLink  # an expert-parallel group: the innermost ``ep`` ranks of dp
+    expert_dp: AxisLink  # the ``dp / ep`` replicas of the same experts
+
+
+def _unit_load(u: UnitCost, is_layer: bool, layout: Layout, links: _Links, cluster: Cluster,
+               ctx: PassContext) -> _UnitLoad:
     fw, pol = ctx.framework, ctx.precision
     compute = u.fwd_s + u.bwd_s
     tp = u.tp_fwd_s + u.tp_bwd_s
@@ -226,19 +245,33 @@ def _unit_load(u: UnitCost, is_layer: bool, layout: Layout, dp_link: AxisLink, c
     rc = layer_recompute(u, mode, fw)
     act, recompute = rc.saved_bytes, rc.time_s
     extra = max(u.transient_bytes, rc.transient_bytes, u.forward_transient_bytes)
-    cp_fwd = all_gather_s(u.attention_kv_bytes, cp_link)
-    cp = cp_fwd + reduce_scatter_s(u.attention_kv_bytes, cp_link)
+    cp_fwd = all_gather_s(u.attention_kv_bytes, links.cp)
+    cp = cp_fwd + reduce_scatter_s(u.attention_kv_bytes, links.cp)
     if _recompute_regathers(mode, fw):
         recompute += cp_fwd
+    ep_fwd = 0.0
+    if layout.ep > 1 and u.expert_fqns:
+        ep_fwd = expert_exchange_s(u.expert_dispatch_bytes, links.ep, cluster) \
+            + expert_exchange_s(u.expert_combine_bytes, links.ep, cluster)
+        extra = max(extra, u.forward_transient_bytes + 2 * max(u.expert_dispatch_bytes, u.expert_combine_bytes))
+        if mode in ("full", "op"):  # both re-run the forward's all-to-alls (they are no product or attention)
+            recompute += ep_fwd
+    ep = 2 * ep_fwd  # backward: the same exchanges of the gradients, in reverse
     dp, z = layout.replicas, layout.zero
-    state = ctx.state_bytes(u.params_local, dp, z) + ctx.held_bytes(u.params_local, dp, z, layout.pp,
-                                                                     layout.num_microbatches)
+    experts = u.expert_params_local if layout.ep > 1 else 0.0  # with ep = 1 the experts are like the rest
+    state = _state_bytes(u.params_local - experts, dp, layout, ctx) + _state_bytes(experts, layout.expert_replicas,
+                                                                                 layout, ctx)
     zero3 = gathered_bytes = 0.0
     if z >= 3 and dp > 1 and u.params_local > 0:
         count, gathered = _zero3_collectives(u, ctx)
         copies = fw.list_collectives
-        gather = count * all_gather_s(_gathered_weight_bytes(u, ctx) / count, dp_link, copies)
-        scatter = count * reduce_scatter_s(u.params_local * fw.grad_reduce_bytes / count, dp_link, copies)
+        gather = scatter = 0.0
+        expert_share = experts / u.params_local
+        for share, link in ((1 - expert_share, links.dp), (expert_share, links.expert_dp)):
+            if share > 0:  # the experts (wrapped on their own) over the ranks holding the same ones
+                gather += count * all_gather_s(share * _gathered_weight_bytes(u, ctx) / count, link, copies)
+                scatter += count * reduce_scatter_s(share * u.params_local * fw.grad_reduce_bytes / count, link,
+                                                    copies)
         gathers = 1 + (1 if fw.zero3_reshard_after_forward else 0)
         if is_layer and layout.recompute == "full" and fw.zero3_unit != "block":
             gathers += 1  # per-module runtimes release after every forward, the recomputed one too
@@ -254,10 +287,17 @@ def _unit_load(u: UnitCost, is_layer: bool, layout: Layout, dp_link: AxisLink, c
         # backwards the schedule splits (all but DualPipeV's whole ones)
         weight, rerun, residue = u.bwd_weight_s + recompute, recompute, u.weight_grad_residue_bytes
         recompute *= 1 + split_fraction(layout.schedule, layout.pp, layout.num_microbatches, layout.v)
-    time = compute + tp_exposed + cp + recompute + zero3
+    time = compute + tp_exposed + cp + ep + recompute + zero3
     tp_fwd = tp_exposed * u.tp_fwd_s / tp if tp > 0 else 0.0
     return _UnitLoad(time, compute, tp_exposed, tp_fwd, cp, cp_fwd, recompute, zero3, u.fwd_s, u.bwd_s, state, act,
-                     extra, gathered_bytes, weight, rerun, residue, u.product_s, u.attention_s, u.fp8_cast_s)
+                     extra, gathered_bytes, weight, rerun, residue, u.product_s, u.attention_s, u.fp8_cast_s, ep,
+                     ep_fwd)
+
+
+def _state_bytes(params: float, replicas: int, layout: Layout, ctx: PassContext) -> float:
+    """State and step-time copies of ``params`` elements sharded (by ZeRO) over ``replicas`` ranks."""
+    return ctx.state_bytes(params, replicas, layout.zero) + ctx.held_bytes(params, replicas, layout.zero, layout.pp,
+                                                                           layout.num_microbatches)
 
 
 def _gathered_weight_bytes(u: UnitCost, ctx: PassContext) -> float:
@@ -292,8 +332,8 @@ def _bucketed(collective, nbytes: float, link: AxisLink, bucket_bytes: float) ->
 def _dp_sync_exposed(local_params: float, bwd_window_s: float, fwd_window_s: float, layout: Layout,
                      dp_link: AxisLink, cluster: Cluster, ctx: PassContext) -> float:
     """ZeRO 0-2: the gradient reduction (and weight gather) that compute does not hide.  ``bwd_window_s`` and
-    ``fwd_window_s``: one micro-batch's backward and forward."""
-    if layout.replicas <= 1 or layout.zero >= 3 or local_params <= 0:
+    ``fwd_window_s``: one micro-batch's backward and forward; ``dp_link``: the ranks holding these weights."""
+    if dp_link.size <= 1 or layout.zero >= 3 or local_params <= 0:
         return 0.0
     fw = ctx.framework
     reduce = all_reduce_s if layout.zero == 0 or fw.sharded_grad_reduce == "all_reduce" else reduce_scatter_s
@@ -308,11 +348,11 @@ def _dp_sync_exposed(local_params: float, bwd_window_s: float, fwd_window_s: flo
 
 def _stage_parts(s: dict[str, float], layout: Layout) -> dict[str, float]:
     """``StageEstimate.parts_s`` of one stage from its sums."""
-    tp_bwd, cp_bwd = s["tp"] - s["tp_fwd"], s["cp"] - s["cp_fwd"]
+    tp_bwd, cp_bwd, ep_bwd = s["tp"] - s["tp_fwd"], s["cp"] - s["cp_fwd"], s["ep"] - s["ep_fwd"]
     parts = {"forward_s": s["forward"], "recompute_s": s["recompute"],
-             "backward_s": s["bwd"] + tp_bwd + cp_bwd + s["zero3"], "p2p_s": s["p2p"],
+             "backward_s": s["bwd"] + tp_bwd + cp_bwd + ep_bwd + s["zero3"], "p2p_s": s["p2p"],
              "tp_forward_s": s["tp_fwd"], "tp_backward_s": tp_bwd, "cp_forward_s": s["cp_fwd"],
-             "cp_backward_s": cp_bwd, "zero3_s": s["zero3"]}
+             "cp_backward_s": cp_bwd, "ep_forward_s": s["ep_fwd"], "ep_backward_s": ep_bwd, "zero3_s": s["zero3"]}
     if splits_backward(layout.schedule, layout.pp):
         parts["weight_s"], parts["rerun_s"] = s["weight"], s["rerun"]
     return parts
@@ -408,11 +448,15 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
     p, m, v = layout.pp, layout.num_microbatches, layout.v
     if layout.cp > 1:
         costs = {k: context_parallel_share(u, layout.cp) for k, u in costs.items()}
+    if layout.ep > 1:
+        costs = {k: expert_parallel_share(u, layout.ep) for k, u in costs.items()}
     dp_link = _axis_link(cluster, layout.replicas, layout.tp)  # mesh (pp, dp, cp, tp): dp x cp is contiguous
-    cp_link = _axis_link(cluster, layout.cp, layout.tp)
+    # ep: the innermost ep ranks of dp (pp, dp / ep, ep, cp, tp); cp > 1 never comes with ep > 1
+    links = _Links(dp_link, _axis_link(cluster, layout.cp, layout.tp), _axis_link(cluster, layout.ep, layout.tp),
+                   _axis_link(cluster, layout.expert_replicas, layout.tp * layout.ep))
     tp_link = _axis_link(cluster, layout.tp, 1)
     pp_link = _axis_link(cluster, p, layout.replicas * layout.tp)
-    by_key = {k: _unit_load(costs[k], k not in (PRE, POST), layout, dp_link, cp_link, cluster, ctx)
+    by_key = {k: _unit_load(costs[k], k not in (PRE, POST), layout, links, cluster, ctx)
               for k in dict.fromkeys(keys)}
     if layout.schedule in V_SHAPED and p > 1:  # the first rank holds both ends of the V
         by_key[PRE], by_key[POST] = by_key[PRE].merged(by_key[POST]), _EMPTY_LOAD
@@ -449,29 +493,37 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
         p2p = neighbours * _p2p_s(boundary, layout, pp_link, tp_link, ctx) * v if p > 1 else 0.0
         p2p_cost = cluster.overlap_slowdown * p2p if fw.pp_p2p_overlap else p2p
         local = sum(costs[key].params_local for key in members[k])
-        accumulate = _grad_accumulation_s(local, layout, cluster, ctx)
+        expert_local = sum(costs[key].expert_params_local for key in members[k]) if layout.ep > 1 else 0.0
+        accumulate = _grad_accumulation_s(local - expert_local, layout, cluster, ctx, layout.replicas) \
+            + _grad_accumulation_s(expert_local, layout, cluster, ctx, layout.expert_replicas)
         t = sum(x.time_s for x in units) + p2p_cost
         stage_times.append(t)
         fwd, bwd = sum(x.fwd_s for x in units), sum(x.bwd_s for x in units)
-        dp_exposed = max(dp_exposed, _dp_sync_exposed(local, bwd, fwd, layout, dp_link, cluster, ctx))
+        dp_exposed = max(dp_exposed, _dp_sync_exposed(local - expert_local, bwd, fwd, layout, dp_link, cluster, ctx)
+                         + _dp_sync_exposed(expert_local, bwd, fwd, layout, links.expert_dp, cluster, ctx))
         tp_fwd = sum(x.tp_fwd_s for x in units)
         cp_fwd = sum(x.cp_fwd_s for x in units)
+        ep_fwd = sum(x.ep_fwd_s for x in units)
         per_stage.append({"compute": sum(x.compute_s for x in units), "accumulate": accumulate,
                           "tp": sum(x.tp_s for x in units), "cp": sum(x.cp_s for x in units),
+                          "ep": sum(x.ep_s for x in units), "ep_fwd": ep_fwd,
                           "recompute": sum(x.recompute_s for x in units), "p2p": p2p_cost,
                           "zero3": sum(x.zero3_exposed_s for x in units), "local": local,
-                          "forward": fwd + tp_fwd + cp_fwd, "tp_fwd": tp_fwd, "cp_fwd": cp_fwd, "bwd": bwd,
+                          "expert_local": expert_local,
+                          "forward": fwd + tp_fwd + cp_fwd + ep_fwd, "tp_fwd": tp_fwd, "cp_fwd": cp_fwd, "bwd": bwd,
                           "weight": sum(x.weight_s for x in units), "rerun": sum(x.rerun_s for x in units),
                           "tp_sync": sum(costs[key].tp_sync_s for key in members[k])})
     bottleneck = max(range(p), key=lambda k: stage_times[k])
     bn = per_stage[bottleneck]
     accumulation_s = max(s["accumulate"] for s in per_stage)
-    local_opt = max(s["local"] for s in per_stage) / (layout.replicas if layout.zero >= 1 else 1)
+    local_opt = max((s["local"] - s["expert_local"]) / layout.replicas + s["expert_local"] / layout.expert_replicas
+                    if layout.zero >= 1 else s["local"] for s in per_stage)
     optimizer_s = memory_s(cluster, local_opt * ADAM_BYTES_PER_PARAM)
     breakdown = {
         "compute_s": m * bn["compute"] + optimizer_s + accumulation_s,
         "tp_comm_s": m * bn["tp"] + max(s["tp_sync"] for s in per_stage),
         "cp_comm_s": m * bn["cp"],
+        "ep_comm_s": m * bn["ep"],
         "recompute_s": m * bn["recompute"],
         "pp_p2p_s": m * bn["p2p"],
         "pp_bubble_s": 0.0,
@@ -494,7 +546,8 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
         gathered = max(x.gathered_bytes for x in units)
         stages.append(StageEstimate(k, (a, b), layers, stage_times[k], memory, state, memory - held - gathered,
                                     gathered, tp_bytes(costs, members[k], layout),
-                                    _summed(costs[key].tp_sync_bytes for key in members[k]), parts[k]))
+                                    _summed(costs[key].tp_sync_bytes for key in members[k]),
+                                    ep_bytes(costs, members[k], layout), parts[k]))
     iteration = sum(breakdown.values())
     flops = flops or ModelFlops.of(graph)
     model_flops = flops.model_per_sample * global_batch
@@ -549,7 +602,21 @@ def tp_bytes(costs: dict[str, UnitCost], keys: list[str], layout: Layout) -> dic
     return _summed(part for key in keys for part in unit(key))
 
 
-def _grad_accumulation_s(local_params: float, layout: Layout, cluster: Cluster, ctx: PassContext) -> float:
+def ep_bytes(costs: dict[str, UnitCost], keys: list[str], layout: Layout) -> dict[str, float]:
+    """Bytes the expert-parallel all-to-alls of one micro-batch move through the units ``keys`` (one rank's
+    buffer each, as ``autopar.collectives.all_to_all_s`` prices them): dispatch and combine in forward, their
+    gradients in backward, and the forward's again under full or per-op recomputation."""
+    if layout.ep <= 1:
+        return {}
+    passes = 2 + (1 if layout.recompute in ("full", "op") else 0)
+    total = sum((passes if key not in (PRE, POST) else 2) * (costs[key].expert_dispatch_bytes
+                                                             + costs[key].expert_combine_bytes)
+                for key in keys if costs[key].expert_fqns)
+    return {"all_to_all": total} if total else {}
+
+
+def _grad_accumulation_s(local_params: float, layout: Layout, cluster: Cluster, ctx: PassContext,
+                         replicas: int) -> float:
     """Adding every micro-batch's gradients after the first into the gradient buffer: autograd's
     ``AccumulateGrad`` reads the buffer and the new gradient and writes the sum (3 passes over the gradient
     bytes one device holds; ZeRO-2/3 accumulate their shard, except under pipelining in FSDP2, whose
@@ -559,7 +626,7 @@ def _grad_accumulation_s(local_params: float, layout: Layout, cluster: Cluster, 
     if layout.num_microbatches <= 1 or fw.grad_accumulation_fused:
         return 0.0
     whole = layout.pp > 1 and fw.state_layout == "fsdp2"
-    shard = layout.replicas if layout.zero >= 2 and layout.replicas > 1 and not whole else 1
+    shard = replicas if layout.zero >= 2 and replicas > 1 and not whole else 1
     return (layout.num_microbatches - 1) * memory_s(cluster, 3 * local_params * fw.main_grad_bytes / shard)
 
 

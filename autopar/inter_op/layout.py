@@ -10,7 +10,7 @@ from autopar.solvers.pipeline import SCHEDULES, Schedule
 
 Recompute = Literal["none", "selective", "op", "full"]
 RECOMPUTE: tuple[Recompute, ...] = ("none", "selective", "op", "full")
-FIX_KEYS = ("dp", "tp", "pp", "cp", "mbs", "schedule", "v", "recompute", "sp", "zero")
+FIX_KEYS = ("dp", "tp", "pp", "cp", "ep", "mbs", "schedule", "v", "recompute", "sp", "zero")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -33,13 +33,18 @@ class Layout:
     cp: int = 1
     """Context parallelism: each sample's sequence is split over ``cp`` ranks (2 * cp chunks, causally load
     balanced).  They hold the same weights, so gradient reduction and ZeRO sharding span ``dp x cp``."""
+    ep: int = 1
+    """Expert parallelism: the stacked experts are split over groups of ``ep`` neighbouring data-parallel
+    ranks (``ep`` divides ``dp``), which dispatch their tokens' slots to each other by all-to-all; the
+    experts' gradients are reduced over the ``dp / ep`` ranks holding the same ones."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def describe(self) -> str:
-        """One line: ``tp8 cp2 pp8 dp4 mbs3 interleaved v6 rc=none z1 sp`` (``cp`` only when > 1)."""
-        text = f"tp{self.tp}" + (f" cp{self.cp}" if self.cp > 1 else "") + f" pp{self.pp} dp{self.dp} mbs{self.mbs}"
+        """One line: ``tp8 cp2 pp8 dp4 ep2 mbs3 interleaved v6 rc=none z1 sp`` (``cp``, ``ep`` only when > 1)."""
+        text = (f"tp{self.tp}" + (f" cp{self.cp}" if self.cp > 1 else "") + f" pp{self.pp} dp{self.dp}"
+                + (f" ep{self.ep}" if self.ep > 1 else "") + f" mbs{self.mbs}")
         if self.pp > 1:
             text += f" {self.schedule}" + (f" v{self.v}" if self.v > 1 else "")
         return text + f" rc={self.recompute} z{self.zero}" + (" sp" if self.sp else "")
@@ -47,6 +52,11 @@ class Layout:
     @property
     def devices(self) -> int:
         return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def expert_replicas(self) -> int:
+        """Ranks holding the same experts: the experts' gradient reduction and ZeRO sharding span these."""
+        return self.replicas // self.ep
 
     @property
     def replicas(self) -> int:
@@ -77,7 +87,7 @@ def normalize_fix(raw: dict[str, Any]) -> dict[str, Any]:
         if key not in FIX_KEYS:
             raise AutoparError(f"unknown layout key {key!r} (keys: {', '.join(FIX_KEYS)})")
         text = str(value).strip().lower()
-        if key in ("dp", "tp", "pp", "cp", "mbs", "v", "zero"):
+        if key in ("dp", "tp", "pp", "cp", "ep", "mbs", "v", "zero"):
             try:
                 n = int(text)
             except ValueError:

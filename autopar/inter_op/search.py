@@ -9,6 +9,11 @@ Search space (each key can be pinned with ``fixed``):
   into ``2 * cp`` equal chunks, where the framework has context parallelism, of at least
   ``MIN_CP_TOKENS`` tokens per rank unless pinned (it may span domains: its traffic is the keys and
   values of a long sequence); ``pp`` at most the number of layers;
+- expert parallelism ``ep`` (a model with stacked experts, ``autopar.passes.experts``): a divisor of
+  ``dp`` that divides the experts each tp rank holds, where tp leaves the experts whole or splits them on
+  the expert dimension (the runtime's ``ExpertParallel``); not with context parallelism (the capacity
+  routing fills each expert's slots from whole sequences) nor with sequence parallelism (the routing
+  would see a slice of the sequence);
 - micro-batch size ``mbs`` (divisors of ``global_batch / dp`` up to 16) and so ``m = B / (dp * mbs)``;
 - schedule: GPipe, 1F1B (``m >= pp``, as ``Schedule1F1B`` requires), interleaved 1F1B with ``v`` in
   {2, 4, 8} (any ``v`` when pinned) wherever ``ScheduleInterleaved1F1B`` accepts it (``m`` a multiple of
@@ -33,6 +38,7 @@ the K-th best so far.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -48,6 +54,7 @@ from autopar.inter_op.unit_costs import POST, PRE, UnitCost, solve_tp, unit_cost
 from autopar.intra_op.strategies import R, Strategy, param_tp_placements
 from autopar.ir import OpGraph
 from autopar.passes.context import PassContext
+from autopar.passes.experts import expert_count
 from autopar.solvers.ilp import Backend
 from autopar.solvers.pipeline import MULTI_CHUNK, SPLIT_BACKWARD, V_SHAPED, split_fraction, splits_backward
 
@@ -193,6 +200,8 @@ def check_fixed(graph: OpGraph, cluster: Cluster, global_batch: int, fixed: dict
     for key in ("dp", "tp", "pp", "cp"):
         if key in fixed and n % fixed[key]:
             raise AutoparError(f"--fix {key}={fixed[key]} does not divide the {n} devices")
+    if fixed.get("ep", 1) > 1:
+        _check_fixed_ep(graph, fixed)
     if fixed.get("cp", 1) > 1 and graph.seq_len % (2 * fixed["cp"]):
         raise AutoparError(f"--fix cp={fixed['cp']} needs the sequence ({graph.seq_len} tokens) to split into "
                            f"2 * cp = {2 * fixed['cp']} equal chunks")
@@ -235,6 +244,34 @@ def check_fixed(graph: OpGraph, cluster: Cluster, global_batch: int, fixed: dict
                                f"the model has {layers}")
 
 
+def _check_fixed_ep(graph: OpGraph, fixed: dict[str, Any]) -> None:
+    ep, experts = fixed["ep"], expert_count(graph)
+    if not experts:
+        raise AutoparError(f"--fix ep={ep}: the model has no stacked experts to split (a parameter [experts, ...] "
+                           "that a batched product reads)")
+    if experts % ep:
+        raise AutoparError(f"--fix ep={ep} does not divide the {experts} experts")
+    if "dp" in fixed and fixed["dp"] % ep:
+        raise AutoparError(f"--fix ep={ep} must divide dp={fixed['dp']} (the expert-parallel ranks are data-parallel "
+                           "ranks)")
+    if fixed.get("cp", 1) > 1:
+        raise AutoparError(f"--fix ep={ep} with cp={fixed['cp']}: expert parallelism runs without context "
+                           "parallelism (capacity routing fills each expert's slots from whole sequences)")
+    if fixed.get("sp") and fixed.get("tp", 1) > 1:
+        raise AutoparError(f"--fix ep={ep} with sp=on: expert parallelism runs without sequence parallelism (the "
+                           "routing would see a slice of each sequence)")
+
+
+def expert_parallel_runs(layout: Layout, costs: dict[str, UnitCost]) -> bool:
+    """Whether the runtime's ``ExpertParallel`` runs ``layout.ep`` on these unit costs' tp strategies: every
+    expert weight whole or split on the expert dimension on tp, its experts per tp rank divisible by ep."""
+    if layout.ep <= 1:
+        return True
+    counts = [c for u in costs.values() for c in u.expert_counts]
+    alike = all(len(set(u.expert_counts)) <= 1 for u in costs.values())  # a module's weights split alike
+    return bool(counts) and alike and all(c > 0 and c % layout.ep == 0 for c in counts)
+
+
 def layouts(graph: OpGraph, cluster: Cluster, global_batch: int, fixed: dict[str, Any],
             fw: Framework | None = None) -> Iterator[Layout]:
     """Every layout of the search space that satisfies ``fixed`` (and, for unpinned knobs, that the framework
@@ -247,6 +284,7 @@ def layouts(graph: OpGraph, cluster: Cluster, global_batch: int, fixed: dict[str
         return [fixed[key]] if key in fixed else values
 
     seq = graph.seq_len
+    experts = expert_count(graph)
     cps = [d for d in divisors(n) if seq % (2 * d) == 0 and seq // d >= MIN_CP_TOKENS] if fw.context_parallel else []
     for tp in allowed("tp", tensor_parallel_degrees(cluster)):
         if heads_refuse_tp(heads, tp):
@@ -254,7 +292,7 @@ def layouts(graph: OpGraph, cluster: Cluster, global_batch: int, fixed: dict[str
         for cp in allowed("cp", [1] + [d for d in cps if d > 1 and (n // tp) % d == 0]):
             if (n // tp) % cp:
                 continue
-            yield from _layouts_at(n // (tp * cp), tp, cp, layers, global_batch, fixed, fw, allowed)
+            yield from _layouts_at(n // (tp * cp), tp, cp, layers, global_batch, fixed, fw, allowed, experts)
 
 
 #: Tensor parallelism is searched across NVLink domains only where the network gives a rank at least this
@@ -274,19 +312,24 @@ def tensor_parallel_degrees(cluster: Cluster) -> list[int]:
 
 
 def _layouts_at(rest: int, tp: int, cp: int, layers: int, global_batch: int, fixed: dict[str, Any], fw: Framework,
-                allowed: Callable[[str, list[Any]], list[Any]]) -> Iterator[Layout]:
-    """The layouts with ``tp`` and ``cp`` set, over ``rest`` devices for ``pp x dp``."""
+                allowed: Callable[[str, list[Any]], list[Any]], experts: int = 0) -> Iterator[Layout]:
+    """The layouts with ``tp`` and ``cp`` set, over ``rest`` devices for ``pp x dp``; ``experts``: how many
+    the model's experts modules hold (0: no expert parallelism)."""
     for pp in allowed("pp", [d for d in divisors(rest) if d <= layers]):
         if rest % pp:
             continue
         dp = rest // pp
         if ("dp" in fixed and fixed["dp"] != dp) or global_batch % dp:
             continue
-        for mbs in allowed("mbs", [d for d in divisors(global_batch // dp) if d <= MAX_MBS]):
-            if global_batch % (dp * mbs):
+        eps = allowed("ep", [d for d in divisors(dp) if experts % d == 0] if experts and cp == 1 else [1])
+        mbss = allowed("mbs", [d for d in divisors(global_batch // dp) if d <= MAX_MBS])
+        for ep, mbs in itertools.product(eps, mbss):
+            if global_batch % (dp * mbs) or dp % ep:
                 continue
             m = global_batch // (dp * mbs)
-            for sp in allowed("sp", [False, True] if tp > 1 and fw.sequence_parallel else [False]):
+            for sp in allowed("sp", [False, True] if tp > 1 and fw.sequence_parallel and ep == 1 else [False]):
+                if sp and tp > 1 and ep > 1:
+                    continue  # a pinned sp: the routing would see a slice of each sequence
                 for schedule, v in _schedules(pp, m, layers, fixed, fw):
                     for recompute in allowed("recompute", list(RECOMPUTE)):
                         if recompute == "op" and splits_backward(schedule, pp):
@@ -296,7 +339,7 @@ def _layouts_at(rest: int, tp: int, cp: int, layers: int, global_batch: int, fix
                             if zero == 3 and splits_backward(schedule, pp):
                                 continue  # the weight step would not find the resharded blocks' weights
                             yield Layout(dp=dp, tp=tp, pp=pp, mbs=mbs, num_microbatches=m, schedule=schedule,
-                                         v=v, recompute=recompute, sp=sp, zero=zero, cp=cp)
+                                         v=v, recompute=recompute, sp=sp, zero=zero, cp=cp, ep=ep)
 
 
 INTERLEAVE_V = (2, 4, 8)
@@ -394,7 +437,7 @@ def search(graph: OpGraph, cluster: Cluster, ctx: PassContext, global_batch: int
     for layout in layouts(graph, cluster, global_batch, fixed, ctx.framework):
         for variant in VARIANTS if layout.tp > 1 else VARIANTS[:1]:
             costs, strategies = cache.get(layout.tp, layout.mbs, layout.sp, variant)
-            if runtime_runs(layout, cache.shards_parameters(strategies)):
+            if runtime_runs(layout, cache.shards_parameters(strategies)) and expert_parallel_runs(layout, costs):
                 queue.append((_lower_bound(costs, counts, layout, ctx, memo), _layout_key(layout), variant, layout))
     queue.sort(key=lambda q: q[:3])
     for bound, _, variant, layout in queue:
@@ -449,8 +492,8 @@ def _keep(bucket: list[Candidate], candidate: Candidate, top_k: int, rank: Calla
 
 
 def _layout_key(layout: Layout) -> tuple:
-    return (layout.dp, layout.tp, layout.cp, layout.pp, layout.mbs, layout.num_microbatches, layout.schedule, layout.v,
-            layout.recompute, layout.sp, layout.zero)
+    return (layout.dp, layout.tp, layout.cp, layout.ep, layout.pp, layout.mbs, layout.num_microbatches,
+            layout.schedule, layout.v, layout.recompute, layout.sp, layout.zero)
 
 
 def _rank(c: Candidate) -> tuple:
@@ -475,5 +518,6 @@ def _distinct(cands: list[Candidate], k: int) -> list[Candidate]:
     return out
 
 
-__all__ = ["Candidate", "SearchResult", "UnitCostCache", "check_fixed", "divisors", "layouts", "runtime_runs", "search",
+__all__ = ["Candidate", "SearchResult", "UnitCostCache", "check_fixed", "divisors", "expert_parallel_runs", "layouts",
+           "runtime_runs", "search",
            "shards_parameters_on_tp"]

@@ -12,6 +12,7 @@ from autopar.intra_op.strategies import R, Strategy, param_tp_placements, shard_
 from autopar.ir import OpGraph
 from autopar.modelfile import ZOO, locate
 from autopar.passes.context import PassContext
+from autopar.passes.experts import expert_weights
 from autopar.plan_file import Plan, model_fingerprint
 from autopar.solvers.pipeline import V_SHAPED, rank_of_chunk
 
@@ -139,10 +140,15 @@ def build_plan(*, graph: OpGraph, model_ref: str, config: dict[str, Any], cluste
     lay = estimate.layout
     tp_place = param_tp_placements(graph, strategies)
     stages_of = _param_stages(graph, estimate)
+    experts = {f for w in expert_weights(graph) for f in w.params} if lay.ep > 1 else set()
     parameters = {}
     for fqn, p in sorted(graph.params.items()):
-        # ZeRO shards over dp x cp (the ranks that hold the same weights); the plan names it on dp
-        placements = {"dp": "S(0)" if lay.zero >= 3 and lay.replicas > 1 else R, "tp": tp_place.get(fqn, R)}
+        # ZeRO shards over dp x cp (the ranks that hold the same weights); the plan names it on dp; the experts
+        # are split on their first dimension over ep, and ZeRO shards them over the dp / ep holding the same
+        replicas = lay.expert_replicas if fqn in experts else lay.replicas
+        placements = {"dp": "S(0)" if lay.zero >= 3 and replicas > 1 else R, "tp": tp_place.get(fqn, R)}
+        if lay.ep > 1:
+            placements["ep"] = "S(0)" if fqn in experts else R
         ranks = stages_of.get(fqn, [0])
         parameters[fqn] = {"shape": list(p.shape), "dtype": p.dtype, "stage": ranks[0], "placements": placements,
                            "aliases": list(p.aliases)}
@@ -166,6 +172,7 @@ def build_plan(*, graph: OpGraph, model_ref: str, config: dict[str, Any], cluste
             "estimated_gathered_weight_bytes": s.gathered_weight_bytes,
             "estimated_tp_bytes_per_microbatch": dict(sorted(s.tp_bytes.items())),
             "estimated_tp_sync_bytes_per_iteration": dict(sorted(s.tp_sync_bytes.items())),
+            "estimated_ep_bytes_per_microbatch": dict(sorted(s.ep_bytes.items())),
         })
     first_of_type = {}
     for layer in graph.layers:

@@ -30,10 +30,11 @@ from autopar.intra_op.sharding_costs import (
     shard_factor,
     weight_grad_s,
 )
-from autopar.intra_op.strategies import AxisStrategy, R, Strategy, tensor_refs
+from autopar.intra_op.strategies import AxisStrategy, R, Strategy, shard_dim, tensor_refs
 from autopar.ir import Node, OpGraph, Ref, TensorInfo
 from autopar.passes.activations import storage_key
 from autopar.passes.context import PassContext
+from autopar.passes.experts import EXPERT_PRODUCT_OPS
 from autopar.passes.traffic import FP32_BYTES, LOSS_OPS
 from autopar.recompute_policy import is_attention_module, product_is_saved
 from autopar.solvers.ilp import Backend
@@ -82,6 +83,13 @@ class UnitCost:
     attention_s: float = 0.0  # forward and backward time of attention
     fp8_cast_s: float = 0.0  # forward and backward time of the FP8 casts (``autopar.intra_op.fp8``)
     fp8_params: float = 0.0  # elements one device holds of the FP8 Linears' weights
+    expert_fqns: tuple[str, ...] = ()  # the stacked expert weights (``autopar.passes.experts``)
+    expert_counts: tuple[int, ...] = ()  # per expert weight, the experts one device holds on tp (all of them,
+    # or 1 / tp of them when tp splits the expert dimension); 0 when tp splits another of its dimensions,
+    # which expert parallelism does not run
+    expert_dispatch_bytes: float = 0.0  # the slots entering the experts (the first expert product's
+    # activation input) on one device: what expert parallelism's dispatch all-to-all moves
+    expert_combine_bytes: float = 0.0  # the experts' output slots (the last expert product's output)
     params_local: float = field(init=False)  # elements one device holds of all of them (read per layout)
 
     def __post_init__(self) -> None:
@@ -90,6 +98,11 @@ class UnitCost:
     @property
     def param_tensors(self) -> int:
         return len(self.param_local)
+
+    @property
+    def expert_params_local(self) -> float:
+        """Elements one device holds of the stacked expert weights."""
+        return sum(self.param_local.get(f, 0.0) for f in self.expert_fqns)
 
 
 def unit_sequence(graph: OpGraph) -> list[str]:
@@ -325,6 +338,7 @@ def _unit_cost(graph: OpGraph, names: list[str], strategies: dict[str, Strategy]
     product = attention = fp8_cast = 0.0
     fp8_weights: set[str] = set()
     seen: set[str] = set()
+    experts = _ExpertSlots(graph, mesh, mbs, ctx)
     for i, name in enumerate(names):
         node = graph[name]
         strat = strategies[name]
@@ -350,6 +364,7 @@ def _unit_cost(graph: OpGraph, names: list[str], strategies: dict[str, Strategy]
             kv_bytes += sum(_input_bytes(graph, node, strat, mesh, mbs, ctx, k) for k in (1, 2))
         if node.op in PRODUCT_OPS and node.annotations["flops"].fwd > 0:
             products += 1
+        experts.add(node, strat)
         if reruns:
             full_recompute += f
             full_recompute_flops += flops
@@ -409,7 +424,46 @@ def _unit_cost(graph: OpGraph, names: list[str], strategies: dict[str, Strategy]
                     largest_module_params=max(modules.values(), default=0.0), attention_kv_bytes=kv_bytes,
                     bwd_weight_s=bwd_weight, weight_grad_residue_bytes=residue, product_s=product,
                     attention_s=attention, fp8_cast_s=fp8_cast,
-                    fp8_params=sum(params.get(graph[w].target, 0.0) for w in fp8_weights))
+                    fp8_params=sum(params.get(graph[w].target, 0.0) for w in fp8_weights),
+                    expert_fqns=tuple(experts.counts), expert_counts=tuple(experts.counts.values()),
+                    expert_dispatch_bytes=experts.dispatch_bytes(), expert_combine_bytes=experts.combine_bytes())
+
+
+@dataclass
+class _ExpertSlots:
+    """The stacked expert weights of a unit, and the slots its experts modules take and give: per module,
+    the activation input of its first product and the output of its last."""
+
+    graph: OpGraph
+    mesh: MeshSpec
+    mbs: int
+    ctx: PassContext
+    counts: dict[str, int] = field(default_factory=dict)
+    first_in: dict[str, float] = field(default_factory=dict)
+    last_out: dict[str, float] = field(default_factory=dict)
+
+    def add(self, node: Node, strat: Strategy) -> None:
+        refs = tensor_refs(node)
+        weights = [(k, r) for k, r in enumerate(refs) if self.graph[r.name].kind == "param"
+                   and len(self.graph[r.name].out.shape) >= 3]
+        if not weights or node.op not in EXPERT_PRODUCT_OPS:
+            return
+        for k, r in weights:
+            placements = tuple(ax.inputs[k] for ax in strat)
+            experts = self.graph[r.name].out.shape[0]
+            dims = {shard_dim(p) for p in placements if p != R}
+            self.counts[self.graph[r.name].target] = experts // shard_factor(placements, self.mesh) \
+                if dims <= {0} else 0
+        acts = [k for k, r in enumerate(refs) if self.graph[r.name].kind == "op"]
+        if node.module not in self.first_in and acts:
+            self.first_in[node.module] = _input_bytes(self.graph, node, strat, self.mesh, self.mbs, self.ctx, acts[0])
+        self.last_out[node.module] = _output_bytes(self.graph, node, strat, self.mesh, self.mbs, self.ctx)
+
+    def dispatch_bytes(self) -> float:
+        return sum(self.first_in.values())
+
+    def combine_bytes(self) -> float:
+        return sum(self.last_out.values())
 
 
 def _output_bytes(graph: OpGraph, node: Node, strat: Strategy, mesh: MeshSpec, mbs: int, ctx: PassContext) -> float:

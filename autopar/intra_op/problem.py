@@ -180,11 +180,26 @@ STYLED_MODULE_TYPES = frozenset({"Linear", "Embedding"})
 
 
 def region_modules(graph: OpGraph) -> tuple[str, ...]:
-    """Modules with parameters of their own that are not a Linear or an Embedding (norms, stacked experts):
-    the runtime runs one as a ``PlacedParameters`` region once its weights are sharded on tp, and then
-    hands its output on whole (``autopar.runtime.styles``)."""
-    return tuple(sorted({n.module for n in graph.nodes
+    """Modules with parameters of their own that are not a Linear or an Embedding (norms, stacked experts,
+    whose region is the block's child holding them): the runtime runs one as a ``PlacedParameters`` region
+    once its weights are sharded on tp, and then hands its output on whole (``autopar.runtime.styles``)."""
+    prefix = {layer.index: layer.prefix for layer in graph.layers}
+    return tuple(sorted({_block_child(n.module, prefix.get(n.layer)) if _stacked(graph, n) else n.module
+                         for n in graph.nodes
                          if n.kind == "op" and n.params and n.module_type not in STYLED_MODULE_TYPES}))
+
+
+def _stacked(graph: OpGraph, node: Node) -> bool:
+    """Whether ``node`` reads stacked expert weights (a parameter of three or more dimensions)."""
+    return any(len(graph.params[p].shape) >= 3 for p in node.params if p in graph.params)
+
+
+def _block_child(module: str, block: str | None) -> str:
+    """Inside a block, the block's child holding ``module`` (the runtime's region for stacked experts in a
+    submodule of the MoE layer, which then runs with its routing, ``autopar.runtime.tensor_parallel``)."""
+    if block is None or not module.startswith(block + "."):
+        return module
+    return block + "." + module[len(block) + 1:].split(".", 1)[0]
 
 
 def _within(module: str, region: str) -> bool:

@@ -31,6 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from autopar import modelfile
 from autopar.errors import AutoparError
 from autopar.plan_file import Plan
+from autopar.runtime.expert_parallel import planned_experts
 from autopar.runtime.fp8 import check_fp8_device
 from autopar.runtime.materialize import build_on_meta
 from autopar.runtime.parallelize import MESH_DIMS, context_of, parallelize
@@ -59,10 +60,10 @@ class RunShape:
 
 def run_shape(plan: Plan, tp_specs: dict[str, StyleSpec] | None) -> RunShape:
     """The plan's mesh, given its tp styles (``tp_style_specs``); a plan that shards nothing on tp
-    (``None``) runs that axis as data parallelism."""
+    (``None``, and no experts split there) runs that axis as data parallelism."""
     lay = plan.layout
     pp, dp, tp, mbs = lay["pp"], lay["dp"], lay["tp"], lay["mbs"]
-    if tp > 1 and tp_specs is None:
+    if tp > 1 and tp_specs is None and not any(planned_experts(plan).values()):
         dp, tp, mbs = dp * tp, 1, mbs // tp
     return RunShape(pp, dp, lay.get("cp", 1), tp, mbs)
 
@@ -150,7 +151,8 @@ def apply(plan: Plan, loss_fn: Callable[..., torch.Tensor] | None = None, *,
                         recompute=plan.layout["recompute"], zero=plan.zero, precision=config.precision,
                         reference=whole, context=context,
                         fp8_linears=plan.precision.get("fp8_linears", ()) if plan.fp8 else (),
-                        fp8_param_gather=bool(plan.precision.get("fp8_param_gather")))
+                        fp8_param_gather=bool(plan.precision.get("fp8_param_gather")), ep=plan.layout.get("ep", 1),
+                        experts=planned_experts(plan))
     sharded_loss = shape.tp > 1 and runs_loss_parallel(specs)
     return Trainer(parts, mesh, loss_fn, chunks=chunks, num_chunks=len(ranges), schedule=plan.layout["schedule"],
                    num_microbatches=plan.layout["num_microbatches"], micro_batch=shape.micro_batch, zero=plan.zero,

@@ -1,6 +1,7 @@
-"""The steps that lay a plan onto a model, in torchtitan's order: pipeline split, TP, AC, data parallelism
-(over ``dp x cp``: context-parallel ranks hold the same weights), then this rank's position tables under
-context parallelism (``autopar.runtime.context_parallel``).
+"""The steps that lay a plan onto a model, in torchtitan's order: pipeline split, TP, EP, AC, data
+parallelism (over ``dp x cp``: context-parallel ranks hold the same weights; the experts over the ``dp / ep``
+ranks holding the same ones), then this rank's position tables under context parallelism
+(``autopar.runtime.context_parallel``).
 
 Both ``autopar.runtime.apply`` and generated ``train.py`` scripts call these; the scripts pass the plan's
 choices as the literals they print.  Each function works on a meta-device model (``autopar.runtime.
@@ -41,6 +42,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from autopar.runtime.context_parallel import ContextParallel, shard_sequence_buffers
+from autopar.runtime.expert_parallel import apply_ep, expert_mesh
 from autopar.runtime.fp8 import check_fp8_regions, convert_linears_to_fp8
 from autopar.runtime.materialize import MetaModel, build_on_meta, materialize
 from autopar.runtime.recompute import apply_recompute
@@ -90,12 +92,16 @@ def mixed_precision(precision: str):  # -> MixedPrecisionPolicy
 
 
 def apply_dp(module: nn.Module, dp_mesh: DeviceMesh, container: str | None, zero: int,
-             precision: str = "bf16") -> bool:
+             precision: str = "bf16", experts: tuple[DeviceMesh, Collection[str]] | None = None) -> bool:
     """Data parallelism at ZeRO level ``zero`` on every block and on the root; returns whether it applied.
 
     Under ``bf16`` it applies on one data-parallel rank too (as ``replicate``): FSDP2's mixed-precision
     policy is how bf16 training runs (see the module's docstring), and without a second rank its
     collectives are copies.  Under ``fp32`` a single rank has nothing to do.
+
+    ``experts``: the expert-parallel experts modules and the mesh of the ranks holding the same experts
+    (``dp / ep``), over which they are wrapped first, as torchtitan does; their gradients are divided by
+    all ``dp x cp`` replicas like the rest, since each rank's already sum its ``ep`` peers' tokens.
     """
     if dp_mesh.size() == 1:
         if precision != "bf16":
@@ -103,15 +109,25 @@ def apply_dp(module: nn.Module, dp_mesh: DeviceMesh, container: str | None, zero
         zero = 0  # one rank: nothing to shard
     policy = mixed_precision(precision)
     blocks = list(module.get_submodule(container).children()) if container else []
-    if zero == 0:
-        from torch.distributed._composable.replicate_with_fsdp import replicate
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+    from torch.distributed.fsdp import fully_shard
 
+    present = dict(module.named_modules())
+    for name in experts[1] if experts is not None else ():
+        if name in present:
+            mesh = experts[0]
+            if zero == 0 or mesh.size() == 1:
+                wrapped = replicate(present[name], mesh=mesh, mp_policy=policy)
+            else:
+                wrapped = fully_shard(present[name], mesh=mesh, reshard_after_forward=zero >= 3, mp_policy=policy)
+                if mesh.device_type == "cpu":  # gloo has no pre-multiplied sum: divide beside a plain one
+                    wrapped.set_force_sum_reduction_for_comms(True)
+            wrapped.set_gradient_divide_factor(float(dp_mesh.size()))
+    if zero == 0:
         for block in blocks:
             replicate(block, mesh=dp_mesh, mp_policy=policy)
         replicate(module, mesh=dp_mesh, mp_policy=policy)
         return True
-    from torch.distributed.fsdp import fully_shard
-
     for block in blocks:
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=zero >= 3, mp_policy=policy)
     fully_shard(module, mesh=dp_mesh, reshard_after_forward=zero >= 3, mp_policy=policy)
@@ -156,7 +172,8 @@ def parallelize(build: Callable[[], nn.Module], mesh: DeviceMesh, device: torch.
                 tp_styles: Callable[[int, nn.Module], Mapping[str, ParallelStyle]], tied: list[tuple[str, str]],
                 recompute: str, zero: int, precision: str, reference: MetaModel | None = None,
                 context: ContextParallel | None = None, ends: Mapping[str, list[str]] | None = None,
-                fp8_linears: Collection[str] = (), fp8_param_gather: bool = False) -> list[nn.Module]:
+                fp8_linears: Collection[str] = (), fp8_param_gather: bool = False, ep: int = 1,
+                experts: Mapping[str, bool] | None = None) -> list[nn.Module]:
     """This rank's parts of the model (one per pipeline chunk it runs), split, tensor-parallel, checkpointed,
     data-parallel and only then allocated on ``device`` with the weights of ``seed``.
 
@@ -164,7 +181,8 @@ def parallelize(build: Callable[[], nn.Module], mesh: DeviceMesh, device: torch.
     whole model on the meta device, if the caller has built one already (it is never sharded: the recipe of
     every parameter and buffer).  ``context``: this rank's context-parallel group (``context_of``).
     ``fp8_linears``: the Linears an FP8 plan trains in FP8 (``autopar.runtime.fp8``), swapped first;
-    ``fp8_param_gather``: ZeRO-3 gathers their weights in FP8.
+    ``fp8_param_gather``: ZeRO-3 gathers their weights in FP8.  ``ep``: expert parallelism on the
+    ``experts`` modules (name -> whether tp splits them too, ``autopar.runtime.expert_parallel``).
     """
     reference = reference or build_on_meta(build)
     if mesh["pp"].size() > 1:
@@ -173,6 +191,7 @@ def parallelize(build: Callable[[], nn.Module], mesh: DeviceMesh, device: torch.
         parts = [build_on_meta(build).model]
     aliases = {alias: src for src, alias in tied}
     dp_mesh = replica_mesh(mesh)
+    ep_mesh = expert_mesh(mesh, ep) if ep > 1 else None
     for chunk, part in zip(chunks, parts):
         if fp8_linears:
             if mesh["tp"].size() > 1:
@@ -181,8 +200,11 @@ def parallelize(build: Callable[[], nn.Module], mesh: DeviceMesh, device: torch.
             convert_linears_to_fp8(part, fp8_linears, gather_in_fp8=fp8_param_gather and zero >= 3)
         if mesh["tp"].size() > 1:
             apply_tp(part, mesh["tp"], tp_styles(chunk, part), tied)
+        if ep_mesh is not None:
+            apply_ep(part, ep_mesh, experts or {})
         apply_ac(part, container, recompute)
-        apply_dp(part, dp_mesh, container, zero, precision)
+        apply_dp(part, dp_mesh, container, zero, precision,
+                 (ep_mesh["dp_mod_ep"], list(experts or {})) if ep_mesh is not None else None)
         materialize(part, reference, device, seed, aliases)
         if context is not None:
             shard_sequence_buffers(part, context)

@@ -8,6 +8,7 @@ from torch import nn
 from autopar import modelfile
 from autopar.errors import AutoparError
 from autopar.plan_file import Plan
+from autopar.runtime.expert_parallel import planned_experts
 from autopar.runtime.tensor_parallel import StyleSpec, tp_style_specs
 
 
@@ -23,7 +24,26 @@ def check_runnable(plan: Plan, model: nn.Module) -> dict[str, StyleSpec] | None:
     lay = plan.layout
     if lay.get("cp", 1) > 1:
         check_context_parallel(plan, model)
+    if lay.get("ep", 1) > 1:
+        check_expert_parallel(plan, model)
     return tp_style_specs(plan, model) if lay["tp"] > 1 else None
+
+
+def check_expert_parallel(plan: Plan, model: nn.Module) -> None:
+    """What ``autopar.runtime.expert_parallel`` runs: ep dividing dp, no context or sequence parallelism,
+    experts modules taking their slots ``[batch, experts, ...]`` first, placed as it can run them."""
+    lay, ep = plan.layout, plan.layout["ep"]
+    if lay["dp"] % ep:
+        raise AutoparError(f"expert parallelism needs ep ({ep}) to divide dp ({lay['dp']})")
+    if lay.get("cp", 1) > 1 or (lay.get("sp") and lay["tp"] > 1):
+        raise AutoparError("expert parallelism runs without context and sequence parallelism; plan with --fix ep=1")
+    experts = planned_experts(plan)
+    if not experts:
+        raise AutoparError(f"the plan sets ep={ep} but places no parameter on ep")
+    present = dict(model.named_modules())
+    for name in experts:
+        if name not in present:
+            raise AutoparError(f"the plan's experts module {name} is not in the model")
 
 
 def check_context_parallel(plan: Plan, model: nn.Module) -> None:

@@ -15,7 +15,8 @@ A plan's parameter placements on ``tp`` map onto module styles when they follow 
   them.
 
 Any other sharded parameter (stacked expert weights sharded on the expert dimension, say) makes its
-module a ``PlacedParameters`` region (``autopar.runtime.styles``): its parameters become DTensors with
+module (for stacked experts in a block: the block's child holding them) a ``PlacedParameters`` region
+(``autopar.runtime.styles``): its parameters become DTensors with
 the plan's placements, its inputs whole DTensors, and every op inside runs on inputs laid out as the
 plan's ``op_strategies`` say (``region_ops``, ``autopar.runtime.region_graph``); the output leaves whole
 (or sequence-split, with sp) and local.
@@ -73,7 +74,9 @@ def default_loss(plan: Plan) -> bool:
 
 def tp_style_specs(plan: Plan, model: nn.Module) -> dict[str, StyleSpec] | None:
     """The styles as plain data (also what generated scripts print); ``None`` when all is replicated."""
-    placement = {fqn: p["placements"].get("tp", "R") for fqn, p in plan.parameters.items()}
+    # expert-parallel experts are laid out on tp by their own style (``autopar.runtime.expert_parallel``)
+    placement = {fqn: p["placements"].get("tp", "R") for fqn, p in plan.parameters.items()
+                 if p["placements"].get("ep", "R") == "R"}
     for fqn, p in plan.parameters.items():
         for alias in p.get("aliases", []):
             placement[alias] = placement[fqn]
@@ -117,7 +120,8 @@ def tp_style_specs(plan: Plan, model: nn.Module) -> dict[str, StyleSpec] | None:
         owner = next((r for r in regions if _inside(fqn, r)), None)
         if owner is None and fqn in handled:
             continue
-        owner = owner if owner is not None else fqn.rpartition(".")[0]
+        stacked = len(plan.parameters.get(fqn, {}).get("shape", ())) >= 3
+        owner = owner if owner is not None else _region_of(fqn, plan.model.get("layer_container") if stacked else None)
         clash = [s for s in styles if s != owner and (_inside(s, owner) or _inside(owner, s))]
         if clash or owner in styles:
             raise AutoparError(f"the plan shards {fqn} as {placement[fqn]} on tp inside a region that also holds "
@@ -135,6 +139,17 @@ def tp_style_specs(plan: Plan, model: nn.Module) -> dict[str, StyleSpec] | None:
         _shared_region_inputs(styles, model, plan)
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
     return dict(sorted(styles.items(), key=lambda item: order[item[0]]))
+
+
+def _region_of(fqn: str, container: str | None) -> str:
+    """The module that runs a placed parameter as one region: for stacked experts inside a block
+    (``container`` given), the block's child that holds them (the whole MoE layer, so that the routing runs
+    in the region too), else the parameter's own module."""
+    if container and fqn.startswith(container + "."):
+        parts = fqn[len(container) + 1:].split(".")
+        if len(parts) > 2:
+            return ".".join([container, *parts[:2]])
+    return fqn.rpartition(".")[0]
 
 
 def region_ops(plan: Plan, region: str) -> tuple[str, ...]:

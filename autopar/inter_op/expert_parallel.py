@@ -1,0 +1,51 @@
+"""Expert parallelism on top of unit costs: what one of ``ep`` ranks sharing its experts does and holds.
+
+The runtime (``autopar.runtime.expert_parallel``) splits the stacked experts over ``ep`` neighbouring
+data-parallel ranks.  Each rank routes its own tokens and fills every expert's slots as before; an
+all-to-all then hands each rank the slots of its own experts from all ``ep`` ranks, and a second one hands
+the outputs back.  With capacity routing every expert has the same number of slots, so a rank's experts
+run ``ep`` times the sequences on ``1 / ep`` of the experts: the same products, FLOPs and saved bytes as
+without expert parallelism (the capacity factor's padding is in the traced shapes already: that is its
+load imbalance, the price of a static shape, GShard, Lepikhin et al. 2020, sec. 2.2), and ``1 / ep`` of
+the expert weights.
+
+The products are priced by their FLOPs at the large-GEMM efficiency (an ``einsum`` is not broken into
+GEMM shapes by ``autopar.intra_op.sharding_costs.product_gemms``), so the longer token dimension of a
+rank's expert products under ep does not change their time here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from autopar.cluster import AxisLink, Cluster
+from autopar.collectives import all_to_all_s
+from autopar.inter_op.unit_costs import UnitCost
+from autopar.kernels import memory_s
+
+#: Passes over one rank's buffer that the permuting copy beside each all-to-all makes (read and write): the
+#: dispatch lays its send buffer out by destination rank, the combine puts the received outputs back in
+#: expert order (``autopar.runtime.expert_parallel``; torchtitan permutes its tokens the same way).
+PERMUTE_PASSES = 2
+
+
+def expert_parallel_share(u: UnitCost, ep: int) -> UnitCost:
+    """Unit ``u`` (costed with every expert on the rank) as one of ``ep`` expert-parallel ranks holds it."""
+    if ep <= 1 or not u.expert_fqns:
+        return u
+    experts = set(u.expert_fqns)
+    param_local = {f: n / ep if f in experts else n for f, n in u.param_local.items()}
+    dense = u.params_local - u.expert_params_local
+    # the experts module is the largest of a MoE layer; whatever else is largest holds at most the rest
+    largest = max(u.expert_params_local / ep, min(u.largest_module_params, dense))
+    return dataclasses.replace(u, param_local=param_local, largest_module_params=largest)
+
+
+def expert_exchange_s(nbytes: float, link: AxisLink, cluster: Cluster) -> float:
+    """One all-to-all of ``nbytes`` of slots over the ep group, with its permuting copies."""
+    if nbytes <= 0 or link.size <= 1:
+        return 0.0
+    return all_to_all_s(nbytes, link) + memory_s(cluster, PERMUTE_PASSES * nbytes)
+
+
+__all__ = ["PERMUTE_PASSES", "expert_exchange_s", "expert_parallel_share"]
