@@ -3,8 +3,10 @@
 Config keys: ``arch`` (one of ``ARCHS``), ``layers, hidden, heads, kv_heads, ffn, vocab, seq_len`` and
 ``dropout`` (``None``: the architecture's own defaults, e.g. GPT-2's and OPT's 0.1).  ``kv_heads=None``
 keeps the architecture's own attention: multi-head, except Falcon's multi-query (one key/value head).  The
-mixture-of-experts ones (Mixtral, Qwen2-MoE) get 4 experts, 2 per token, in the batched-matmul experts
-implementation (HuggingFace's eager experts loop over ``nonzero()``, which ``torch.export`` cannot trace).
+mixture-of-experts ones (Mixtral, Qwen2-MoE) get 4 experts, 2 per token, in the grouped-matmul experts
+implementation (HuggingFace's eager experts loop over ``nonzero()``, which ``torch.export`` cannot trace; its
+batched-matmul one gathers every token's expert weights, which at full size moves terabytes per layer; the
+grouped one is the dropless kernel real runs use, ``torch.nn.functional.grouped_mm``).
 BLOOM and Gemma 2 run their eager attention (they have no SDPA path).
 
     autopar plan examples/hf_decoder.py --config arch=falcon,layers=2,hidden=64,heads=4 --cluster cpu --fix tp=2
@@ -69,5 +71,5 @@ def build_model(arch: str = "llama", layers: int = 2, hidden: int = 64, heads: i
     config = config_class(**kwargs)
     config._attn_implementation = "eager" if arch in ("bloom", "gemma2") else "sdpa"  # they have no SDPA path
     if arch in ("mixtral", "qwen2_moe"):
-        config._experts_implementation = "batched_mm"
+        config._experts_implementation = "grouped_mm"
     return transformers.AutoModelForCausalLM.from_config(config)

@@ -77,6 +77,7 @@ _SAVES_NOTHING = frozenset({
     "aten.bitwise_not.default", "aten.logical_not.default", "aten.sort.default", "aten.unsqueeze.default",
     "aten._assert_tensor_metadata.default", "aten.alias.default", "aten.detach.default", "aten.sym_size.int",
     "aten.full_like.default", "aten.rand.default", "aten.randn.default", "aten.new_empty.default",
+    "aten.histc.default",
 })
 _INDEX_SAVING = frozenset({
     "aten.embedding.default", "aten.index_select.default", "aten.gather.default", "aten.index.Tensor",
@@ -151,12 +152,13 @@ def saved_tensors(graph: OpGraph, node: Node, ctx: PassContext, unknown: set[str
         if w is not None and w.requires_grad:
             s.ref(x_ref)  # dW = dY^T X
     elif op in ("aten.matmul.default", "aten.mm.default", "aten.bmm.default", "aten.mul.Tensor",
-                "aten.div.Tensor", "aten.addmm.default", "aten.baddbmm.default"):
+                "aten.div.Tensor", "aten.div_.Tensor", "aten.addmm.default", "aten.baddbmm.default",
+                "aten._grouped_mm.default"):
         first = 1 if op in ("aten.addmm.default", "aten.baddbmm.default") else 0
         (a_ref, a), (b_ref, b) = _arg(graph, node, first), _arg(graph, node, first + 1)
         if b is not None and b.requires_grad:
             s.ref(a_ref)
-        if (a is not None and a.requires_grad) or op == "aten.div.Tensor":
+        if (a is not None and a.requires_grad) or op in ("aten.div.Tensor", "aten.div_.Tensor"):
             s.ref(b_ref)
     elif op == "aten.einsum.default":
         for r in node.args[1]:

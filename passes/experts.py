@@ -2,16 +2,22 @@
 
 An experts module holds its weights stacked, ``[experts, ...]`` (``models/moe.py``, HuggingFace's
 Mixtral and Qwen-MoE experts in transformers 5), and runs them with batched products over the expert
-dimension (``einsum``, ``bmm``, ``_grouped_mm``).  So: a parameter of three or more dimensions that a
-product reads is an expert weight, its first dimension the number of experts, and the module of the ops
-reading it the experts module.  Expert parallelism (``layout.ep``) splits that dimension.
+dimension (``einsum``, ``bmm``, ``_grouped_mm``), on the weight itself, a view of it (a transpose) or the
+rows of it each token picks (HuggingFace's batched-matmul experts).  So: a parameter of three or more
+dimensions that a product reads that way is an expert weight, its first dimension the number of experts,
+and the module of the ops reading it the experts module.
+
+Expert parallelism (``layout.ep``) splits that dimension, for experts fed fixed-capacity slots: the first
+expert product reads ``[batch, experts, capacity, hidden]`` (``models/moe.py``'s capacity routing), which
+one all-to-all of equal splits dispatches.  Dropless experts (tokens sorted by expert, a grouped product
+over a number of tokens per expert known only at run time) are found too, and planned without ep.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autopar.ir import OpGraph
+from autopar.ir import OpGraph, Ref, iter_refs
 
 #: The batched products that run stacked experts (a convolution's weight has three dimensions too).
 EXPERT_PRODUCT_OPS = frozenset({"aten.einsum.default", "aten.bmm.default", "aten.matmul.default",
@@ -25,22 +31,49 @@ class ExpertWeights:
     module: str  # FQN of the module running them
     params: tuple[str, ...]  # canonical FQNs
     experts: int  # the size of their leading dimension
+    capacity_slots: bool = True  # its first product reads [batch, experts, capacity, ...] (not dropless)
+
+
+#: Ops between a stacked weight and the product reading it: views, and HuggingFace's per-token row pick.
+_WEIGHT_PATH_OPS = frozenset({"aten.index.Tensor", "aten.index_select.default"})
+
+
+def stacked_weight(graph: OpGraph, ref: Ref) -> str | None:
+    """The stacked weight (canonical FQN) a product's operand ``ref`` is, directly or through views or a row
+    pick of it; ``None`` for anything else."""
+    node = graph[ref.name]
+    for _ in range(8):
+        if node.kind == "param":
+            info = graph.params.get(node.target)
+            return node.target if info is not None and len(info.shape) >= 3 else None
+        if node.kind != "op" or (node.alias_of is None and node.op not in _WEIGHT_PATH_OPS):
+            return None
+        first = next(iter_refs(node.args), None)
+        if first is None:
+            return None
+        node = graph[first.name]
+    return None
 
 
 def expert_weights(graph: OpGraph) -> list[ExpertWeights]:
     """Every experts module of ``graph`` (those of the layers that were traced), in graph order."""
-    found: dict[str, tuple[dict[str, None], int]] = {}
+    found: dict[str, tuple[dict[str, None], int, bool]] = {}
     for n in graph.ops():
         if n.op not in EXPERT_PRODUCT_OPS:
             continue
-        for fqn in n.params:
-            info = graph.params.get(fqn)
-            if info is None or len(info.shape) < 3:
-                continue
-            params, experts = found.setdefault(n.module, ({}, info.shape[0]))
+        refs = list(iter_refs((n.args, n.kwargs)))
+        weights = [w for w in (stacked_weight(graph, r) for r in refs) if w is not None]
+        for fqn in weights:
+            experts = graph.params[fqn].shape[0]
+            if n.module not in found:  # its first product: does it read fixed-capacity slots?
+                acts = [graph.tensor(r) for r in refs if stacked_weight(graph, r) is None]
+                slots = any(t is not None and len(t.shape) == 4 and t.shape[1] == experts for t in acts)
+                found[n.module] = ({}, experts, slots)
+            params, fewest, slots = found[n.module]
             params[fqn] = None
-            found[n.module] = (params, min(experts, info.shape[0]))
-    return [ExpertWeights(module, tuple(params), experts) for module, (params, experts) in found.items()]
+            found[n.module] = (params, min(fewest, experts), slots)
+    return [ExpertWeights(module, tuple(params), experts, slots)
+            for module, (params, experts, slots) in found.items()]
 
 
 def expert_count(graph: OpGraph) -> int:
@@ -48,4 +81,12 @@ def expert_count(graph: OpGraph) -> int:
     return min((w.experts for w in expert_weights(graph)), default=0)
 
 
-__all__ = ["EXPERT_PRODUCT_OPS", "ExpertWeights", "expert_count", "expert_weights"]
+def expert_parallel_count(graph: OpGraph) -> int:
+    """``expert_count`` where every experts module takes fixed-capacity slots (what expert parallelism
+    dispatches), else 0."""
+    weights = expert_weights(graph)
+    return min((w.experts for w in weights), default=0) if all(w.capacity_slots for w in weights) else 0
+
+
+__all__ = ["EXPERT_PRODUCT_OPS", "ExpertWeights", "expert_count", "expert_parallel_count", "expert_weights",
+           "stacked_weight"]

@@ -3,8 +3,10 @@
 Formulas come from ``torch.utils.flop_counter`` (``mm_flop``, ``bmm_flop``, ``sdpa_flop_count``,
 ``sdpa_backward_flop_count``, ``conv_flop_count``).  The traced graph is the pre-dispatch training IR,
 whose composite ops (``aten.linear``, ``aten.matmul``, ``aten.einsum``, ``aten.scaled_dot_product_attention``)
-have no registry entry, so this module maps them onto those formulas.  Like the flop counter, only
-matrix products, convolutions and attention count; element-wise work is costed by bytes (traffic pass).
+have no registry entry, so this module maps them onto those formulas; ``aten._grouped_mm`` (dropless
+experts), which the flop counter does not count, is a product of its tokens by their group's matrix.  Like
+the flop counter, only matrix products, convolutions and attention count; element-wise work is costed by
+bytes (traffic pass).
 
 Annotation ``flops`` = ``NodeFlops``: values are per sample for batch-scaled nodes (see ``OpGraph.scale``).
 
@@ -122,6 +124,11 @@ def node_flops(graph: OpGraph, node: Node, ctx: PassContext) -> NodeFlops:
     if op in ("aten.addmm.default", "aten.baddbmm.default"):
         a, b = tensor_arg(graph, node, 1), tensor_arg(graph, node, 2)
         return _product_flops(_matmul_flops(a.shape_at(1), b.shape_at(1)), a, b)
+    if op == "aten._grouped_mm.default":  # dropless experts: every token by the matrix of its group (expert)
+        a, b = tensor_arg(graph, node, 0), tensor_arg(graph, node, 1)
+        sa, sb = a.shape_at(1), b.shape_at(1)
+        fwd = 2.0 * sa[0] * sa[1] * sb[-1] if len(sa) == 2 and len(sb) == 3 else _matmul_flops(sa, sb)
+        return _product_flops(fwd, a, b)
     if op == "aten.einsum.default":
         operands = [graph.tensor(r) for r in node.args[1] if isinstance(r, Ref)]
         fwd = _einsum_flops(node.args[0], [t.shape_at(1) for t in operands])

@@ -66,6 +66,9 @@ VERIFIED = {
     # and over ep x tp, dispatched and combined by all-to-all
     "moe-dp4-ep2-zero3": ("moe", MOE, 8, "dp=4,ep=2,zero=3"),
     "moe-dp2-tp2-ep2": ("moe", MOE, 8, "dp=2,tp=2,ep=2,sp=off"),
+    # dropless routing: tokens sorted by expert, one grouped product per weight
+    "moe-dropless-dp4": ("moe", ["--config", "layers=2,hidden=128,heads=4,vocab=256,seq_len=16,experts=4,"
+                                 "routing=dropless", "--cluster", "cpu"], 8, "dp=4,zero=3"),
     "moe-sp-on": ("moe", MOE, 8, "dp=2,tp=2,sp=on"),
     # a shared expert (a dense MLP every token passes) beside the routed ones
     "moe-shared-expert": ("moe", ["--config", "layers=2,hidden=128,heads=4,vocab=256,seq_len=16,experts=4,"
@@ -235,6 +238,13 @@ def test_verify_moe_with_expert_parallelism(verified, case, tp):
     assert "ep" not in out["placements"]["blocks.1.mlp.router.weight"]  # the rest is whole on ep
     script = (verified[case][2] / "train.py").read_text()
     assert "EP = 2" in script and "'blocks.1.mlp.experts'" in script
+
+
+@pytest.mark.slow
+def test_verify_moe_with_dropless_routing(verified):
+    plan, out = _verified(verified, "moe-dropless-dp4")
+    assert plan["model"]["config"]["routing"] == "dropless" and plan["layout"]["ep"] == 1
+    assert out["placements"]["blocks.0.mlp.experts.w_in"] == {"dp": "S(0)"}  # ZeRO-3 of the grouped experts
 
 
 @pytest.mark.slow

@@ -54,7 +54,7 @@ from autopar.inter_op.unit_costs import POST, PRE, UnitCost, solve_tp, unit_cost
 from autopar.intra_op.strategies import R, Strategy, param_tp_placements
 from autopar.ir import OpGraph
 from autopar.passes.context import PassContext
-from autopar.passes.experts import expert_count
+from autopar.passes.experts import expert_count, expert_parallel_count, expert_weights
 from autopar.solvers.ilp import Backend
 from autopar.solvers.pipeline import MULTI_CHUNK, SPLIT_BACKWARD, V_SHAPED, split_fraction, splits_backward
 
@@ -249,6 +249,11 @@ def _check_fixed_ep(graph: OpGraph, fixed: dict[str, Any]) -> None:
     if not experts:
         raise AutoparError(f"--fix ep={ep}: the model has no stacked experts to split (a parameter [experts, ...] "
                            "that a batched product reads)")
+    dropless = [w.module for w in expert_weights(graph) if not w.capacity_slots]
+    if dropless:
+        raise AutoparError(f"--fix ep={ep}: {dropless[0]} routes without a capacity (dropless: a number of tokens per "
+                           "expert known only at run time); autopar's expert parallelism dispatches fixed-capacity "
+                           "slots; plan with ep=1")
     if experts % ep:
         raise AutoparError(f"--fix ep={ep} does not divide the {experts} experts")
     if "dp" in fixed and fixed["dp"] % ep:
@@ -284,7 +289,7 @@ def layouts(graph: OpGraph, cluster: Cluster, global_batch: int, fixed: dict[str
         return [fixed[key]] if key in fixed else values
 
     seq = graph.seq_len
-    experts = expert_count(graph)
+    experts = expert_parallel_count(graph)
     cps = [d for d in divisors(n) if seq % (2 * d) == 0 and seq // d >= MIN_CP_TOKENS] if fw.context_parallel else []
     for tp in allowed("tp", tensor_parallel_degrees(cluster)):
         if heads_refuse_tp(heads, tp):

@@ -34,7 +34,7 @@ from autopar.intra_op.strategies import AxisStrategy, R, Strategy, shard_dim, te
 from autopar.ir import Node, OpGraph, Ref, TensorInfo
 from autopar.passes.activations import storage_key
 from autopar.passes.context import PassContext
-from autopar.passes.experts import EXPERT_PRODUCT_OPS
+from autopar.passes.experts import EXPERT_PRODUCT_OPS, stacked_weight
 from autopar.passes.traffic import FP32_BYTES, LOSS_OPS
 from autopar.recompute_policy import is_attention_module, product_is_saved
 from autopar.solvers.ilp import Backend
@@ -443,18 +443,19 @@ class _ExpertSlots:
     last_out: dict[str, float] = field(default_factory=dict)
 
     def add(self, node: Node, strat: Strategy) -> None:
-        refs = tensor_refs(node)
-        weights = [(k, r) for k, r in enumerate(refs) if self.graph[r.name].kind == "param"
-                   and len(self.graph[r.name].out.shape) >= 3]
-        if not weights or node.op not in EXPERT_PRODUCT_OPS:
+        if node.op not in EXPERT_PRODUCT_OPS:
             return
-        for k, r in weights:
+        refs = tensor_refs(node)
+        weights = [(k, fqn) for k, fqn in enumerate(stacked_weight(self.graph, r) for r in refs) if fqn is not None]
+        if not weights:
+            return
+        for k, fqn in weights:
             placements = tuple(ax.inputs[k] for ax in strat)
-            experts = self.graph[r.name].out.shape[0]
+            experts = self.graph.params[fqn].shape[0]
             dims = {shard_dim(p) for p in placements if p != R}
-            self.counts[self.graph[r.name].target] = experts // shard_factor(placements, self.mesh) \
-                if dims <= {0} else 0
-        acts = [k for k, r in enumerate(refs) if self.graph[r.name].kind == "op"]
+            self.counts[fqn] = experts // shard_factor(placements, self.mesh) if dims <= {0} else 0
+        taken = {k for k, _ in weights}
+        acts = [k for k, r in enumerate(refs) if self.graph[r.name].kind == "op" and k not in taken]
         if node.module not in self.first_in and acts:
             self.first_in[node.module] = _input_bytes(self.graph, node, strat, self.mesh, self.mbs, self.ctx, acts[0])
         self.last_out[node.module] = _output_bytes(self.graph, node, strat, self.mesh, self.mbs, self.ctx)

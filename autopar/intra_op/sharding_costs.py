@@ -46,7 +46,8 @@ Placements = tuple[str | None, ...]
 
 PRODUCT_OPS = frozenset({"aten.linear.default", "aten.matmul.default", "aten.mm.default", "aten.bmm.default",
                          "aten.einsum.default", "aten.addmm.default", "aten.baddbmm.default",
-                         "aten.conv1d.default", "aten.conv2d.default", "aten.conv3d.default"})
+                         "aten.conv1d.default", "aten.conv2d.default", "aten.conv3d.default",
+                         "aten._grouped_mm.default"})
 ATTENTION_OPS = frozenset({"aten.scaled_dot_product_attention.default"})
 
 

@@ -32,6 +32,8 @@ def _saved_by_op_checkpointing() -> tuple[set, set]:
     products = {aten.mm.default, aten.addmm.default, aten.bmm.default}
     if hasattr(aten, "_scaled_mm"):  # an FP8 Linear's product (torchao's Float8Linear)
         products.add(aten._scaled_mm.default)
+    if hasattr(aten, "_grouped_mm"):  # dropless experts
+        products.add(aten._grouped_mm.default)
     attention = {getattr(aten, name).default for name in (
         "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
         "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
