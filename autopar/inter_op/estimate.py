@@ -449,7 +449,7 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
     if layout.cp > 1:
         costs = {k: context_parallel_share(u, layout.cp) for k, u in costs.items()}
     if layout.ep > 1:
-        costs = {k: expert_parallel_share(u, layout.ep) for k, u in costs.items()}
+        costs = {k: expert_parallel_share(u, layout.ep, cluster) for k, u in costs.items()}
     dp_link = _axis_link(cluster, layout.replicas, layout.tp)  # mesh (pp, dp, cp, tp): dp x cp is contiguous
     # ep: the innermost ep ranks of dp (pp, dp / ep, ep, cp, tp); cp > 1 never comes with ep > 1
     links = _Links(dp_link, _axis_link(cluster, layout.cp, layout.tp), _axis_link(cluster, layout.ep, layout.tp),

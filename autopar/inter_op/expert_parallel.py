@@ -9,9 +9,9 @@ without expert parallelism (the capacity factor's padding is in the traced shape
 load imbalance, the price of a static shape, GShard, Lepikhin et al. 2020, sec. 2.2), and ``1 / ep`` of
 the expert weights.
 
-The products are priced by their FLOPs at the large-GEMM efficiency (an ``einsum`` is not broken into
-GEMM shapes by ``autopar.intra_op.sharding_costs.product_gemms``), so the longer token dimension of a
-rank's expert products under ep does not change their time here.
+Those products do change shape: ``1 / ep`` of the experts (the batched GEMM's batch) over ``ep`` times
+the slots (its token dimension), so each is re-timed at the shapes a rank runs (``autopar.kernels``):
+small experts fill the GPU better with more tokens each.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import dataclasses
 from autopar.cluster import AxisLink, Cluster
 from autopar.collectives import all_to_all_s
 from autopar.inter_op.unit_costs import UnitCost
-from autopar.kernels import memory_s
+from autopar.intra_op.sharding_costs import Gemm
+from autopar.kernels import gemm_s, memory_s
 
 #: Passes over one rank's buffer that the permuting copy beside each all-to-all makes (read and write): the
 #: dispatch lays its send buffer out by destination rank, the combine puts the received outputs back in
@@ -29,8 +30,9 @@ from autopar.kernels import memory_s
 PERMUTE_PASSES = 2
 
 
-def expert_parallel_share(u: UnitCost, ep: int) -> UnitCost:
-    """Unit ``u`` (costed with every expert on the rank) as one of ``ep`` expert-parallel ranks holds it."""
+def expert_parallel_share(u: UnitCost, ep: int, cluster: Cluster) -> UnitCost:
+    """Unit ``u`` (costed with every expert on the rank) as one of ``ep`` expert-parallel ranks holds and
+    runs it."""
     if ep <= 1 or not u.expert_fqns:
         return u
     experts = set(u.expert_fqns)
@@ -38,7 +40,29 @@ def expert_parallel_share(u: UnitCost, ep: int) -> UnitCost:
     dense = u.params_local - u.expert_params_local
     # the experts module is the largest of a MoE layer; whatever else is largest holds at most the rest
     largest = max(u.expert_params_local / ep, min(u.largest_module_params, dense))
-    return dataclasses.replace(u, param_local=param_local, largest_module_params=largest)
+    fwd = bwd = weight = 0.0  # how much longer (shorter) the expert products take at a rank's shapes
+    for p in u.expert_products:
+        fwd += _retimed(p.fwd, ep, cluster, p.memory_fwd_s)
+        bwd += _retimed(p.bwd, ep, cluster, p.memory_bwd_s)
+        if p.weight >= 0:
+            weight += _retimed(p.bwd[p.weight:p.weight + 1], ep, cluster, 0.0)
+    return dataclasses.replace(
+        u, param_local=param_local, largest_module_params=largest, fwd_s=u.fwd_s + fwd, bwd_s=u.bwd_s + bwd,
+        product_s=u.product_s + fwd + bwd, bwd_weight_s=max(0.0, u.bwd_weight_s + weight),
+        full_recompute_s=u.full_recompute_s + fwd)
+
+
+def _retimed(gemms: tuple[tuple[Gemm, str], ...], ep: int, cluster: Cluster, floor_s: float) -> float:
+    """The change in time of ``gemms`` (each with its token field) at ``1 / ep`` of the batch and ``ep``
+    times the tokens, each run no faster than streaming its bytes (``floor_s``, which ep leaves alone)."""
+    def time(scale: int) -> float:
+        total = 0.0
+        for g, tokens in gemms:
+            dims = {"m": g.m, "n": g.n, "k": g.k}
+            dims[tokens] *= scale
+            total += gemm_s(cluster, dims["m"], dims["n"], dims["k"], g.batch / scale)
+        return max(total, floor_s)
+    return time(ep) - time(1)
 
 
 def expert_exchange_s(nbytes: float, link: AxisLink, cluster: Cluster) -> float:

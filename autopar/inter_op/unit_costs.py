@@ -20,11 +20,14 @@ from autopar.intra_op.problem import IntraOpConfig, IntraOpSolution, solve_intra
 from autopar.intra_op.sharding_costs import (
     ATTENTION_OPS,
     PRODUCT_OPS,
+    Gemm,
     collectives_s,
     compute_s,
     fp8_cast_s,
     grad_placements,
+    local_bytes,
     param_cost,
+    product_gemms,
     redistribute_collectives,
     saved_bytes,
     shard_factor,
@@ -32,6 +35,7 @@ from autopar.intra_op.sharding_costs import (
 )
 from autopar.intra_op.strategies import AxisStrategy, R, Strategy, shard_dim, tensor_refs
 from autopar.ir import Node, OpGraph, Ref, TensorInfo
+from autopar.kernels import memory_s
 from autopar.passes.activations import storage_key
 from autopar.passes.context import PassContext
 from autopar.passes.experts import EXPERT_PRODUCT_OPS, stacked_weight
@@ -90,6 +94,7 @@ class UnitCost:
     expert_dispatch_bytes: float = 0.0  # the slots entering the experts (the first expert product's
     # activation input) on one device: what expert parallelism's dispatch all-to-all moves
     expert_combine_bytes: float = 0.0  # the experts' output slots (the last expert product's output)
+    expert_products: tuple[ExpertProduct, ...] = ()  # their GEMMs, which expert parallelism reshapes
     params_local: float = field(init=False)  # elements one device holds of all of them (read per layout)
 
     def __post_init__(self) -> None:
@@ -103,6 +108,19 @@ class UnitCost:
     def expert_params_local(self) -> float:
         """Elements one device holds of the stacked expert weights."""
         return sum(self.param_local.get(f, 0.0) for f in self.expert_fqns)
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertProduct:
+    """One expert product's local GEMMs, each with the field (``m``, ``n`` or ``k``) that runs over the
+    tokens' slots: expert parallelism gives a rank ``1 / ep`` of the experts (the GEMMs' batch) and ``ep``
+    times their slots (``autopar.inter_op.expert_parallel``)."""
+
+    fwd: tuple[tuple[Gemm, str], ...]
+    bwd: tuple[tuple[Gemm, str], ...]
+    weight: int  # which of ``bwd`` makes the weights' gradient (-1: none)
+    memory_fwd_s: float  # streaming its operands and result, the floor of its time
+    memory_bwd_s: float
 
 
 def unit_sequence(graph: OpGraph) -> list[str]:
@@ -338,7 +356,7 @@ def _unit_cost(graph: OpGraph, names: list[str], strategies: dict[str, Strategy]
     product = attention = fp8_cast = 0.0
     fp8_weights: set[str] = set()
     seen: set[str] = set()
-    experts = _ExpertSlots(graph, mesh, mbs, ctx)
+    experts = _ExpertSlots(graph, mesh, mbs, ctx, cluster)
     for i, name in enumerate(names):
         node = graph[name]
         strat = strategies[name]
@@ -426,7 +444,8 @@ def _unit_cost(graph: OpGraph, names: list[str], strategies: dict[str, Strategy]
                     attention_s=attention, fp8_cast_s=fp8_cast,
                     fp8_params=sum(params.get(graph[w].target, 0.0) for w in fp8_weights),
                     expert_fqns=tuple(experts.counts), expert_counts=tuple(experts.counts.values()),
-                    expert_dispatch_bytes=experts.dispatch_bytes(), expert_combine_bytes=experts.combine_bytes())
+                    expert_dispatch_bytes=experts.dispatch_bytes(), expert_combine_bytes=experts.combine_bytes(),
+                    expert_products=tuple(experts.products))
 
 
 @dataclass
@@ -438,9 +457,11 @@ class _ExpertSlots:
     mesh: MeshSpec
     mbs: int
     ctx: PassContext
+    cluster: Cluster
     counts: dict[str, int] = field(default_factory=dict)
     first_in: dict[str, float] = field(default_factory=dict)
     last_out: dict[str, float] = field(default_factory=dict)
+    products: list[ExpertProduct] = field(default_factory=list)
 
     def add(self, node: Node, strat: Strategy) -> None:
         if node.op not in EXPERT_PRODUCT_OPS:
@@ -454,11 +475,29 @@ class _ExpertSlots:
             experts = self.graph.params[fqn].shape[0]
             dims = {shard_dim(p) for p in placements if p != R}
             self.counts[fqn] = experts // shard_factor(placements, self.mesh) if dims <= {0} else 0
+        self._product(node, strat, weights[0][0])
         taken = {k for k, _ in weights}
         acts = [k for k, r in enumerate(refs) if self.graph[r.name].kind == "op" and k not in taken]
         if node.module not in self.first_in and acts:
             self.first_in[node.module] = _input_bytes(self.graph, node, strat, self.mesh, self.mbs, self.ctx, acts[0])
         self.last_out[node.module] = _output_bytes(self.graph, node, strat, self.mesh, self.mbs, self.ctx)
+
+    def _product(self, node: Node, strat: Strategy, weight: int) -> None:
+        gemms = product_gemms(node, self.graph, strat, self.mesh, self.mbs)
+        if gemms is None or weight not in (0, 1):
+            return
+        refs = tensor_refs(node)
+        grads = [k for k in (0, 1) if self.graph.tensor(refs[k]).requires_grad]
+        # the slots run along the activation's own dims: m when it is the first operand, else n; in the
+        # backward, dA = dC B^T is (m, k, n) and dB = A^T dC is (k, n, m)
+        fwd_field = "m" if weight == 1 else "n"
+        bwd_field = {(0, 1): "m", (1, 1): "k", (0, 0): "k", (1, 0): "n"}
+        fwd_bytes, bwd_bytes = local_bytes(node, self.graph, strat, self.mesh, self.mbs, self.ctx)
+        self.products.append(ExpertProduct(
+            tuple((g, fwd_field) for g in gemms[0]),
+            tuple((g, bwd_field[(k, weight)]) for g, k in zip(gemms[1], grads)),
+            grads.index(weight) if weight in grads else -1,
+            memory_s(self.cluster, fwd_bytes), memory_s(self.cluster, bwd_bytes)))
 
     def dispatch_bytes(self) -> float:
         return sum(self.first_in.values())

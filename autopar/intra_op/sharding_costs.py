@@ -251,7 +251,7 @@ def param_cost(t: TensorInfo, required: Placements, consumer: Strategy, mesh: Me
     return ParamCost(per_mb, per_iter, state, tuple(sync_collectives))
 
 
-def _local_bytes(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec, batch: int,
+def local_bytes(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec, batch: int,
                  ctx: PassContext) -> tuple[float, float]:
     """(forward, backward) bytes moved by the local kernel, from local tensor sizes."""
     refs = tensor_refs(node)
@@ -301,6 +301,8 @@ def product_gemms(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec
                   batch: int) -> tuple[list[Gemm], list[Gemm]] | None:
     """The local products of a linear or (batched) matmul: forward, and backward (the input gradient
     ``dY W^T``, then the weight gradient ``X^T dY``, each when that operand needs a gradient)."""
+    if node.op == "aten.einsum.default":
+        return _einsum_gemms(node, graph, strategy, mesh, batch)
     if node.op not in ("aten.linear.default", "aten.matmul.default", "aten.mm.default", "aten.bmm.default"):
         return None
     refs = tensor_refs(node)
@@ -330,6 +332,46 @@ def product_gemms(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec
         bwd.append(Gemm(nb, m, k, n))
     if b.requires_grad:
         bwd.append(Gemm(1.0, k, n, m * nb) if node.op == "aten.linear.default" else Gemm(nb, k, n, m))
+    return fwd, bwd
+
+
+def _einsum_gemms(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec,
+                  batch: int) -> tuple[list[Gemm], list[Gemm]] | None:
+    """The local products of a two-operand ``einsum`` without ellipsis, as a batched GEMM: the letters of
+    both operands and the output are its batch, those of one operand and the output its ``m`` (the first)
+    or ``n`` (the second), those summed its ``k``."""
+    equation = node.args[0] if node.args and isinstance(node.args[0], str) else ""
+    refs = tensor_refs(node)
+    if "..." in equation or "->" not in equation or len(refs) != 2:
+        return None
+    lhs, out = equation.replace(" ", "").split("->", 1)
+    specs = lhs.split(",")
+    if len(specs) != 2:
+        return None
+    a_spec, b_spec = specs
+    tensors = [graph.tensor(r) for r in refs]
+    if any(t is None for t in tensors) or any(len(spec) != len(t.shape) for spec, t in zip(specs, tensors)):
+        return None
+    local: dict[str, float] = {}
+    for k, (spec, t) in enumerate(zip(specs, tensors)):
+        shape = t.shape_at(batch)
+        split = _splits(tuple(ax.inputs[k] for ax in strategy), mesh, len(shape))
+        for d, letter in enumerate(spec):
+            local.setdefault(letter, shape[d] / split.get(d, 1))
+    if any(letter not in out for letter in set(a_spec) ^ set(b_spec)):
+        return None  # a letter summed within one operand: not one GEMM
+
+    def size(letters: set[str]) -> float:
+        return math.prod(local[x] for x in letters)
+
+    both = set(a_spec) & set(b_spec)
+    nb, k = size(both & set(out)), size(both - set(out))
+    m, n = size(set(a_spec) - both), size(set(b_spec) - both)
+    fwd, bwd = [Gemm(nb, m, n, k)], []
+    if tensors[0].requires_grad:
+        bwd.append(Gemm(nb, m, k, n))
+    if tensors[1].requires_grad:
+        bwd.append(Gemm(nb, k, n, m))
     return fwd, bwd
 
 
@@ -425,7 +467,7 @@ def compute_s(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec, ba
     scale = graph.scale(node, batch)
     split = math.prod(n for a, n in enumerate(mesh.shape)
                       if any(shard_dim(p or R) is not None for p in strategy[a].inputs))
-    fwd_bytes, bwd_bytes = _local_bytes(node, graph, strategy, mesh, batch, ctx)
+    fwd_bytes, bwd_bytes = local_bytes(node, graph, strategy, mesh, batch, ctx)
     if node.op in ATTENTION_OPS:
         return _attention_s(node, graph, strategy, mesh, batch, cluster, ctx, split, fwd_bytes, bwd_bytes)
     launch_f = traffic.fwd_kernels * cluster.kernel_overhead_s
