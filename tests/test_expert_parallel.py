@@ -117,3 +117,21 @@ def test_ep_plan_records_the_expert_placements(tmp_path):
     assert experts == {"dp": "S(0)", "ep": "S(0)", "tp": "R"}  # ZeRO-3 over the dp / ep = 2 holding them
     assert plan["parameters"]["blocks.1.mlp.router.weight"]["placements"] == {"dp": "S(0)", "ep": "R", "tp": "R"}
     assert "EP = 2" in (tmp_path / "train.py").read_text()
+
+
+def test_expert_products_are_retimed_at_a_ranks_shapes():
+    """Under ep a rank runs 1 / ep of the experts over ep times the slots: the same FLOPs in bigger GEMMs.
+    Ten slots per expert leave most of an H100's tiles empty; eighty fill them better."""
+    from autopar.inter_op.expert_parallel import expert_parallel_share
+    from autopar.inter_op.unit_costs import solve_tp, unit_costs
+
+    config = {"layers": 2, "hidden": 1024, "heads": 16, "vocab": 1024, "seq_len": 256, "experts": 64, "top_k": 2}
+    graph = trace_model("moe", config, ctx=CTX).graph
+    mesh, strategies, _ = solve_tp(graph, H100, CTX, 1, 1, False)
+    layer = unit_costs(graph, strategies, mesh, 1, H100, CTX)[graph.layers[1].structural_hash]
+    assert len(layer.expert_products) == 2 and expert_parallel_share(layer, 1, H100) is layer
+    shared = expert_parallel_share(layer, 8, H100)
+    faster = layer.fwd_s - shared.fwd_s
+    assert faster > 0 and shared.product_s == pytest.approx(layer.product_s - faster - (layer.bwd_s - shared.bwd_s))
+    assert shared.fwd_flops == layer.fwd_flops  # the same work
+    assert shared.expert_params_local == pytest.approx(layer.expert_params_local / 8)

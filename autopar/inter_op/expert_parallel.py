@@ -11,7 +11,8 @@ the expert weights.
 
 Those products do change shape: ``1 / ep`` of the experts (the batched GEMM's batch) over ``ep`` times
 the slots (its token dimension), so each is re-timed at the shapes a rank runs (``autopar.kernels``):
-small experts fill the GPU better with more tokens each.
+small experts fill the GPU better with more tokens each, and a product bound by reading its experts'
+weights (few slots each) reads ``1 / ep`` of them.
 """
 
 from __future__ import annotations
@@ -42,26 +43,29 @@ def expert_parallel_share(u: UnitCost, ep: int, cluster: Cluster) -> UnitCost:
     largest = max(u.expert_params_local / ep, min(u.largest_module_params, dense))
     fwd = bwd = weight = 0.0  # how much longer (shorter) the expert products take at a rank's shapes
     for p in u.expert_products:
-        fwd += _retimed(p.fwd, ep, cluster, p.memory_fwd_s)
-        bwd += _retimed(p.bwd, ep, cluster, p.memory_bwd_s)
+        w = p.weight_memory_s
+        fwd += _retimed(p.fwd, ep, cluster, p.memory_fwd_s, w)
+        bwd += _retimed(p.bwd, ep, cluster, p.memory_bwd_s, 2 * w)
         if p.weight >= 0:
-            weight += _retimed(p.bwd[p.weight:p.weight + 1], ep, cluster, 0.0)
+            weight += _retimed(p.bwd[p.weight:p.weight + 1], ep, cluster, 0.0, 0.0)
     return dataclasses.replace(
         u, param_local=param_local, largest_module_params=largest, fwd_s=u.fwd_s + fwd, bwd_s=u.bwd_s + bwd,
         product_s=u.product_s + fwd + bwd, bwd_weight_s=max(0.0, u.bwd_weight_s + weight),
         full_recompute_s=u.full_recompute_s + fwd)
 
 
-def _retimed(gemms: tuple[tuple[Gemm, str], ...], ep: int, cluster: Cluster, floor_s: float) -> float:
+def _retimed(gemms: tuple[tuple[Gemm, str], ...], ep: int, cluster: Cluster, memory_s: float,
+             weight_memory_s: float) -> float:
     """The change in time of ``gemms`` (each with its token field) at ``1 / ep`` of the batch and ``ep``
-    times the tokens, each run no faster than streaming its bytes (``floor_s``, which ep leaves alone)."""
+    times the tokens, run no faster than streaming their bytes (``memory_s``), of which the weights'
+    (``weight_memory_s``) shrink to ``1 / ep``: small experts are bound by reading their weights."""
     def time(scale: int) -> float:
         total = 0.0
         for g, tokens in gemms:
             dims = {"m": g.m, "n": g.n, "k": g.k}
             dims[tokens] *= scale
             total += gemm_s(cluster, dims["m"], dims["n"], dims["k"], g.batch / scale)
-        return max(total, floor_s)
+        return max(total, memory_s - weight_memory_s * (1 - 1 / scale))
     return time(ep) - time(1)
 
 

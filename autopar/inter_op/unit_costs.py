@@ -26,6 +26,7 @@ from autopar.intra_op.sharding_costs import (
     fp8_cast_s,
     grad_placements,
     local_bytes,
+    operand_bytes,
     param_cost,
     product_gemms,
     redistribute_collectives,
@@ -121,6 +122,8 @@ class ExpertProduct:
     weight: int  # which of ``bwd`` makes the weights' gradient (-1: none)
     memory_fwd_s: float  # streaming its operands and result, the floor of its time
     memory_bwd_s: float
+    weight_memory_s: float  # the weights' part of ``memory_fwd_s`` (read once; twice in backward, with
+    # their gradient written): a rank streams ``1 / ep`` of them
 
 
 def unit_sequence(graph: OpGraph) -> list[str]:
@@ -493,11 +496,13 @@ class _ExpertSlots:
         fwd_field = "m" if weight == 1 else "n"
         bwd_field = {(0, 1): "m", (1, 1): "k", (0, 0): "k", (1, 0): "n"}
         fwd_bytes, bwd_bytes = local_bytes(node, self.graph, strat, self.mesh, self.mbs, self.ctx)
+        weight_bytes = operand_bytes(node, self.graph, strat, self.mesh, self.mbs, self.ctx, weight)
         self.products.append(ExpertProduct(
             tuple((g, fwd_field) for g in gemms[0]),
             tuple((g, bwd_field[(k, weight)]) for g, k in zip(gemms[1], grads)),
             grads.index(weight) if weight in grads else -1,
-            memory_s(self.cluster, fwd_bytes), memory_s(self.cluster, bwd_bytes)))
+            memory_s(self.cluster, fwd_bytes), memory_s(self.cluster, bwd_bytes),
+            memory_s(self.cluster, weight_bytes)))
 
     def dispatch_bytes(self) -> float:
         return sum(self.first_in.values())

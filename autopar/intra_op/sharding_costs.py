@@ -271,6 +271,13 @@ def local_bytes(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec, 
     return fwd, bwd
 
 
+def operand_bytes(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec, batch: int, ctx: PassContext,
+                  k: int) -> float:
+    """Local bytes of input ``k`` of ``node`` as ``local_bytes`` counts them (once per read)."""
+    t = graph.tensor(tensor_refs(node)[k])
+    return _tensor_bytes(t, batch, ctx, graph) / shard_factor(tuple(s.inputs[k] for s in strategy), mesh)
+
+
 @dataclass(frozen=True, slots=True)
 class Gemm:
     """One local product: ``batch x (m x k) @ (k x n)``, and the bytes it reads and writes."""
