@@ -11,6 +11,11 @@ Expert parallelism (``layout.ep``) splits that dimension, for experts fed fixed-
 expert product reads ``[batch, experts, capacity, hidden]`` (``models/moe.py``'s capacity routing), which
 one all-to-all of equal splits dispatches.  Dropless experts (tokens sorted by expert, a grouped product
 over a number of tokens per expert known only at run time) are found too, and planned without ep.
+
+Experts kept in a ``ModuleList`` (HuggingFace 4.x, many research MoEs) are found by their structure:
+sibling modules of a layer named by their index (``experts.0``, ``experts.1``, ...) with parameters of
+the same names and shapes.  Their Linears are planned like any other (HuggingFace's token loop over
+``nonzero()`` does not export; a dense mixture that runs every expert does), without ep.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ class ExpertWeights:
     params: tuple[str, ...]  # canonical FQNs
     experts: int  # the size of their leading dimension
     capacity_slots: bool = True  # its first product reads [batch, experts, capacity, ...] (not dropless)
+    stacked: bool = True  # one [experts, ...] weight each, rather than a ModuleList of experts
 
 
 #: Ops between a stacked weight and the product reading it: views, and HuggingFace's per-token row pick.
@@ -72,8 +78,34 @@ def expert_weights(graph: OpGraph) -> list[ExpertWeights]:
             params, fewest, slots = found[n.module]
             params[fqn] = None
             found[n.module] = (params, min(fewest, experts), slots)
-    return [ExpertWeights(module, tuple(params), experts, slots)
-            for module, (params, experts, slots) in found.items()]
+    stacked = [ExpertWeights(module, tuple(params), experts, slots)
+               for module, (params, experts, slots) in found.items()]
+    return stacked + listed_experts(graph)
+
+
+def listed_experts(graph: OpGraph) -> list[ExpertWeights]:
+    """Experts kept in a ``ModuleList`` inside the layers: two or more sibling modules named by their index
+    whose parameters have the same names and shapes."""
+    prefixes = {layer.index: layer.prefix for layer in graph.layers}
+    groups: dict[str, dict[str, dict[str, tuple[int, ...]]]] = {}  # parent -> index -> param name -> shape
+    for fqn, info in graph.params.items():
+        prefix = prefixes.get(info.layer) if info.layer is not None else None
+        if prefix is None or not fqn.startswith(prefix + "."):
+            continue
+        parts = fqn[len(prefix) + 1:].split(".")
+        digits = [i for i, part in enumerate(parts[:-1]) if part.isdigit()]
+        if not digits or digits[-1] == 0:
+            continue
+        i = digits[-1]
+        parent = ".".join([prefix, *parts[:i]])
+        groups.setdefault(parent, {}).setdefault(parts[i], {})[".".join(parts[i + 1:])] = info.shape
+    out = []
+    for parent, members in groups.items():
+        shapes = list(members.values())
+        if len(members) >= 2 and all(m == shapes[0] for m in shapes):
+            params = tuple(f"{parent}.{idx}.{name}" for idx in sorted(members, key=int) for name in sorted(shapes[0]))
+            out.append(ExpertWeights(parent, params, len(members), capacity_slots=False, stacked=False))
+    return sorted(out, key=lambda w: w.module)
 
 
 def expert_count(graph: OpGraph) -> int:

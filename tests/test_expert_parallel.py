@@ -135,3 +135,14 @@ def test_expert_products_are_retimed_at_a_ranks_shapes():
     assert faster > 0 and shared.product_s == pytest.approx(layer.product_s - faster - (layer.bwd_s - shared.bwd_s))
     assert shared.fwd_flops == layer.fwd_flops  # the same work
     assert shared.expert_params_local == pytest.approx(layer.expert_params_local / 8)
+
+
+def test_experts_in_a_module_list_are_found_and_ep_refused_for_them():
+    graph = trace_model(str(Path(__file__).parent / "fixtures" / "listed_experts.py"), {}, ctx=CTX).graph
+    found = expert_weights(graph)
+    assert [(w.module, w.experts, w.stacked) for w in found] == [("blocks.0.experts", 3, False),
+                                                               ("blocks.1.experts", 3, False)]
+    assert found[0].params[:2] == ("blocks.0.experts.0.down.bias", "blocks.0.experts.0.down.weight")
+    assert len(found[0].params) == 3 * 4 and expert_parallel_count(graph) == 0
+    with pytest.raises(AutoparError, match=r"blocks\.0\.experts keeps its 3 experts in a ModuleList"):
+        _best(graph, "ep=3")

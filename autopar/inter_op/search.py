@@ -249,6 +249,11 @@ def _check_fixed_ep(graph: OpGraph, fixed: dict[str, Any]) -> None:
     if not experts:
         raise AutoparError(f"--fix ep={ep}: the model has no stacked experts to split (a parameter [experts, ...] "
                            "that a batched product reads)")
+    listed = [w for w in expert_weights(graph) if not w.stacked]
+    if listed:
+        raise AutoparError(f"--fix ep={ep}: {listed[0].module} keeps its {listed[0].experts} experts in a ModuleList; "
+                           "autopar's expert parallelism splits stacked experts (one [experts, ...] weight, fed "
+                           "fixed-capacity slots); plan with ep=1")
     dropless = [w.module for w in expert_weights(graph) if not w.capacity_slots]
     if dropless:
         raise AutoparError(f"--fix ep={ep}: {dropless[0]} routes without a capacity (dropless: a number of tokens per "
