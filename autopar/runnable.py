@@ -32,11 +32,12 @@ class RuntimeFilter:
         self._plan_args = {"graph": graph, "model_ref": model_ref, "config": config, "cluster": cluster, "ctx": ctx,
                            "global_batch": global_batch, "example_inputs": example_inputs}
         self._model = None
-        self._verdicts: dict[tuple[int, bool, bool], str | None] = {}
+        self._verdicts: dict[tuple[int, bool, bool, bool], str | None] = {}
         self.reasons: list[str] = []
 
     def accept(self, estimate: Estimate, strategies: dict[str, Strategy]) -> bool:
-        key = (id(strategies), estimate.layout.pp > 1, estimate.layout.cp > 1)
+        lay = estimate.layout
+        key = (id(strategies), lay.pp > 1, lay.cp > 1, lay.ep > 1)
         if key not in self._verdicts:
             self._verdicts[key] = self._refusal(estimate, strategies)
             if self._verdicts[key] is not None:

@@ -3,19 +3,22 @@
 An experts module holds its weights stacked, ``[experts, ...]`` (``models/moe.py``, HuggingFace's
 Mixtral and Qwen-MoE experts in transformers 5), and runs them with batched products over the expert
 dimension (``einsum``, ``bmm``, ``_grouped_mm``), on the weight itself, a view of it (a transpose) or the
-rows of it each token picks (HuggingFace's batched-matmul experts).  So: a parameter of three or more
-dimensions that a product reads that way is an expert weight, its first dimension the number of experts,
-and the module of the ops reading it the experts module.
+rows of it each token picks (HuggingFace's batched-matmul experts), on tokens that were routed to them
+(picked by index: a gather or an index).  So: a module whose products read a parameter of three or more
+dimensions that way, one of them on routed tokens or picked rows, is an experts module, and those
+parameters its expert weights, their first dimension the number of experts.  (A per-head weight
+``[heads, ...]`` in an attention einsum reads no routed tokens: it is no expert.)
 
 Expert parallelism (``layout.ep``) splits that dimension, for experts fed fixed-capacity slots: the first
 expert product reads ``[batch, experts, capacity, hidden]`` (``models/moe.py``'s capacity routing), which
 one all-to-all of equal splits dispatches.  Dropless experts (tokens sorted by expert, a grouped product
 over a number of tokens per expert known only at run time) are found too, and planned without ep.
 
-Experts kept in a ``ModuleList`` (HuggingFace 4.x, many research MoEs) are found by their structure:
-sibling modules of a layer named by their index (``experts.0``, ``experts.1``, ...) with parameters of
-the same names and shapes.  Their Linears are planned like any other (HuggingFace's token loop over
-``nonzero()`` does not export; a dense mixture that runs every expert does), without ep.
+Experts kept in a ``ModuleList`` (HuggingFace 4.x, many research MoEs) are found by their name and
+structure: sibling modules of a layer named by their index under a module whose name says expert
+(``experts.0``, ``experts.1``, ...), with parameters of the same names and shapes.  Their Linears are
+planned like any other (HuggingFace's token loop over ``nonzero()`` does not export; a dense mixture that
+runs every expert does), without ep.
 """
 
 from __future__ import annotations
@@ -42,6 +45,9 @@ class ExpertWeights:
 
 #: Ops between a stacked weight and the product reading it: views, and HuggingFace's per-token row pick.
 _WEIGHT_PATH_OPS = frozenset({"aten.index.Tensor", "aten.index_select.default"})
+#: Ops that route tokens: they pick rows by an index computed from the router.
+_ROUTING_OPS = frozenset({"aten.gather.default", "aten.index.Tensor", "aten.index_select.default",
+                          "aten.scatter.src", "aten.scatter_add.default", "aten.take_along_dim.default"})
 
 
 def stacked_weight(graph: OpGraph, ref: Ref) -> str | None:
@@ -61,14 +67,32 @@ def stacked_weight(graph: OpGraph, ref: Ref) -> str | None:
     return None
 
 
+def _routed(graph: OpGraph, ref: Ref) -> bool:
+    """Whether ``ref`` (through views) is made by a routing op, or is a stacked weight's picked rows."""
+    node = graph[ref.name]
+    for _ in range(8):
+        if node.kind != "op":
+            return False
+        if node.op in _ROUTING_OPS:
+            return True
+        first = next(iter_refs(node.args), None)
+        if node.alias_of is None or first is None:
+            return False
+        node = graph[first.name]
+    return False
+
+
 def expert_weights(graph: OpGraph) -> list[ExpertWeights]:
     """Every experts module of ``graph`` (those of the layers that were traced), in graph order."""
     found: dict[str, tuple[dict[str, None], int, bool]] = {}
+    routed: set[str] = set()
     for n in graph.ops():
         if n.op not in EXPERT_PRODUCT_OPS:
             continue
         refs = list(iter_refs((n.args, n.kwargs)))
         weights = [w for w in (stacked_weight(graph, r) for r in refs) if w is not None]
+        if weights and any(_routed(graph, r) for r in refs):
+            routed.add(n.module)
         for fqn in weights:
             experts = graph.params[fqn].shape[0]
             if n.module not in found:  # its first product: does it read fixed-capacity slots?
@@ -79,7 +103,7 @@ def expert_weights(graph: OpGraph) -> list[ExpertWeights]:
             params[fqn] = None
             found[n.module] = (params, min(fewest, experts), slots)
     stacked = [ExpertWeights(module, tuple(params), experts, slots)
-               for module, (params, experts, slots) in found.items()]
+               for module, (params, experts, slots) in found.items() if module in routed]
     return stacked + listed_experts(graph)
 
 
@@ -97,6 +121,8 @@ def listed_experts(graph: OpGraph) -> list[ExpertWeights]:
         if not digits or digits[-1] == 0:
             continue
         i = digits[-1]
+        if "expert" not in ".".join(parts[:i]).lower():
+            continue  # a ModuleList of anything else (per-head projections, cloned Linears)
         parent = ".".join([prefix, *parts[:i]])
         groups.setdefault(parent, {}).setdefault(parts[i], {})[".".join(parts[i + 1:])] = info.shape
     out = []
@@ -106,6 +132,11 @@ def listed_experts(graph: OpGraph) -> list[ExpertWeights]:
             params = tuple(f"{parent}.{idx}.{name}" for idx in sorted(members, key=int) for name in sorted(shapes[0]))
             out.append(ExpertWeights(parent, params, len(members), capacity_slots=False, stacked=False))
     return sorted(out, key=lambda w: w.module)
+
+
+def stacked_expert_params(graph: OpGraph) -> set[str]:
+    """The FQNs of every stacked expert weight (what a ``PlacedParameters`` region takes with its MoE layer)."""
+    return {f for w in expert_weights(graph) if w.stacked for f in w.params}
 
 
 def expert_count(graph: OpGraph) -> int:
@@ -121,4 +152,4 @@ def expert_parallel_count(graph: OpGraph) -> int:
 
 
 __all__ = ["EXPERT_PRODUCT_OPS", "ExpertWeights", "expert_count", "expert_parallel_count", "expert_weights",
-           "stacked_weight"]
+           "stacked_expert_params", "stacked_weight"]

@@ -146,3 +146,9 @@ def test_experts_in_a_module_list_are_found_and_ep_refused_for_them():
     assert len(found[0].params) == 3 * 4 and expert_parallel_count(graph) == 0
     with pytest.raises(AutoparError, match=r"blocks\.0\.experts keeps its 3 experts in a ModuleList"):
         _best(graph, "ep=3")
+
+
+def test_a_per_head_weight_is_no_expert():
+    """Three dimensions and a 4-D activation whose dim 1 matches (heads), but no token is routed to it."""
+    graph = trace_model(str(Path(__file__).parent / "fixtures" / "per_head_einsum.py"), {}, ctx=CTX).graph
+    assert expert_weights(graph) == [] and expert_count(graph) == 0

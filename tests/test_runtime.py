@@ -64,7 +64,7 @@ VERIFIED = {
     "moe-sp-off": ("moe", MOE, 8, "dp=2,tp=2,ep=1,sp=off"),
     # expert parallelism: experts split over ep = 2 of the dp ranks (FSDP over the dp / ep holding the same),
     # and over ep x tp, dispatched and combined by all-to-all
-    "moe-dp4-ep2-zero3": ("moe", MOE, 8, "dp=4,ep=2,zero=3"),
+    "moe-dp4-ep2-zero3": ("moe", MOE, 8, "dp=4,ep=2,zero=3,recompute=full"),
     "moe-dp2-tp2-ep2": ("moe", MOE, 8, "dp=2,tp=2,ep=2,sp=off"),
     # dropless routing: tokens sorted by expert, one grouped product per weight
     "moe-dropless-dp4": ("moe", ["--config", "layers=2,hidden=128,heads=4,vocab=256,seq_len=16,experts=4,"

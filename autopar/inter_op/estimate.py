@@ -329,19 +329,29 @@ def _bucketed(collective, nbytes: float, link: AxisLink, bucket_bytes: float) ->
     return buckets * one, one
 
 
-def _dp_sync_exposed(local_params: float, bwd_window_s: float, fwd_window_s: float, layout: Layout,
-                     dp_link: AxisLink, cluster: Cluster, ctx: PassContext) -> float:
-    """ZeRO 0-2: the gradient reduction (and weight gather) that compute does not hide.  ``bwd_window_s`` and
-    ``fwd_window_s``: one micro-batch's backward and forward; ``dp_link``: the ranks holding these weights."""
-    if dp_link.size <= 1 or layout.zero >= 3 or local_params <= 0:
+def _dp_sync_exposed(groups: list[tuple[float, AxisLink]], bwd_window_s: float, fwd_window_s: float,
+                     layout: Layout, cluster: Cluster, ctx: PassContext) -> float:
+    """ZeRO 0-2: the gradient reduction (and weight gather) that compute does not hide.  ``groups``: local
+    parameters and the link of the ranks holding them (the dense weights over dp x cp, expert-parallel
+    experts over dp / ep), reduced one after the other on one stream; ``bwd_window_s`` and
+    ``fwd_window_s``: one micro-batch's backward and forward."""
+    if layout.zero >= 3:
         return 0.0
     fw = ctx.framework
     reduce = all_reduce_s if layout.zero == 0 or fw.sharded_grad_reduce == "all_reduce" else reduce_scatter_s
-    total, last = _bucketed(reduce, local_params * fw.grad_reduce_bytes, dp_link, fw.grad_bucket_bytes)
+    total = last = gather = 0.0
+    for local_params, link in groups:
+        if link.size <= 1 or local_params <= 0:
+            continue
+        t, one = _bucketed(reduce, local_params * fw.grad_reduce_bytes, link, fw.grad_bucket_bytes)
+        total, last = total + t, one  # the last bucket reduced is the last group's
+        if layout.zero >= 1:
+            gather += _bucketed(all_gather_s, local_params * ctx.precision.weight_bytes, link, fw.grad_bucket_bytes)[0]
+    if total <= 0:
+        return 0.0
     exposed = max(_exposed(total, bwd_window_s, cluster), last) if fw.overlap_grad_reduce else total
     exposed *= _reductions_per_step(layout)
     if layout.zero >= 1:
-        gather, _ = _bucketed(all_gather_s, local_params * ctx.precision.weight_bytes, dp_link, fw.grad_bucket_bytes)
         exposed += _exposed(gather, fwd_window_s, cluster) if fw.overlap_param_gather else gather
     return exposed
 
@@ -499,8 +509,8 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
         t = sum(x.time_s for x in units) + p2p_cost
         stage_times.append(t)
         fwd, bwd = sum(x.fwd_s for x in units), sum(x.bwd_s for x in units)
-        dp_exposed = max(dp_exposed, _dp_sync_exposed(local - expert_local, bwd, fwd, layout, dp_link, cluster, ctx)
-                         + _dp_sync_exposed(expert_local, bwd, fwd, layout, links.expert_dp, cluster, ctx))
+        groups = [(local - expert_local, dp_link), (expert_local, links.expert_dp)]
+        dp_exposed = max(dp_exposed, _dp_sync_exposed(groups, bwd, fwd, layout, cluster, ctx))
         tp_fwd = sum(x.tp_fwd_s for x in units)
         cp_fwd = sum(x.cp_fwd_s for x in units)
         ep_fwd = sum(x.ep_fwd_s for x in units)
@@ -540,7 +550,9 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
         units = loads[a:b]
         layer_idx = [i - 1 for i in range(a, b) if 0 < i < len(keys) - 1]
         layers = (layer_idx[0], layer_idx[-1] + 1) if layer_idx else (0, 0)
-        state = ctx.state_bytes(per_stage[k]["local"], layout.replicas, layout.zero) - tie_state
+        expert_local = per_stage[k]["expert_local"]
+        state = (ctx.state_bytes(per_stage[k]["local"] - expert_local, layout.replicas, layout.zero)
+                 + ctx.state_bytes(expert_local, layout.expert_replicas, layout.zero) - tie_state)
         memory = split.stage_memory_bytes[k] - tie_bytes
         held = sum(x.state_bytes for x in units) - tie_bytes  # the state and the copies held through the step
         gathered = max(x.gathered_bytes for x in units)
@@ -608,7 +620,9 @@ def ep_bytes(costs: dict[str, UnitCost], keys: list[str], layout: Layout) -> dic
     gradients in backward, and the forward's again under full or per-op recomputation."""
     if layout.ep <= 1:
         return {}
-    passes = 2 + (1 if layout.recompute in ("full", "op") else 0)
+    # the forward again under full or per-op recomputation, once more for a split backward's weight steps
+    again = 1 + split_fraction(layout.schedule, layout.pp, layout.num_microbatches, layout.v)
+    passes = 2 + (again if layout.recompute in ("full", "op") else 0)
     total = sum((passes if key not in (PRE, POST) else 2) * (costs[key].expert_dispatch_bytes
                                                              + costs[key].expert_combine_bytes)
                 for key in keys if costs[key].expert_fqns)

@@ -49,6 +49,7 @@ from autopar.cluster import Cluster, MeshSpec
 from autopar.errors import AutoparError
 from autopar.framework import DEFAULT_FRAMEWORK, Framework, load_framework
 from autopar.inter_op.estimate import Estimate, ModelFlops, estimate_layout, layer_recompute
+from autopar.inter_op.expert_parallel import expert_parallel_share
 from autopar.inter_op.layout import RECOMPUTE, Layout
 from autopar.inter_op.unit_costs import POST, PRE, UnitCost, solve_tp, unit_costs, unit_sequence
 from autopar.intra_op.strategies import R, Strategy, param_tp_placements
@@ -334,7 +335,7 @@ def _layouts_at(rest: int, tp: int, cp: int, layers: int, global_batch: int, fix
         eps = allowed("ep", [d for d in divisors(dp) if experts % d == 0] if experts and cp == 1 else [1])
         mbss = allowed("mbs", [d for d in divisors(global_batch // dp) if d <= MAX_MBS])
         for ep, mbs in itertools.product(eps, mbss):
-            if global_batch % (dp * mbs) or dp % ep:
+            if global_batch % (dp * mbs) or dp % ep or (ep > 1 and cp > 1):
                 continue
             m = global_batch // (dp * mbs)
             for sp in allowed("sp", [False, True] if tp > 1 and fw.sequence_parallel and ep == 1 else [False]):
@@ -399,13 +400,15 @@ def runtime_runs(layout: Layout, shards_parameters: bool) -> bool:
 
 
 def _lower_bound(costs: dict[str, UnitCost], counts: dict[str, int], layout: Layout, ctx: PassContext,
-                 memo: dict[tuple, tuple[float, float]]) -> float:
+                 memo: dict[tuple, tuple[float, float]], cluster: Cluster) -> float:
     """Iteration time if every stage were perfectly balanced and nothing but compute, exposed tp
     communication and recomputation cost anything.  ``counts``: how often each unit occurs; ``memo``: the
     work of one micro-batch and its recomputation, per unit costs and mode (shared across layouts)."""
-    key = (id(costs), layout.recompute, layout.sp)
+    key = (id(costs), layout.recompute, layout.sp, layout.ep)
     if key not in memo:
         fw = ctx.framework
+        if layout.ep > 1:  # a rank's expert products at their shapes (faster, as the estimate times them)
+            costs = {k: expert_parallel_share(u, layout.ep, cluster) for k, u in costs.items()}
         hidden_tp = fw.tp_comm_overlap and layout.sp
         work = rerun = 0.0
         for k, n in counts.items():
@@ -448,7 +451,8 @@ def search(graph: OpGraph, cluster: Cluster, ctx: PassContext, global_batch: int
         for variant in VARIANTS if layout.tp > 1 else VARIANTS[:1]:
             costs, strategies = cache.get(layout.tp, layout.mbs, layout.sp, variant)
             if runtime_runs(layout, cache.shards_parameters(strategies)) and expert_parallel_runs(layout, costs):
-                queue.append((_lower_bound(costs, counts, layout, ctx, memo), _layout_key(layout), variant, layout))
+                queue.append((_lower_bound(costs, counts, layout, ctx, memo, cluster), _layout_key(layout), variant,
+                              layout))
     queue.sort(key=lambda q: q[:3])
     for bound, _, variant, layout in queue:
         costs, strategies = cache.get(layout.tp, layout.mbs, layout.sp, variant)

@@ -12,7 +12,7 @@ from autopar.intra_op.strategies import R, Strategy, param_tp_placements, shard_
 from autopar.ir import OpGraph
 from autopar.modelfile import ZOO, locate
 from autopar.passes.context import PassContext
-from autopar.passes.experts import expert_weights
+from autopar.passes.experts import expert_weights, stacked_expert_params
 from autopar.plan_file import Plan, model_fingerprint
 from autopar.solvers.pipeline import V_SHAPED, rank_of_chunk
 
@@ -192,7 +192,8 @@ def build_plan(*, graph: OpGraph, model_ref: str, config: dict[str, Any], cluste
     model = {"ref": model_ref, "path": path, "config": config, "fingerprint": model_fingerprint(graph, config),
              "layer_container": graph.layer_container, "num_layers": len(graph.layers), "stack_ends": stack_ends(graph),
              "layer_types": {h: idx for h, idx in first_of_type.items()}, "units": [k for k in keys
-                                                                                    if k not in (PRE, POST)]}
+                                                                                    if k not in (PRE, POST)],
+             "expert_weights": sorted(stacked_expert_params(graph))}
     if example_inputs is not None:
         model["example_inputs"] = example_inputs
     return Plan(

@@ -36,6 +36,7 @@ from autopar.intra_op.sharding_costs import (
 from autopar.intra_op.strategies import AxisStrategy, R, Strategy, divides, mesh_strategies, shard, tensor_refs
 from autopar.ir import Node, OpGraph, Ref, TensorInfo
 from autopar.passes.context import PassContext
+from autopar.passes.experts import stacked_expert_params
 from autopar.solvers.evaluate import alternatives, min_memory_bytes
 from autopar.solvers.ilp import Backend, solve_ilp
 from autopar.solvers.request import SolverRequest, SolverResult
@@ -184,14 +185,10 @@ def region_modules(graph: OpGraph) -> tuple[str, ...]:
     whose region is the block's child holding them): the runtime runs one as a ``PlacedParameters`` region
     once its weights are sharded on tp, and then hands its output on whole (``autopar.runtime.styles``)."""
     prefix = {layer.index: layer.prefix for layer in graph.layers}
-    return tuple(sorted({_block_child(n.module, prefix.get(n.layer)) if _stacked(graph, n) else n.module
+    experts = stacked_expert_params(graph)
+    return tuple(sorted({_block_child(n.module, prefix.get(n.layer)) if experts.intersection(n.params) else n.module
                          for n in graph.nodes
                          if n.kind == "op" and n.params and n.module_type not in STYLED_MODULE_TYPES}))
-
-
-def _stacked(graph: OpGraph, node: Node) -> bool:
-    """Whether ``node`` reads stacked expert weights (a parameter of three or more dimensions)."""
-    return any(len(graph.params[p].shape) >= 3 for p in node.params if p in graph.params)
 
 
 def _block_child(module: str, block: str | None) -> str:

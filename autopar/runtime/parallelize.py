@@ -44,7 +44,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from autopar.runtime.context_parallel import ContextParallel, shard_sequence_buffers
 from autopar.runtime.expert_parallel import apply_ep, expert_mesh
 from autopar.runtime.fp8 import check_fp8_regions, convert_linears_to_fp8
-from autopar.runtime.materialize import MetaModel, build_on_meta, materialize
+from autopar.runtime.materialize import MetaModel, build_on_meta, clean_fqn, materialize
 from autopar.runtime.recompute import apply_recompute
 from autopar.runtime.stages import prune
 
@@ -112,7 +112,7 @@ def apply_dp(module: nn.Module, dp_mesh: DeviceMesh, container: str | None, zero
     from torch.distributed._composable.replicate_with_fsdp import replicate
     from torch.distributed.fsdp import fully_shard
 
-    present = dict(module.named_modules())
+    present = {clean_fqn(name): sub for name, sub in module.named_modules()}  # through checkpoint wrappers
     for name in experts[1] if experts is not None else ():
         if name in present:
             mesh = experts[0]

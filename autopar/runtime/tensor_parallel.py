@@ -112,6 +112,7 @@ def tp_style_specs(plan: Plan, model: nn.Module) -> dict[str, StyleSpec] | None:
             handled.update(f"{name}.{p}" if name else p for p, _ in mod.named_parameters(recurse=False))
     present = {n for n, _ in model.named_parameters(remove_duplicate=False)}  # a pipeline stage holds a part
     regions = _mixed_regions(model, styles)
+    experts = set(plan.model.get("expert_weights", ()))
     for region in regions:  # DTensor runs the whole module: drop the styles inside it
         for name in [s for s in styles if _inside(s, region)]:
             del styles[name]
@@ -120,7 +121,7 @@ def tp_style_specs(plan: Plan, model: nn.Module) -> dict[str, StyleSpec] | None:
         owner = next((r for r in regions if _inside(fqn, r)), None)
         if owner is None and fqn in handled:
             continue
-        stacked = len(plan.parameters.get(fqn, {}).get("shape", ())) >= 3
+        stacked = fqn in experts  # a MoE layer's stacked experts: the region is the whole layer
         owner = owner if owner is not None else _region_of(fqn, plan.model.get("layer_container") if stacked else None)
         clash = [s for s in styles if s != owner and (_inside(s, owner) or _inside(owner, s))]
         if clash or owner in styles:
