@@ -365,6 +365,23 @@ def test_checkpoint_moves_between_plans(tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_checkpoint_moves_from_expert_parallel_experts_to_tensor_parallel_ones(tmp_path, capsys):
+    """A checkpoint of experts split over ep (and sharded by ZeRO-3 over dp / ep) resumes where tp splits them."""
+    from autopar.plan_file import Plan
+    from autopar.runtime.session import reference_run
+    from autopar.runtime.training import check_config
+    from autopar.runtime.verify import run_plan
+
+    for name, fix in (("a", "dp=4,ep=2,zero=3"), ("b", "dp=2,tp=2,ep=1,sp=off,zero=0")):
+        assert main(["plan", "moe", *MOE, "--global-batch", "8", "--fix", fix, "-o", str(tmp_path / name)]) == 0
+    capsys.readouterr()
+    first = run_plan(tmp_path / "a" / "plan.json", 2, checkpoint=tmp_path / "ckpt")
+    second = run_plan(tmp_path / "b" / "plan.json", 2, start_step=2, resume=tmp_path / "ckpt")
+    ref = reference_run(Plan.load(tmp_path / "a" / "plan.json"), 4, 0, check_config("fp32", 0.1))
+    assert first["losses"] + second["losses"] == pytest.approx(ref["losses"], rel=1e-4)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(("model", "config", "fix", "expect"), [
     ("gpt", DEEP, "pp=2,tp=2,sp=on,schedule=1f1b", ["MESH_SHAPE = (2, 1, 1, 2)", "ColwiseParallel()",
                                                      "SCHEDULE = '1f1b'", "SequenceParallel(use_local_output=True)"]),
