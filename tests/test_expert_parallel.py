@@ -16,6 +16,7 @@ from autopar.inter_op.layout import parse_fix
 from autopar.inter_op.search import layouts, search
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+FIXTURE = Path(__file__).parent / "fixtures" / "stacked_weights.py"
 MOE = {"layers": 2, "hidden": 128, "heads": 4, "vocab": 256, "seq_len": 16, "experts": 8, "top_k": 2}
 H100 = load_cluster("h100-80gb").with_overrides(gpus=16)
 CTX = PassContext(cluster=H100)
@@ -138,7 +139,7 @@ def test_expert_products_are_retimed_at_a_ranks_shapes():
 
 
 def test_experts_in_a_module_list_are_found_and_ep_refused_for_them():
-    graph = trace_model(str(Path(__file__).parent / "fixtures" / "listed_experts.py"), {}, ctx=CTX).graph
+    graph = trace_model(str(FIXTURE), {"mixer": "listed"}, ctx=CTX).graph
     found = expert_weights(graph)
     assert [(w.module, w.experts, w.stacked) for w in found] == [("blocks.0.experts", 3, False),
                                                                ("blocks.1.experts", 3, False)]
@@ -150,5 +151,5 @@ def test_experts_in_a_module_list_are_found_and_ep_refused_for_them():
 
 def test_a_per_head_weight_is_no_expert():
     """Three dimensions and a 4-D activation whose dim 1 matches (heads), but no token is routed to it."""
-    graph = trace_model(str(Path(__file__).parent / "fixtures" / "per_head_einsum.py"), {}, ctx=CTX).graph
+    graph = trace_model(str(FIXTURE), {"mixer": "per_head"}, ctx=CTX).graph
     assert expert_weights(graph) == [] and expert_count(graph) == 0

@@ -348,32 +348,19 @@ def test_apply_checks_world_size_parameters_and_devices(tmp_path, capsys, monkey
 
 
 @pytest.mark.slow
-def test_checkpoint_moves_between_plans(tmp_path, capsys):
+@pytest.mark.parametrize(("model", "config", "fixes"), [
+    ("gpt", DEEP, ("dp=2,tp=2,sp=off,zero=3", "pp=2,dp=2,schedule=1f1b,zero=0")),
+    # experts split over ep (ZeRO-3 over dp / ep) resume where tp splits them
+    ("moe", MOE, ("dp=4,ep=2,zero=3", "dp=2,tp=2,ep=1,sp=off,zero=0")),
+], ids=["gpt-dp2xtp2-to-pp2xdp2", "moe-ep2-to-tp2"])
+def test_checkpoint_moves_between_plans(tmp_path, capsys, model, config, fixes):
     from autopar.plan_file import Plan
     from autopar.runtime.session import reference_run
     from autopar.runtime.training import check_config
     from autopar.runtime.verify import run_plan
 
-    for name, fix in (("a", "dp=2,tp=2,sp=off,zero=3"), ("b", "pp=2,dp=2,schedule=1f1b,zero=0")):
-        assert main(["plan", "gpt", *DEEP, "--global-batch", "8", "--fix", fix, "-o", str(tmp_path / name)]) == 0
-    capsys.readouterr()
-    first = run_plan(tmp_path / "a" / "plan.json", 2, checkpoint=tmp_path / "ckpt")
-    second = run_plan(tmp_path / "b" / "plan.json", 2, start_step=2, resume=tmp_path / "ckpt")
-    ref = reference_run(Plan.load(tmp_path / "a" / "plan.json"), 4, 0, check_config("fp32", 0.1))
-    losses = first["losses"] + second["losses"]
-    assert losses == pytest.approx(ref["losses"], rel=1e-4)
-
-
-@pytest.mark.slow
-def test_checkpoint_moves_from_expert_parallel_experts_to_tensor_parallel_ones(tmp_path, capsys):
-    """A checkpoint of experts split over ep (and sharded by ZeRO-3 over dp / ep) resumes where tp splits them."""
-    from autopar.plan_file import Plan
-    from autopar.runtime.session import reference_run
-    from autopar.runtime.training import check_config
-    from autopar.runtime.verify import run_plan
-
-    for name, fix in (("a", "dp=4,ep=2,zero=3"), ("b", "dp=2,tp=2,ep=1,sp=off,zero=0")):
-        assert main(["plan", "moe", *MOE, "--global-batch", "8", "--fix", fix, "-o", str(tmp_path / name)]) == 0
+    for name, fix in zip("ab", fixes):
+        assert main(["plan", model, *config, "--global-batch", "8", "--fix", fix, "-o", str(tmp_path / name)]) == 0
     capsys.readouterr()
     first = run_plan(tmp_path / "a" / "plan.json", 2, checkpoint=tmp_path / "ckpt")
     second = run_plan(tmp_path / "b" / "plan.json", 2, start_step=2, resume=tmp_path / "ckpt")
