@@ -176,3 +176,26 @@ def _fields(req):
     from dataclasses import fields
 
     return {f.name: getattr(req, f.name) for f in fields(req)}
+
+
+def test_without_sequence_parallelism_the_residual_stream_stays_whole():
+    """Without sp the row-parallel products' partial sums are all-reduced and the residual stream's dropout
+    and additions run whole on every tp rank (Megatron-LM, and the runtime's RowwiseParallel): the ILP must
+    not reduce-scatter them into a stream split on the hidden dimension, which would price that work, its
+    saved tensors and the pipeline sends at 1/tp."""
+    cfg = {"layers": 2, "hidden": 4096, "heads": 32, "vocab": 1024, "seq_len": 2048, "dropout": 0.1}
+    graph = trace_model("gpt", cfg, ctx=CTX).graph
+    cluster = A100.with_overrides(gpus=8)
+    mesh = MeshSpec.on_cluster(cluster, ("dp", "tp"), (1, 8))
+    layer = [n for n in graph.ops() if n.layer is not None]
+    for sp in (False, True):
+        sol = solve_intra_op(graph, [n.name for n in layer], mesh, IntraOpConfig(batch=1, sequence_parallel=sp),
+                             cluster, CTX)
+        residual = [n.name for n in layer if n.layer == 1 and n.op == "aten.add.Tensor"]
+        assert len(residual) == 2  # x + attn(x), then + mlp(...)
+        for name in residual:
+            tp = sol.node_strategies[name][1]
+            if sp:
+                assert tp.outputs[0] == "S(1)", (name, tp)  # split on the sequence between the regions
+            else:
+                assert tp.outputs[0] == "R" and set(tp.inputs) == {"R"}, (name, tp)

@@ -217,6 +217,25 @@ def _region_outputs(graph: OpGraph, nodes: Iterable[Node]) -> frozenset[str]:
     return frozenset(out)
 
 
+#: Additions that carry a residual stream (``x = x + f(x)``).
+_ADD_OPS = frozenset({"aten.add.Tensor", "aten.add_.Tensor"})
+
+
+def _residual_adds(graph: OpGraph, nodes: Iterable[Node]) -> frozenset[str]:
+    """The additions of ``nodes`` on a block's residual stream: those reading the block's input (an
+    activation made before the block) or another such addition, within one block of the stack."""
+    out: set[str] = set()
+    for n in nodes:  # topological order
+        if n.layer is None or n.op not in _ADD_OPS:
+            continue
+        for name in n.inputs:
+            src = graph[name]
+            if name in out or (src.kind in ("op", "input") and src.layer != n.layer):
+                out.add(n.name)
+                break
+    return frozenset(out)
+
+
 def build_intra_op(graph: OpGraph, node_names: Iterable[str], mesh: MeshSpec, cfg: IntraOpConfig,
                    cluster: Cluster, ctx: PassContext) -> IntraOpProblem:
     """The ILP for the op nodes ``node_names`` (a stage, a layer or the whole graph) on ``mesh``."""
@@ -230,6 +249,11 @@ def build_intra_op(graph: OpGraph, node_names: Iterable[str], mesh: MeshSpec, cf
 
     constants: set[str] = {n.name for n in graph.nodes if n.kind in ("param", "buffer", "constant")}
     leaving = _region_outputs(graph, nodes) if not cfg.sequence_parallel else frozenset()
+    # Without sequence parallelism the residual stream is whole on every tp rank, as Megatron-LM runs it
+    # and as the runtime's RowwiseParallel hands its all-reduced output on: a row-parallel product's partial
+    # sums are all-reduced, not reduce-scattered into a stream split on the hidden dimension (which would
+    # price the residual's element-wise work, saved tensors and pipeline sends at 1/tp).
+    residual = _residual_adds(graph, nodes) if not cfg.sequence_parallel else frozenset()
     groups: list[_Group] = []
     group_of: dict[str, int] = {}
 
@@ -258,6 +282,9 @@ def build_intra_op(graph: OpGraph, node_names: Iterable[str], mesh: MeshSpec, cf
             strategies = [s for s in strategies if not _is_batch_sharded(graph, n, s, tp)] or strategies[:1]
         if n.name in leaving and tp is not None:  # a region hands its output on whole
             strategies = [s for s in strategies if all(p in (None, R) for p in s[tp].outputs)] or strategies[:1]
+        if n.name in residual and tp is not None:
+            strategies = [s for s in strategies
+                          if all(p in (None, R) for p in (*s[tp].inputs, *s[tp].outputs))] or strategies[:1]
         leader = rep_of.get(acts[0], acts[0]) if len(acts) == 1 else None
         if leader is not None and leader in group_of:
             placed = _follow(n, acts[0], leader, groups[group_of[leader]], strategies)
