@@ -138,12 +138,25 @@ def _before_flash_attention(case: dict[str, Any]) -> bool:
 
 def attention_of(case: dict[str, Any]) -> str:
     """The row's attention kernel: unfused before FlashAttention; Megatron-Core on Hopper runs Transformer
-    Engine's cuDNN fused attention (FlashAttention-3 class); other rows FlashAttention-2."""
+    Engine's cuDNN fused attention (FlashAttention-3 class); llm-foundry's tables MPT's Triton kernel
+    (FlashAttention v1 class); other rows FlashAttention-2."""
     if _before_flash_attention(case):
         return "math"
     if framework_of(case) == "megatron-core" and "h100" in _lower(case["cluster"].get("gpu")):
         return "flash3"
+    if framework_of(case) == "llm-foundry":
+        # The benchmark tables (scripts/train/benchmarking/README.md, last regenerated 2023-10 and 2024-01) come
+        # from submit_benchmarks.py, whose --attn_impl defaulted to 'triton' until 2024-03 (sweep.sh never sets
+        # it): MPT's flash_attn_triton.py, the FlashAttention-1 algorithm in Triton, whose header says it is
+        # "slightly slower [than the CUDA FlashAttention] when headdim=128 and batch * nheads is large", as
+        # MPT's d_head = 128 runs are.
+        return "flash1"
     return "flash"
+
+
+def _before_sequence_parallelism(case: dict[str, Any]) -> bool:
+    """Rows from before sequence parallelism (Korthikanti et al. 2022 introduced it): Narayanan et al. 2021."""
+    return "narayanan" in _lower(case.get("source"), case.get("case_id"))
 
 
 def _megatron_2021_defaults(case: dict[str, Any]) -> bool:
@@ -301,6 +314,8 @@ def reference_run(case: dict[str, Any]) -> ReferenceRun:
     """A calibration row as planner inputs."""
     ref, cfg = model_of(case)
     fixed, searched = fix_of(case["layout"])
+    if "sp" in searched and _before_sequence_parallelism(case):
+        fixed, searched = {**fixed, "sp": False}, tuple(k for k in searched if k != "sp")
     attention = attention_of(case)
     return ReferenceRun(
         case_id=case["case_id"], source=case["source"], model_ref=ref, config=cfg, cluster=cluster_of(case),

@@ -24,7 +24,7 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 #: Today's accuracy, as guards (benchmarks/results and docs/accuracy.md show the figures).
 GUARD_MAX_ABS_ERROR = 0.40
-GUARD_MEDIAN_ABS_ERROR = 0.105
+GUARD_MEDIAN_ABS_ERROR = 0.09
 GUARD_SPEARMAN = 0.845
 KNOWN_REFUSED = {"llama3_405b_8192_cp1"}  # Llama 3's own flexible-N schedule keeps fewer micro-batches in flight
 #: Issue 9's acceptance.
@@ -90,15 +90,15 @@ def test_sweep_ranking_spearman(results):
         assert not s["refused"], s["refused"]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 9 target not reached: H100 runs (Megatron-Core, llm-foundry) and "
-                                      "llm-foundry's A100 runs estimate 21-39 % fast, MT-NLG 21 %")
+@pytest.mark.xfail(strict=True, reason="issue 9 target not reached: H100 runs (Megatron-Core, llm-foundry) "
+                                      "estimate 23-39 % fast")
 def test_target_every_row_within_20_percent(results):
     rows, _ = results
     errors = _errors(rows)
     assert max(errors.values()) <= TARGET_MAX_ABS_ERROR
 
 
-@pytest.mark.xfail(strict=True, reason="issue 9 target not reached: the median row estimates ~10 % fast")
+@pytest.mark.xfail(strict=True, reason="issue 9 target not reached: the median row estimates ~8.4 % fast")
 def test_target_median_within_8_percent(results):
     rows, _ = results
     assert statistics.median(_errors(rows).values()) <= TARGET_MEDIAN_ABS_ERROR
