@@ -222,15 +222,18 @@ _ADD_OPS = frozenset({"aten.add.Tensor", "aten.add_.Tensor"})
 
 
 def _residual_adds(graph: OpGraph, nodes: Iterable[Node]) -> frozenset[str]:
-    """The additions of ``nodes`` on a block's residual stream: those reading the block's input (an
-    activation made before the block) or another such addition, within one block of the stack."""
+    """The additions of ``nodes`` on a block's residual stream: those adding to the block's input (an
+    activation made before the block) or to another such addition, within one block of the stack, and
+    keeping its shape (an attention mask made before the block and broadcast onto the scores is no
+    residual)."""
     out: set[str] = set()
     for n in nodes:  # topological order
-        if n.layer is None or n.op not in _ADD_OPS:
+        if n.layer is None or n.op not in _ADD_OPS or n.out is None:
             continue
         for name in n.inputs:
             src = graph[name]
-            if name in out or (src.kind in ("op", "input") and src.layer != n.layer):
+            stream = name in out or (src.kind in ("op", "input") and src.layer != n.layer)
+            if stream and src.out is not None and tuple(src.out.shape) == tuple(n.out.shape):
                 out.add(n.name)
                 break
     return frozenset(out)
