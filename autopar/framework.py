@@ -80,9 +80,11 @@ class Framework:
     recompute_early_stop: bool
     """Checkpointing is non-reentrant and stops recomputing once backward has what it needs; ``False``:
     reentrant checkpointing re-runs the whole checkpointed forward."""
-    pipeline_split: Literal["balanced", "uniform"]
+    pipeline_split: Literal["balanced", "uniform", "uniform_units"]
     """How layers are dealt to pipeline stages: ``balanced`` by the stage DP (the plan's split, which the
-    runtime follows), or ``uniform`` (the same number per stage, embedding and head on the end stages)."""
+    runtime follows), ``uniform`` (the same number of layers per stage, earlier stages one more, embedding and
+    head on the end stages), or ``uniform_units`` (the same number of partition units per stage, earlier
+    stages one more, where the embedding, every layer, the final norm and the head each count as one)."""
     grad_accumulation_fused: bool
     """Gradient accumulation over micro-batches happens inside the weight-gradient GEMM (Megatron's
     ``gradient_accumulation_fusion``); ``False``: a separate add per micro-batch (autograd)."""
@@ -100,6 +102,11 @@ class Framework:
     """Whether ops may split the batch over the ``tp`` group (the intra-op ILP may find that cheaper for some
     ops); ``False`` where a tp group always works on whole micro-batches (Megatron's layers, and torch's
     tensor-parallel styles and DTensor regions, which take the batch whole)."""
+    tp_layout: Literal["megatron", "searched"]
+    """``megatron``: a fixed tensor-parallel plan splits every Linear of the block stack on tp (column-parallel
+    in-projections, row-parallel out-projections: Megatron-LM, Megatron-DeepSpeed, torchtitan's
+    ``parallelize`` plans), so the ILP only chooses among those splits; ``searched``: the ILP may keep
+    Linears replicated (autopar's runtime runs any plan it picks)."""
     state_layout: Literal["working-copy", "fsdp2"]
     """How model state is stored.  ``working-copy`` (Megatron-LM, DeepSpeed): persistent 16-bit weights next to
     the gradient buffer and the fp32 master weights and moments; ZeRO shards the optimizer state (1), the
@@ -140,10 +147,13 @@ class Framework:
         if self.sharded_grad_reduce not in ("reduce_scatter", "all_reduce"):
             raise FrameworkSpecError(f"framework {self.name}: sharded_grad_reduce must be reduce_scatter or "
                                      "all_reduce")
+        if self.tp_layout not in ("megatron", "searched"):
+            raise FrameworkSpecError(f"framework {self.name}: tp_layout must be megatron or searched")
         if self.state_layout not in ("working-copy", "fsdp2"):
             raise FrameworkSpecError(f"framework {self.name}: state_layout must be working-copy or fsdp2")
-        if self.pipeline_split not in ("balanced", "uniform"):
-            raise FrameworkSpecError(f"framework {self.name}: pipeline_split must be balanced or uniform")
+        if self.pipeline_split not in ("balanced", "uniform", "uniform_units"):
+            raise FrameworkSpecError(f"framework {self.name}: pipeline_split must be balanced, uniform or "
+                                     "uniform_units")
         if self.selective_recompute not in ("attention_core", "attention_module"):
             raise FrameworkSpecError(f"framework {self.name}: selective_recompute must be attention_core or "
                                      "attention_module")

@@ -111,9 +111,6 @@ def test_target_no_refused_layout(results):
     assert not [r for r in rows if r["error"] is None or r.get("fits") is False]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 9 target not reached: priced as Aleph Alpha's Scaling stack that ran "
-                                      "it, the sweep's pipelined layouts measured 15-25 % slower than their bubble "
-                                      "and transfers explain; the pick (pp2 mbs2) leads the best (dp64) by 2 %")
 def test_target_top_pick_within_5_percent_of_the_best(results):
     _, sweeps = results
     for s in sweeps:

@@ -47,6 +47,9 @@ def test_presets_load_and_bad_values_are_named(tmp_path):
     bad.write_text('base = "torch"\noverlap_grad_reduce = 1\n')
     with pytest.raises(FrameworkSpecError, match="overlap_grad_reduce must be true or false"):
         load_framework(str(bad))
+    bad.write_text('base = "torch"\ntp_layout = "ulysses"\n')
+    with pytest.raises(FrameworkSpecError, match="tp_layout must be megatron or searched"):
+        load_framework(str(bad))
     with pytest.raises(FrameworkSpecError, match="unknown framework"):
         load_framework("jax")
 
@@ -291,3 +294,15 @@ def test_the_bubble_bound_never_exceeds_the_simulated_bubble():
         lay = Layout(dp=1, tp=1, pp=p, mbs=1, num_microbatches=m, schedule=schedule, v=v, recompute="none",
                      sp=False, zero=0)
         assert _bubble_bound_s(parts, times, lay) <= _bubble_s(parts, times, lay) + 1e-9
+
+
+def test_uniform_splits_deal_layers_or_every_partition_unit(gpt):
+    """Megatron-LM's uniform split deals the 8 layers 4 and 4 (embedding and head on the end stages); Aleph
+    Alpha Scaling's deals its 11 layer specs (embedding, 8 layers, final norm, head) 6 and 5: the first stage
+    gets the embedding and 5 layers, the last 3 layers, the norm and the head."""
+    fix = "dp=128,tp=1,pp=2,mbs=1,recompute=none,zero=1,schedule=1f1b"
+    megatron = _estimate(gpt, fix, load_framework("megatron-lm"))
+    scaling = _estimate(gpt, fix, load_framework("aa-scaling"))
+    assert [s.layers for s in megatron.stages] == [(0, 4), (4, 8)]
+    assert [s.layers for s in scaling.stages] == [(0, 5), (5, 8)]
+    assert scaling.stages[0].time_s > scaling.stages[1].time_s  # the embedding and 5 layers against 3 and the head

@@ -199,3 +199,32 @@ def test_without_sequence_parallelism_the_residual_stream_stays_whole():
                 assert tp.outputs[0] == "S(1)", (name, tp)  # split on the sequence between the regions
             else:
                 assert tp.outputs[0] == "R" and set(tp.inputs) == {"R"}, (name, tp)
+
+
+def test_a_fixed_tensor_parallel_plan_splits_every_linear_of_the_block():
+    """A 22B-sized layer with sequence parallelism at micro-batch 4: left free, the ILP keeps the weights
+    replicated and splits the sequence (its gradient sync counted at 1/16); a framework whose tensor-parallel
+    plan is fixed (``tp_layout = "megatron"``) splits every Linear, and the ILP then picks Megatron's pairs."""
+    cfg = {"layers": 2, "hidden": 6144, "heads": 64, "vocab": 1024, "seq_len": 2048}
+    graph = trace_model("gpt", cfg, ctx=CTX).graph
+    cluster = A100.with_overrides(gpus=8)
+    mesh = MeshSpec.on_cluster(cluster, ("tp",), (8,))
+    linears = ("attn.q", "attn.k", "attn.v", "attn.o", "mlp.fc", "mlp.proj")
+    placed = {}
+    for fixed in (False, True):
+        sol = _solve(graph, mesh, IntraOpConfig(batch=4, sequence_parallel=True, grad_sync_weight=1 / 16,
+                                                shard_block_linears=fixed))
+        placed[fixed] = {name: sol.param_placements[f"blocks.1.{name}.weight"][0] for name in linears}
+    assert "R" in placed[False].values()
+    assert placed[True] == {"attn.q": "S(0)", "attn.k": "S(0)", "attn.v": "S(0)", "attn.o": "S(1)",
+                            "mlp.fc": "S(0)", "mlp.proj": "S(1)"}
+
+
+def test_a_fixed_tensor_parallel_plan_keeps_moe_routers_free():
+    from autopar.intra_op.problem import _split_linears
+
+    cfg = {"layers": 2, "hidden": 64, "heads": 4, "experts": 4, "top_k": 2, "vocab": 128, "seq_len": 16}
+    graph = trace_model("moe", cfg, ctx=CTX).graph
+    split = {graph[name].module for name in _split_linears(graph, graph.ops())}
+    assert "blocks.0.attn.q" in split and "blocks.0.attn.o" in split
+    assert "blocks.0.mlp.router" not in split  # its scores feed the top-k: Megatron and torchtitan replicate it

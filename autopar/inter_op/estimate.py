@@ -478,7 +478,7 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
     tied = _tied_params(costs) if p == 1 else 0.0  # one stage holds both ends: count the shared ones once
     tie_state = ctx.state_bytes(tied, layout.replicas, layout.zero)
     tie_bytes = tie_state + ctx.held_bytes(tied, layout.replicas, layout.zero, p, m)
-    uniform = ctx.framework.pipeline_split == "uniform"
+    uniform = ctx.framework.pipeline_split if ctx.framework.pipeline_split != "balanced" else None
     split = _split(keys, by_key, loads, in_flight, memory_budget_bytes + tie_bytes, uniform)
     fits = split is not None
     if split is None and not allow_spill:
@@ -657,17 +657,27 @@ def _chunks_fit(split: StageSplit, p: int, v: int, num_units: int, v_shaped: boo
     return True
 
 
-def _uniform_split(loads: list[_UnitLoad], in_flight: list[float], budget: float) -> StageSplit | None:
+def _uniform_split(loads: list[_UnitLoad], in_flight: list[float], budget: float,
+                   units: bool = False) -> StageSplit | None:
     """Layers dealt out evenly (earlier stages one more), embedding on the first stage and head on the last,
-    as Megatron-LM and DeepSpeed's ``type:transformer`` partition do; ``None`` if a stage does not fit."""
+    as Megatron-LM and DeepSpeed's ``type:transformer`` partition do; with ``units`` the embedding, the final
+    norm and the head count as units beside the layers (Aleph Alpha Scaling's ``pipe_partition_uniform`` over
+    its layer specs: 40 layers on 2 stages give the embedding and 21 layers, then 19, the norm and the head).
+    ``None`` if a stage does not fit."""
     p, n = len(in_flight), len(loads) - 2
     if p > n:
         return None
-    base, extra = divmod(n, p)
     bounds = [0]
-    for k in range(p):
-        bounds.append(bounds[-1] + base + (1 if k < extra else 0) + (1 if k == 0 else 0))
-    bounds[-1] += 1  # the head
+    if units:  # items: the embedding (load 0), the layers (loads 1..n), the final norm and the head (load n + 1)
+        base, extra = divmod(n + 3, p)
+        for k in range(p - 1):
+            bounds.append(min(bounds[-1] + base + (1 if k < extra else 0), n + 1))
+        bounds.append(n + 2)
+    else:
+        base, extra = divmod(n, p)
+        for k in range(p):
+            bounds.append(bounds[-1] + base + (1 if k < extra else 0) + (1 if k == 0 else 0))
+        bounds[-1] += 1  # the head
     times, mems = [], []
     for k in range(p):
         units = loads[bounds[k]:bounds[k + 1]]
@@ -680,11 +690,11 @@ def _uniform_split(loads: list[_UnitLoad], in_flight: list[float], budget: float
 
 
 def _split(keys: list[str], by_key: dict[str, _UnitLoad], loads: list[_UnitLoad], in_flight: list[float],
-           budget: float, uniform: bool = False) -> StageSplit | None:
+           budget: float, uniform: str | None = None) -> StageSplit | None:
     """The stage DP (the closed form when every layer is alike, the common case), or the framework's own
     uniform split."""
     if uniform and len(in_flight) > 1:
-        return _uniform_split(loads, in_flight, budget)
+        return _uniform_split(loads, in_flight, budget, units=uniform == "uniform_units")
     layer_keys = set(keys[1:-1])
     if len(layer_keys) == 1:
         pre, layer, post = (_as_solver_load(by_key[k]) for k in (keys[0], keys[1], keys[-1]))

@@ -167,6 +167,7 @@ def solve_tp(graph: OpGraph, cluster: Cluster, ctx: PassContext, tp: int, mbs: i
     if tp == 1:
         return mesh, _replicated(graph, ops, 1), None
     cfg = IntraOpConfig(batch=mbs, sequence_parallel=sp, split_batch_on_tp=ctx.framework.tp_splits_batch,
+                        shard_block_linears=ctx.framework.tp_layout == "megatron",
                         backend=backend, time_limit_s=time_limit_s,
                         grad_sync_weight=grad_sync_weight, memory_slack=memory_slack)
     sol = solve_intra_op(graph, ops, mesh, cfg, cluster, ctx)

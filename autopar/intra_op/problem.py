@@ -63,6 +63,10 @@ class IntraOpConfig:
     """Allow sharding activations along the sequence dimension on the ``tp`` axis."""
     split_batch_on_tp: bool = True
     """Allow sharding activations along the batch dimension on the ``tp`` axis."""
+    shard_block_linears: bool = False
+    """Split every Linear weight of the block stack on ``tp`` (column- or row-parallel), as runtimes with a
+    fixed tensor-parallel plan do (``Framework.tp_layout == "megatron"``); ``False``: the ILP may keep some
+    replicated."""
     backend: Backend = "cbc"
     time_limit_s: float = 60.0
 
@@ -239,6 +243,23 @@ def _residual_adds(graph: OpGraph, nodes: Iterable[Node]) -> frozenset[str]:
     return frozenset(out)
 
 
+def _split_linears(graph: OpGraph, nodes: Iterable[Node]) -> frozenset[str]:
+    """The Linears of the block stack a fixed tensor-parallel plan splits: all but MoE routers (a Linear whose
+    scores reach a top-k within three ops), which Megatron-LM and torchtitan keep replicated."""
+    users = graph.users()
+
+    def routes(name: str) -> bool:
+        frontier = [name]
+        for _ in range(3):
+            frontier = [u for f in frontier for u in users[f]]
+            if any(graph[u].op == "aten.topk.default" for u in frontier):
+                return True
+        return False
+
+    return frozenset(n.name for n in nodes
+                     if n.layer is not None and n.module_type == "Linear" and n.params and not routes(n.name))
+
+
 def build_intra_op(graph: OpGraph, node_names: Iterable[str], mesh: MeshSpec, cfg: IntraOpConfig,
                    cluster: Cluster, ctx: PassContext) -> IntraOpProblem:
     """The ILP for the op nodes ``node_names`` (a stage, a layer or the whole graph) on ``mesh``."""
@@ -257,6 +278,7 @@ def build_intra_op(graph: OpGraph, node_names: Iterable[str], mesh: MeshSpec, cf
     # sums are all-reduced, not reduce-scattered into a stream split on the hidden dimension (which would
     # price the residual's element-wise work, saved tensors and pipeline sends at 1/tp).
     residual = _residual_adds(graph, nodes) if not cfg.sequence_parallel else frozenset()
+    fixed_split = _split_linears(graph, nodes) if cfg.shard_block_linears else frozenset()
     groups: list[_Group] = []
     group_of: dict[str, int] = {}
 
@@ -285,6 +307,11 @@ def build_intra_op(graph: OpGraph, node_names: Iterable[str], mesh: MeshSpec, cf
             strategies = [s for s in strategies if not _is_batch_sharded(graph, n, s, tp)] or strategies[:1]
         if n.name in leaving and tp is not None:  # a region hands its output on whole
             strategies = [s for s in strategies if all(p in (None, R) for p in s[tp].outputs)] or strategies[:1]
+        if n.name in fixed_split and tp is not None:
+            weights = [k for k, r in enumerate(tensor_refs(n)) if graph[r.name].kind == "param"
+                       and graph[r.name].out is not None and len(graph[r.name].out.shape) == 2]
+            strategies = [s for s in strategies
+                          if all(s[tp].inputs[k] not in (None, R) for k in weights)] or strategies
         if n.name in residual and tp is not None:
             strategies = [s for s in strategies
                           if all(p in (None, R) for p in (*s[tp].inputs, *s[tp].outputs))] or strategies[:1]
