@@ -87,7 +87,9 @@ def test_fp8_speeds_up_a_llama_70b_layout_and_says_where_the_speed_up_goes(tmp_p
     bf16, fp8 = _plan_70b(tmp_path, "bf16"), _plan_70b(tmp_path, "fp8")
     e16, e8 = bf16["estimate"], fp8["estimate"]
     assert e8["precision"] == "fp8" and e16["precision"] == "bf16"
-    assert e8["iteration_time_s"] < 0.9 * e16["iteration_time_s"]
+    # Megatron's tp8 layout (torchtitan's plan) with sequence parallelism: FP8 nearly halves the products,
+    # the casts give back a third of that, and attention and the tp collectives stay: about 8 % faster
+    assert e8["iteration_time_s"] < 0.95 * e16["iteration_time_s"]
     d16, d8 = e16["compute_detail"], e8["compute_detail"]
     # the products got faster, not twice: the casts and attention (bf16) keep the rest
     assert d8["products_s"] < 0.6 * d16["products_s"]

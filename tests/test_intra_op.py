@@ -220,11 +220,17 @@ def test_a_fixed_tensor_parallel_plan_splits_every_linear_of_the_block():
                             "mlp.fc": "S(0)", "mlp.proj": "S(1)"}
 
 
-def test_a_fixed_tensor_parallel_plan_keeps_moe_routers_free():
+def test_a_fixed_tensor_parallel_plan_keeps_routers_and_multi_query_attention_free():
     from autopar.intra_op.problem import _split_linears
 
-    cfg = {"layers": 2, "hidden": 64, "heads": 4, "experts": 4, "top_k": 2, "vocab": 128, "seq_len": 16}
+    cfg = {"layers": 2, "hidden": 64, "heads": 4, "experts": 64, "top_k": 2, "vocab": 128, "seq_len": 16}
     graph = trace_model("moe", cfg, ctx=CTX).graph
-    split = {graph[name].module for name in _split_linears(graph, graph.ops())}
+    split = {graph[name].module for name in _split_linears(graph, graph.ops(), 2)}
     assert "blocks.0.attn.q" in split and "blocks.0.attn.o" in split
     assert "blocks.0.mlp.router" not in split  # its scores feed the top-k: Megatron and torchtitan replicate it
+    cfg = {"layers": 2, "hidden": 256, "heads": 8, "kv_heads": 1, "ffn": 512, "vocab": 128, "seq_len": 16}
+    graph = trace_model("llama", cfg, ctx=CTX).graph
+    split = {graph[name].module for name in _split_linears(graph, graph.ops(), 8)}
+    assert not split  # one kv head on 8 ranks: Megatron replicates its projections; the ILP is left free
+    split = {graph[name].module for name in _split_linears(graph, graph.ops(), 1)}
+    assert {"blocks.0.attn.q", "blocks.0.attn.k", "blocks.0.ffn.gate", "blocks.0.ffn.down"} <= split

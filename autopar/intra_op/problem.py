@@ -243,9 +243,16 @@ def _residual_adds(graph: OpGraph, nodes: Iterable[Node]) -> frozenset[str]:
     return frozenset(out)
 
 
-def _split_linears(graph: OpGraph, nodes: Iterable[Node]) -> frozenset[str]:
-    """The Linears of the block stack a fixed tensor-parallel plan splits: all but MoE routers (a Linear whose
-    scores reach a top-k within three ops), which Megatron-LM and torchtitan keep replicated."""
+def _split_linears(graph: OpGraph, nodes: Iterable[Node], tp: int) -> frozenset[str]:
+    """The Linears of the block stack a fixed tensor-parallel plan splits on ``tp`` ranks: all but MoE routers
+    (a Linear whose scores reach a top-k within three ops), which Megatron-LM and torchtitan keep replicated.
+    None when an attention has fewer key/value heads than ``tp`` (multi-query attention): Megatron-LM then
+    replicates the key/value projections, which the ILP finds for itself."""
+    for n in graph.ops():
+        if n.op == "aten.scaled_dot_product_attention.default":
+            k = graph.tensor(n.args[1])
+            if k is not None and len(k.shape) == 4 and k.shape[1] < tp:
+                return frozenset()
     users = graph.users()
 
     def routes(name: str) -> bool:
@@ -278,7 +285,8 @@ def build_intra_op(graph: OpGraph, node_names: Iterable[str], mesh: MeshSpec, cf
     # sums are all-reduced, not reduce-scattered into a stream split on the hidden dimension (which would
     # price the residual's element-wise work, saved tensors and pipeline sends at 1/tp).
     residual = _residual_adds(graph, nodes) if not cfg.sequence_parallel else frozenset()
-    fixed_split = _split_linears(graph, nodes) if cfg.shard_block_linears else frozenset()
+    fixed_split = _split_linears(graph, nodes, mesh.shape[tp]) if cfg.shard_block_linears and tp is not None \
+        else frozenset()
     groups: list[_Group] = []
     group_of: dict[str, int] = {}
 
