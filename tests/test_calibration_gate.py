@@ -112,6 +112,7 @@ def test_target_no_refused_layout(results):
 
 
 def test_target_top_pick_within_5_percent_of_the_best(results):
+    # a thin lead today: the best (dp64) estimates 26.8 s, pp2 with micro-batch 2 (measured 25 % slower) 26.9 s
     _, sweeps = results
     for s in sweeps:
         assert s["top_pick_regret"] <= TARGET_REGRET

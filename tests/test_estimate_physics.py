@@ -306,3 +306,36 @@ def test_uniform_splits_deal_layers_or_every_partition_unit(gpt):
     assert [s.layers for s in megatron.stages] == [(0, 4), (4, 8)]
     assert [s.layers for s in scaling.stages] == [(0, 5), (5, 8)]
     assert scaling.stages[0].time_s > scaling.stages[1].time_s  # the embedding and 5 layers against 3 and the head
+
+
+@pytest.mark.parametrize("layers", [2, 5, 8, 24, 40])
+def test_uniform_units_split_never_leaves_a_stage_empty(layers):
+    """Every stage count up to the layer count: each stage holds some of the units in order, or the split is
+    declined (where Scaling would give the final norm a stage of its own, which the estimate's loads, norm
+    and head together, cannot express); never an empty stage."""
+    from autopar.inter_op.estimate import _uniform_split, _UnitLoad
+
+    required = [f.name for f in dataclasses.fields(_UnitLoad) if f.default is dataclasses.MISSING]
+    load = _UnitLoad(**{name: (1.0 if name == "time_s" else 0.0) for name in required})
+    loads = [load] * (layers + 2)
+    priced = 0
+    for p in range(1, layers + 1):
+        split = _uniform_split(loads, [1.0] * p, float("inf"), units=True)
+        if split is None:
+            continue
+        priced += 1
+        b = list(split.boundaries)
+        assert b[0] == 0 and b[-1] == layers + 2 and all(y > x for x, y in itertools.pairwise(b)), (p, b)
+    assert priced >= layers // 2
+
+
+def test_uniform_units_estimates_every_stage_count(gpt):
+    """An 8-layer model on 8 stages under Scaling's split: declined or priced, never a crash."""
+    priced = []
+    for pp in (2, 4, 8):
+        fix = f"dp={256 // pp},tp=1,pp={pp},mbs=1,recompute=none,zero=1,schedule=1f1b"
+        res = search(gpt, A100, _ctx(load_framework("aa-scaling")), 512, parse_fix(fix), A100.usable_memory_bytes)
+        if res.best is not None:
+            assert all(s.units[1] > s.units[0] for s in res.best.estimate.stages)
+            priced.append(pp)
+    assert priced == [2, 4]  # 11 units on 8 stages would leave the final norm alone: declined

@@ -231,6 +231,50 @@ def test_a_fixed_tensor_parallel_plan_keeps_routers_and_multi_query_attention_fr
     cfg = {"layers": 2, "hidden": 256, "heads": 8, "kv_heads": 1, "ffn": 512, "vocab": 128, "seq_len": 16}
     graph = trace_model("llama", cfg, ctx=CTX).graph
     split = {graph[name].module for name in _split_linears(graph, graph.ops(), 8)}
-    assert not split  # one kv head on 8 ranks: Megatron replicates its projections; the ILP is left free
+    assert {"blocks.0.attn.q", "blocks.0.attn.o", "blocks.0.ffn.gate", "blocks.0.ffn.down"} <= split
+    assert not {"blocks.0.attn.k", "blocks.0.attn.v"} & split  # one kv head on 8 ranks: left to the ILP
     split = {graph[name].module for name in _split_linears(graph, graph.ops(), 1)}
-    assert {"blocks.0.attn.q", "blocks.0.attn.k", "blocks.0.ffn.gate", "blocks.0.ffn.down"} <= split
+    assert {"blocks.0.attn.k", "blocks.0.attn.v"} <= split
+
+
+class _BiasedBlock(torch.nn.Module):
+    def __init__(self, h: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln = torch.nn.LayerNorm(h)
+        self.qkv = torch.nn.Linear(h, 3 * h)
+        self.o = torch.nn.Linear(h, h)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        q, k, v = self.qkv(self.ln(x)).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        scores = q @ k.transpose(-1, -2) + bias
+        return x + self.o((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, s, h))
+
+
+class _BiasedStack(torch.nn.Module):
+    """Blocks sharing an ALiBi-style attention bias made before them (no batch dimension)."""
+
+    def __init__(self, h: int = 32, heads: int = 4, layers: int = 3) -> None:
+        super().__init__()
+        self.heads = heads
+        self.blocks = torch.nn.ModuleList(_BiasedBlock(h, heads) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = x.shape[1]
+        pos = torch.arange(s, device=x.device)
+        bias = -(pos[None, :] - pos[:, None]).abs().float()[None, None].expand(1, self.heads, s, s)
+        for block in self.blocks:
+            x = block(x, bias)
+        return x
+
+
+def test_an_attention_bias_made_before_the_blocks_is_no_residual_stream():
+    from autopar.intra_op.problem import _residual_adds
+
+    graph = run_pipeline(autopar.trace(_BiasedStack(), (torch.zeros(2, 8, 32),),
+                                       loss_fn=lambda out, x: out.pow(2).mean()), CTX)
+    adds = {n.name: n for n in graph.ops() if n.layer == 1 and n.op == "aten.add.Tensor"}
+    residual = _residual_adds(graph, graph.ops())
+    assert [n.out.shape[1:] for name, n in adds.items() if name in residual] == [(8, 32)]  # x + o(...)
+    assert any(n.out.shape[1:] == (4, 8, 8) for n in adds.values())  # scores + bias: not the stream

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -549,7 +550,8 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
         a, b = split.boundaries[k], split.boundaries[k + 1]
         units = loads[a:b]
         layer_idx = [i - 1 for i in range(a, b) if 0 < i < len(keys) - 1]
-        layers = (layer_idx[0], layer_idx[-1] + 1) if layer_idx else (0, 0)
+        last = len(keys) - 2
+        layers = (layer_idx[0], layer_idx[-1] + 1) if layer_idx else ((0, 0) if a == 0 else (last, last))
         expert_local = per_stage[k]["expert_local"]
         state = (ctx.state_bytes(per_stage[k]["local"] - expert_local, layout.replicas, layout.zero)
                  + ctx.state_bytes(expert_local, layout.expert_replicas, layout.zero) - tie_state)
@@ -673,6 +675,8 @@ def _uniform_split(loads: list[_UnitLoad], in_flight: list[float], budget: float
         for k in range(p - 1):
             bounds.append(min(bounds[-1] + base + (1 if k < extra else 0), n + 1))
         bounds.append(n + 2)
+        if any(b <= a for a, b in itertools.pairwise(bounds)):
+            return None  # the final norm on a stage of its own: these loads keep it with the head (not priced)
     else:
         base, extra = divmod(n, p)
         for k in range(p):

@@ -228,8 +228,8 @@ _ADD_OPS = frozenset({"aten.add.Tensor", "aten.add_.Tensor"})
 def _residual_adds(graph: OpGraph, nodes: Iterable[Node]) -> frozenset[str]:
     """The additions of ``nodes`` on a block's residual stream: those adding to the block's input (an
     activation made before the block) or to another such addition, within one block of the stack, and
-    keeping its shape (an attention mask made before the block and broadcast onto the scores is no
-    residual)."""
+    keeping its shape and batch dimension (an attention mask or bias made before the block and broadcast
+    onto the scores is no residual)."""
     out: set[str] = set()
     for n in nodes:  # topological order
         if n.layer is None or n.op not in _ADD_OPS or n.out is None:
@@ -237,34 +237,61 @@ def _residual_adds(graph: OpGraph, nodes: Iterable[Node]) -> frozenset[str]:
         for name in n.inputs:
             src = graph[name]
             stream = name in out or (src.kind in ("op", "input") and src.layer != n.layer)
-            if stream and src.out is not None and tuple(src.out.shape) == tuple(n.out.shape):
+            if (stream and src.out is not None and tuple(src.out.shape) == tuple(n.out.shape)
+                    and src.out.batch_dim is not None and src.out.batch_dim == n.out.batch_dim):
                 out.add(n.name)
                 break
     return frozenset(out)
 
 
+#: Matrix products: a router's scores and a key's projection are traced back to the first of them.
+_PRODUCT_OPS = frozenset({"aten.linear.default", "aten.mm.default", "aten.addmm.default", "aten.bmm.default",
+                          "aten.matmul.default", "aten.einsum.default", "aten._grouped_mm.default"})
+
+
 def _split_linears(graph: OpGraph, nodes: Iterable[Node], tp: int) -> frozenset[str]:
     """The Linears of the block stack a fixed tensor-parallel plan splits on ``tp`` ranks: all but MoE routers
-    (a Linear whose scores reach a top-k within three ops), which Megatron-LM and torchtitan keep replicated.
-    None when an attention has fewer key/value heads than ``tp`` (multi-query attention): Megatron-LM then
-    replicates the key/value projections, which the ILP finds for itself."""
-    for n in graph.ops():
-        if n.op == "aten.scaled_dot_product_attention.default":
-            k = graph.tensor(n.args[1])
-            if k is not None and len(k.shape) == 4 and k.shape[1] < tp:
-                return frozenset()
+    (a Linear whose scores reach a top-k through element-wise and view ops, no other product), which
+    Megatron-LM and torchtitan keep replicated, and the key/value projections of an attention with fewer
+    key/value heads than ``tp`` (multi-query attention: the ILP places them; Megatron-Core refuses such a
+    tp).  HuggingFace's ``Conv1D`` (GPT-2) is no ``Linear`` here and stays free."""
     users = graph.users()
 
     def routes(name: str) -> bool:
         frontier = [name]
-        for _ in range(3):
-            frontier = [u for f in frontier for u in users[f]]
+        for _ in range(6):
+            frontier = [u for f in frontier for u in users[f] if graph[u].op not in _PRODUCT_OPS]
             if any(graph[u].op == "aten.topk.default" for u in frontier):
                 return True
         return False
 
+    def projection(name: str) -> Node | None:  # the Linear a key or value comes from (through RoPE, views)
+        for _ in range(12):
+            node = graph[name]
+            if node.module_type == "Linear" and node.params:
+                return node
+            if node.op in _PRODUCT_OPS:
+                return None
+            refs = [r for r in tensor_refs(node) if graph[r.name].kind == "op"]
+            if not refs:
+                return None
+            name = refs[0].name
+        return None
+
+    few_heads: set[str] = set()
+    for n in graph.ops():
+        if n.op != "aten.scaled_dot_product_attention.default" or len(n.args) < 3:
+            continue
+        q = graph.tensor(n.args[0])
+        head_dim = q.shape[-1] if q is not None and q.shape else 0
+        for ref in n.args[1:3]:
+            proj = projection(ref.name) if hasattr(ref, "name") else None
+            weight = graph.params.get(proj.params[0]) if proj is not None else None
+            if weight is not None and head_dim and len(weight.shape) == 2 and weight.shape[0] // head_dim < tp:
+                few_heads.add(proj.name)
     return frozenset(n.name for n in nodes
-                     if n.layer is not None and n.module_type == "Linear" and n.params and not routes(n.name))
+                     if n.layer is not None and n.module_type == "Linear" and n.params and not routes(n.name)
+                     and n.name not in few_heads)
 
 
 def build_intra_op(graph: OpGraph, node_names: Iterable[str], mesh: MeshSpec, cfg: IntraOpConfig,
@@ -318,6 +345,7 @@ def build_intra_op(graph: OpGraph, node_names: Iterable[str], mesh: MeshSpec, cf
         if n.name in fixed_split and tp is not None:
             weights = [k for k, r in enumerate(tensor_refs(n)) if graph[r.name].kind == "param"
                        and graph[r.name].out is not None and len(graph[r.name].out.shape) == 2]
+            # a Linear no strategy splits (a weight dim smaller than tp) stays free rather than unpriceable
             strategies = [s for s in strategies
                           if all(s[tp].inputs[k] not in (None, R) for k in weights)] or strategies
         if n.name in residual and tp is not None:
