@@ -147,9 +147,9 @@ def attention_of(case: dict[str, Any]) -> str:
     if framework_of(case) == "llm-foundry":
         # The benchmark tables (scripts/train/benchmarking/README.md, last regenerated 2023-10 and 2024-01) come
         # from submit_benchmarks.py, whose --attn_impl defaulted to 'triton' until 2024-03 (sweep.sh never sets
-        # it): MPT's flash_attn_triton.py, the FlashAttention-1 algorithm in Triton, whose header says it is
-        # "slightly slower [than the CUDA FlashAttention] when headdim=128 and batch * nheads is large", as
-        # MPT's d_head = 128 runs are.
+        # it): llmfoundry/models/layers/flash_attn_triton.py, FlashAttention in Triton (Dec 2022), whose header
+        # says "Overall Triton forward + backward is slightly slower than CUDA forward + backward", the CUDA
+        # FlashAttention of its day being version 1.
         return "flash1"
     return "flash"
 
