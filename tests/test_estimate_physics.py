@@ -320,7 +320,7 @@ def test_uniform_units_split_never_leaves_a_stage_empty(layers):
     loads = [load] * (layers + 2)
     priced = 0
     for p in range(1, layers + 1):
-        split = _uniform_split(loads, [1.0] * p, float("inf"), units=True)
+        split = _uniform_split(loads, [1.0] * p, float("inf"), ends_are_units=True)
         if split is None:
             continue
         priced += 1

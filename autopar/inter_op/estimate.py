@@ -479,13 +479,13 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
     tied = _tied_params(costs) if p == 1 else 0.0  # one stage holds both ends: count the shared ones once
     tie_state = ctx.state_bytes(tied, layout.replicas, layout.zero)
     tie_bytes = tie_state + ctx.held_bytes(tied, layout.replicas, layout.zero, p, m)
-    uniform = ctx.framework.pipeline_split if ctx.framework.pipeline_split != "balanced" else None
-    split = _split(keys, by_key, loads, in_flight, memory_budget_bytes + tie_bytes, uniform)
+    split_by = ctx.framework.pipeline_split
+    split = _split(keys, by_key, loads, in_flight, memory_budget_bytes + tie_bytes, split_by)
     fits = split is not None
     if split is None and not allow_spill:
         return None
     if split is None:  # report the best split ignoring memory, marked as not fitting
-        split = _split(keys, by_key, loads, in_flight, float("inf"), uniform)
+        split = _split(keys, by_key, loads, in_flight, float("inf"), split_by)
         if split is None:
             return None
     if v > 1 and not _chunks_fit(split, p, v, len(keys), layout.schedule in V_SHAPED):
@@ -659,29 +659,29 @@ def _chunks_fit(split: StageSplit, p: int, v: int, num_units: int, v_shaped: boo
     return True
 
 
+def _dealt(count: int, parts: int) -> list[int]:
+    """Cumulative bounds of ``count`` items dealt into ``parts`` equal parts, the earlier parts one more."""
+    base, extra = divmod(count, parts)
+    return list(itertools.accumulate((base + (k < extra) for k in range(parts)), initial=0))
+
+
 def _uniform_split(loads: list[_UnitLoad], in_flight: list[float], budget: float,
-                   units: bool = False) -> StageSplit | None:
+                   ends_are_units: bool = False) -> StageSplit | None:
     """Layers dealt out evenly (earlier stages one more), embedding on the first stage and head on the last,
-    as Megatron-LM and DeepSpeed's ``type:transformer`` partition do; with ``units`` the embedding, the final
-    norm and the head count as units beside the layers (Aleph Alpha Scaling's ``pipe_partition_uniform`` over
-    its layer specs: 40 layers on 2 stages give the embedding and 21 layers, then 19, the norm and the head).
-    ``None`` if a stage does not fit."""
+    as Megatron-LM and DeepSpeed's ``type:transformer`` partition do; with ``ends_are_units`` the embedding,
+    the final norm and the head are dealt out beside the layers (Aleph Alpha Scaling's
+    ``pipe_partition_uniform`` over its layer specs: 40 layers on 2 stages give the embedding and 21 layers,
+    then 19, the norm and the head).  ``None`` if a stage does not fit."""
     p, n = len(in_flight), len(loads) - 2
     if p > n:
         return None
-    bounds = [0]
-    if units:  # items: the embedding (load 0), the layers (loads 1..n), the final norm and the head (load n + 1)
-        base, extra = divmod(n + 3, p)
-        for k in range(p - 1):
-            bounds.append(min(bounds[-1] + base + (1 if k < extra else 0), n + 1))
-        bounds.append(n + 2)
+    if ends_are_units:  # items: the embedding (load 0), the layers (1..n), the final norm and the head (n + 1)
+        bounds = [min(b, n + 1) for b in _dealt(n + 3, p)[:-1]] + [n + 2]
         if any(b <= a for a, b in itertools.pairwise(bounds)):
             return None  # the final norm on a stage of its own: these loads keep it with the head (not priced)
-    else:
-        base, extra = divmod(n, p)
-        for k in range(p):
-            bounds.append(bounds[-1] + base + (1 if k < extra else 0) + (1 if k == 0 else 0))
-        bounds[-1] += 1  # the head
+    else:  # the embedding joins the first stage, the head the last
+        bounds = [0] + [b + 1 for b in _dealt(n, p)[1:]]
+        bounds[-1] += 1
     times, mems = [], []
     for k in range(p):
         units = loads[bounds[k]:bounds[k + 1]]
@@ -694,11 +694,11 @@ def _uniform_split(loads: list[_UnitLoad], in_flight: list[float], budget: float
 
 
 def _split(keys: list[str], by_key: dict[str, _UnitLoad], loads: list[_UnitLoad], in_flight: list[float],
-           budget: float, uniform: str | None = None) -> StageSplit | None:
+           budget: float, pipeline_split: str = "balanced") -> StageSplit | None:
     """The stage DP (the closed form when every layer is alike, the common case), or the framework's own
-    uniform split."""
-    if uniform and len(in_flight) > 1:
-        return _uniform_split(loads, in_flight, budget, units=uniform == "uniform_units")
+    uniform split (``Framework.pipeline_split``)."""
+    if pipeline_split != "balanced" and len(in_flight) > 1:
+        return _uniform_split(loads, in_flight, budget, ends_are_units=pipeline_split == "uniform_units")
     layer_keys = set(keys[1:-1])
     if len(layer_keys) == 1:
         pre, layer, post = (_as_solver_load(by_key[k]) for k in (keys[0], keys[1], keys[-1]))

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from autopar.cluster import Cluster, MeshSpec
 from autopar.intra_op.sharding_costs import (
+    PRODUCT_OPS,
     compute_s,
     edge_cost_s,
     param_cost,
@@ -244,11 +245,6 @@ def _residual_adds(graph: OpGraph, nodes: Iterable[Node]) -> frozenset[str]:
     return frozenset(out)
 
 
-#: Matrix products: a router's scores and a key's projection are traced back to the first of them.
-_PRODUCT_OPS = frozenset({"aten.linear.default", "aten.mm.default", "aten.addmm.default", "aten.bmm.default",
-                          "aten.matmul.default", "aten.einsum.default", "aten._grouped_mm.default"})
-
-
 def _split_linears(graph: OpGraph, nodes: Iterable[Node], tp: int) -> frozenset[str]:
     """The Linears of the block stack a fixed tensor-parallel plan splits on ``tp`` ranks: all but MoE routers
     (a Linear whose scores reach a top-k through element-wise and view ops, no other product), which
@@ -260,7 +256,7 @@ def _split_linears(graph: OpGraph, nodes: Iterable[Node], tp: int) -> frozenset[
     def routes(name: str) -> bool:
         frontier = [name]
         for _ in range(6):
-            frontier = [u for f in frontier for u in users[f] if graph[u].op not in _PRODUCT_OPS]
+            frontier = [u for f in frontier for u in users[f] if graph[u].op not in PRODUCT_OPS]
             if any(graph[u].op == "aten.topk.default" for u in frontier):
                 return True
         return False
@@ -270,7 +266,7 @@ def _split_linears(graph: OpGraph, nodes: Iterable[Node], tp: int) -> frozenset[
             node = graph[name]
             if node.module_type == "Linear" and node.params:
                 return node
-            if node.op in _PRODUCT_OPS:
+            if node.op in PRODUCT_OPS:
                 return None
             refs = [r for r in tensor_refs(node) if graph[r.name].kind == "op"]
             if not refs:
