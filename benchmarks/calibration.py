@@ -6,7 +6,7 @@ the estimate is compared with the measurement.  Per-layer rows (one transformer 
 compare the estimated forward and backward time of one layer.  Prints a table and the summary (median and
 largest |error|, rows within 10 %), and writes ``benchmarks/results/calibration.json``.
 
-    python benchmarks/calibration.py [--case CASE_ID] [--references FILE]
+    python benchmarks/calibration.py [--case CASE_ID] [--references FILE] [--output FILE]
 """
 
 from __future__ import annotations
@@ -170,15 +170,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--references", type=Path, default=CALIBRATION)
     ap.add_argument("--case", help="only this case_id")
+    ap.add_argument("--output", type=Path, default=RESULTS, help=f"JSON to write (default {RESULTS.name} in results/)")
     args = ap.parse_args()
     t0 = time.perf_counter()
     rows = run_all(load_calibration(args.references), args.case)
     summary = summarize(rows)
     summary["wall_s"] = time.perf_counter() - t0
     render(rows, summary, Console(width=200))
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps({"summary": summary, "rows": rows}, indent=2, sort_keys=True, default=str) + "\n")
-    print(f"wrote {RESULTS} ({summary['wall_s']:.0f} s)")
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps({"summary": summary, "rows": rows}, indent=2, sort_keys=True, default=str) + "\n")
+    print(f"wrote {args.output} ({summary['wall_s']:.0f} s)")
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ from autopar.kernels import flash_attention_s, gemm_s, memory_s
 from autopar.passes.activations import SavedTensor, storage_key
 from autopar.passes.context import PassContext
 from autopar.passes.flops import NodeFlops
-from autopar.passes.traffic import NodeTraffic, softmax_passes_bytes
+from autopar.passes.traffic import LOSS_OPS, NodeTraffic, softmax_passes_bytes
 
 Placements = tuple[str | None, ...]
 
@@ -475,6 +475,9 @@ def compute_s(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec, ba
     split = math.prod(n for a, n in enumerate(mesh.shape)
                       if any(shard_dim(p or R) is not None for p in strategy[a].inputs))
     fwd_bytes, bwd_bytes = local_bytes(node, graph, strategy, mesh, batch, ctx)
+    if node.op in LOSS_OPS:
+        # the loss's passes over its (fp32-upcast) logits, which its operands' sizes do not show (``loss_traffic``)
+        fwd_bytes, bwd_bytes = traffic.fwd_bytes.at(batch) / split, traffic.bwd_bytes.at(batch) / split
     if node.op in ATTENTION_OPS:
         return _attention_s(node, graph, strategy, mesh, batch, cluster, ctx, split, fwd_bytes, bwd_bytes)
     launch_f = traffic.fwd_kernels * cluster.kernel_overhead_s
