@@ -52,10 +52,13 @@ def test_interleaving_divides_the_bubble(gpt):
     fix = "dp=2,tp=2,pp=4,mbs=1,recompute=none,sp=off,zero=0"
     base = _estimate(gpt, fix + ",schedule=1f1b")
     inter = _estimate(gpt, fix + ",schedule=interleaved,v=2")
-    for est, v in ((base, 1), (inter, 2)):  # the warm-up and cool-down of the stage times, over v, bound it;
-        times = [s.time_s for s in est.stages]  # simulated, unequal stages (embedding, head) wait less
+    # the warm-up and cool-down of the stage times, over v, bound it (simulated, unequal stages wait less);
+    # with v > 1 a stage's chunks are unequal too (the last holds the head and the loss), which the
+    # closed form of equal chunks does not see: a few % over it
+    for est, v, slack in ((base, 1, 1e-9), (inter, 2, 0.05)):
+        times = [s.time_s for s in est.stages]
         closed_form = (sum(times) - max(times)) / v
-        assert 0.8 * closed_form < est.breakdown["pp_bubble_s"] <= closed_form * (1 + 1e-9)
+        assert 0.8 * closed_form < est.breakdown["pp_bubble_s"] <= closed_form * (1 + slack)
     # half the bubble of stage times that grow by each chunk's own transfers (about 12 % here)
     assert inter.breakdown["pp_bubble_s"] < 0.6 * base.breakdown["pp_bubble_s"]
 

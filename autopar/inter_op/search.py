@@ -29,7 +29,7 @@ Search space (each key can be pinned with ``fixed``):
   (with ``dp > 1``).
 
 Unit costs depend only on ``(tp, mbs, sp)``.  The intra-op ILP chooses strategies per ``(tp, sp)`` at a
-few reference micro-batch sizes, twice (fastest, and fastest among the leanest in memory); every layout
+few reference micro-batch sizes, two or three times (``variants``); every layout
 reuses them, re-costed at its own micro-batch size; the rest is arithmetic plus the stage DP.  Layouts are
 estimated best first, in the order of their perfectly balanced lower bound, until that bound cannot beat
 the K-th best so far.
@@ -52,6 +52,7 @@ from autopar.inter_op.estimate import Estimate, ModelFlops, estimate_layout, lay
 from autopar.inter_op.expert_parallel import expert_parallel_share
 from autopar.inter_op.layout import RECOMPUTE, Layout
 from autopar.inter_op.unit_costs import POST, PRE, UnitCost, solve_tp, unit_costs, unit_sequence
+from autopar.intra_op.problem import splits_block_linears
 from autopar.intra_op.strategies import R, Strategy, param_tp_placements
 from autopar.ir import OpGraph
 from autopar.passes.context import PassContext
@@ -68,7 +69,20 @@ MIN_CP_TOKENS = 1024
 #: The ILP picks strategies at these micro-batch sizes; other sizes reuse the nearest (in log scale) and
 #: only re-cost it.  The choice between sharding weights and activations moves with the batch slowly.
 REFERENCE_MBS = (1, 4, 16)
-VARIANTS = ("fast", "lean")  # ILP without memory limit, and at the least memory (+2 %)
+#: Intra-op solutions per (tp, sp, micro-batch): the fastest without a memory limit; the fastest within 2 % of
+#: the least memory; and, where the framework lets the ILP keep weights whole, the fastest that splits every
+#: Linear of the block stack (Megatron's plan).  The ILP prices a tensor-parallel op by its time and sees no
+#: per-device budget: unbounded it keeps weights whole (their optimizer state on every rank), at the least
+#: memory it takes slow splits; Megatron's plan is the middle that tensor-parallel layouts are known by.
+VARIANTS = ("fast", "lean", "megatron")
+
+
+def variants(framework: Framework, tp: int) -> tuple[str, ...]:
+    """The intra-op solutions a layout of ``tp`` is estimated with (one when nothing is split; under a fixed
+    tensor-parallel plan, ``fast`` and ``lean`` already split every Linear)."""
+    if tp == 1:
+        return VARIANTS[:1]
+    return VARIANTS[:2] if framework.tp_layout == "megatron" else VARIANTS
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,13 +171,18 @@ class UnitCostCache:
         """The ILP's strategies, solved at the reference micro-batch nearest ``mbs``."""
         ref = min(REFERENCE_MBS, key=lambda r: (abs(math.log2(r) - math.log2(mbs)), r))
         key = (tp, ref, sp, variant if tp > 1 else "fast")
+        if key not in self._solved and variant == "megatron":
+            fast = self.strategies(tp, mbs, sp, "fast")
+            if splits_block_linears(self.graph, fast[1], tp):
+                self._solved[key] = fast  # the unconstrained optimum already splits every Linear
         if key not in self._solved:
             if self.progress is not None and tp > 1:
                 self.progress(f"solving the intra-op ILP: tp={tp}, micro-batch {ref}, sp={'on' if sp else 'off'}, "
                               f"{variant}")
             slack = 0.02 if variant == "lean" else None
             mesh, strategies, sol = solve_tp(self.graph, self.cluster, self.ctx, tp, ref, sp, self.backend,
-                                             self.time_limit_s, grad_sync_weight=1 / 16, memory_slack=slack)
+                                             self.time_limit_s, grad_sync_weight=1 / 16, memory_slack=slack,
+                                             split_linears=True if variant == "megatron" else None)
             if sol is not None:
                 self._alternatives[id(strategies)] = sol.alternatives
                 self.solves += 1
@@ -448,7 +467,7 @@ def search(graph: OpGraph, cluster: Cluster, ctx: PassContext, global_batch: int
     counts = {k: sequence.count(k) for k in dict.fromkeys(sequence)}
     memo: dict[tuple, tuple[float, float]] = {}
     for layout in layouts(graph, cluster, global_batch, fixed, ctx.framework):
-        for variant in VARIANTS if layout.tp > 1 else VARIANTS[:1]:
+        for variant in variants(ctx.framework, layout.tp):
             costs, strategies = cache.get(layout.tp, layout.mbs, layout.sp, variant)
             if runtime_runs(layout, cache.shards_parameters(strategies)) and expert_parallel_runs(layout, costs):
                 queue.append((_lower_bound(costs, counts, layout, ctx, memo, cluster), _layout_key(layout), variant,

@@ -290,6 +290,21 @@ def _split_linears(graph: OpGraph, nodes: Iterable[Node], tp: int) -> frozenset[
                      and n.name not in few_heads)
 
 
+def _weight_operands(graph: OpGraph, node: Node) -> list[int]:
+    """Operand positions of ``node``'s 2-D weights."""
+    return [k for k, r in enumerate(tensor_refs(node)) if graph[r.name].kind == "param"
+            and graph[r.name].out is not None and len(graph[r.name].out.shape) == 2]
+
+
+def splits_block_linears(graph: OpGraph, strategies: dict[str, Strategy], tp: int, axis: int = 0) -> bool:
+    """Whether ``strategies`` (on a mesh whose ``axis`` has ``tp`` ranks) split every weight a fixed
+    tensor-parallel plan splits (``IntraOpConfig.shard_block_linears``): then they also solve the ILP
+    constrained to that plan, being the unconstrained optimum."""
+    return all(strategies[name][axis].inputs[k] not in (None, R)
+               for name in _split_linears(graph, graph.ops(), tp)
+               for k in _weight_operands(graph, graph[name]))
+
+
 def build_intra_op(graph: OpGraph, node_names: Iterable[str], mesh: MeshSpec, cfg: IntraOpConfig,
                    cluster: Cluster, ctx: PassContext) -> IntraOpProblem:
     """The ILP for the op nodes ``node_names`` (a stage, a layer or the whole graph) on ``mesh``."""
@@ -339,8 +354,7 @@ def build_intra_op(graph: OpGraph, node_names: Iterable[str], mesh: MeshSpec, cf
         if n.name in leaving and tp is not None:  # a region hands its output on whole
             strategies = [s for s in strategies if all(p in (None, R) for p in s[tp].outputs)] or strategies[:1]
         if n.name in fixed_split and tp is not None:
-            weights = [k for k, r in enumerate(tensor_refs(n)) if graph[r.name].kind == "param"
-                       and graph[r.name].out is not None and len(graph[r.name].out.shape) == 2]
+            weights = _weight_operands(graph, n)
             # a Linear no strategy splits (a weight dim smaller than tp) stays free rather than unpriceable
             strategies = [s for s in strategies
                           if all(s[tp].inputs[k] not in (None, R) for k in weights)] or strategies
