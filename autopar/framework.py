@@ -124,6 +124,9 @@ class Framework:
     ``torch.compile``: every step of a cast is its own kernel), ``dynamic`` (torchao compiled: an amax pass,
     then one fused cast), ``delayed`` (Transformer Engine's DelayedScaling: the scale comes from the amax
     history and the cast records the new amax), ``none`` (no FP8 training: ``--precision fp8`` is refused)."""
+    pp_scatter_gather_grads: bool
+    """With ``pp_scatter_gather``, gradients are sent split too (``False``: only activations, as DeepSpeed's
+    pipeline engine did before September 2021)."""
     fp8_param_gather: bool = False
     """Whether ZeRO-3 all-gathers the FP8 Linears' weights in FP8, cast on the shard (torchao's
     ``enable_fsdp_float8_all_gather``, Megatron's ``--fp8-param-gather``): one byte per element on the wire."""

@@ -116,7 +116,11 @@ def test_pipeline_p2p_overlap_and_scatter_gather():
     blocking = _estimate(g, fix, TORCH, cluster, 32)
     split = _estimate(g, fix, TORCH.with_overrides(pp_scatter_gather=True), cluster, 32)
     hidden = _estimate(g, fix, TORCH.with_overrides(pp_p2p_overlap=True), cluster, 32)
+    # DeepSpeed before 2021-09: activations split, gradients whole (half the transfers of each kind)
+    acts = _estimate(g, fix, TORCH.with_overrides(pp_scatter_gather=True, pp_scatter_gather_grads=False), cluster, 32)
     assert split.breakdown["pp_p2p_s"] < 0.5 * blocking.breakdown["pp_p2p_s"]  # 1/tp of the bytes cross nodes
+    middle = [e.stages[1].parts_s["p2p_s"] for e in (split, blocking, acts)]  # the same stage in each
+    assert middle[2] == pytest.approx((middle[0] + middle[1]) / 2, rel=1e-6)
     assert hidden.breakdown["pp_p2p_s"] < 0.2 * blocking.breakdown["pp_p2p_s"]
 
 

@@ -439,11 +439,14 @@ def _reductions_per_step(layout: Layout) -> int:
 
 
 def _p2p_s(boundary_bytes: float, layout: Layout, pp_link: AxisLink, tp_link: AxisLink, ctx: PassContext) -> float:
-    """One transfer of a stage-boundary activation (or its gradient) between neighbouring stages."""
+    """One transfer of a stage-boundary tensor between neighbouring stages: the mean of an activation's and
+    its gradient's, which the framework may send split over the tp ranks (``pp_scatter_gather``)."""
     fw = ctx.framework
-    if fw.pp_scatter_gather and layout.tp > 1 and not layout.sp and pp_link.crosses_nodes:
-        return send_recv_s(boundary_bytes / layout.tp, pp_link) + all_gather_s(boundary_bytes, tp_link)
-    return send_recv_s(boundary_bytes, pp_link)
+    whole = send_recv_s(boundary_bytes, pp_link)
+    if not (fw.pp_scatter_gather and layout.tp > 1 and not layout.sp and pp_link.crosses_nodes):
+        return whole
+    split = send_recv_s(boundary_bytes / layout.tp, pp_link) + all_gather_s(boundary_bytes, tp_link)
+    return split if fw.pp_scatter_gather_grads else (split + whole) / 2
 
 
 def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, global_batch: int,
