@@ -107,18 +107,21 @@ def loss_traffic(graph: OpGraph, node: Node, ctx: PassContext) -> NodeTraffic:
     2, write 4), ``log_softmax`` reads them twice (max, then sum of exponentials) and writes the
     log-probabilities (8 + 4); backward writes the fp32 gradient of the log-probabilities (4),
     ``log_softmax``'s backward reads it and the output and writes its result (8 + 4), which is cast back to
-    16 bits (4 + 2).  Fused (FlashAttention's ``CrossEntropyLoss``, ``Framework.fused_cross_entropy``): one
+    16 bits (4 + 2).  Logits the model already upcast (``logits.float()``, priced as its own op) skip both
+    casts.  Fused (FlashAttention's ``CrossEntropyLoss``, ``Framework.fused_cross_entropy``): one
     online-softmax pass reads the logits; backward rewrites them in place (read and write).
     """
     logits = graph.tensor(node.args[0])
-    e = ctx.precision.activation_bytes
+    w = graph.width(logits, ctx.precision.activation_bytes)
     n = logits.numel_at(1)
     scale = (lambda b: BatchLinear(b, 0.0)) if logits.batch_dim is not None else (lambda b: BatchLinear(0.0, b))
     if ctx.framework.fused_cross_entropy:
-        return NodeTraffic(scale(n * e), scale(n * 2 * e), 1, 1)
-    fwd = n * (e + FP32_BYTES + 2 * FP32_BYTES + FP32_BYTES)
-    bwd = n * (FP32_BYTES + 2 * FP32_BYTES + FP32_BYTES + FP32_BYTES + e)
-    return NodeTraffic(scale(fwd), scale(bwd), 3, 3)
+        return NodeTraffic(scale(n * w), scale(n * 2 * w), 1, 1)
+    upcast, cast_back = (w + FP32_BYTES, FP32_BYTES + w) if w < FP32_BYTES else (0, 0)
+    fwd = n * (upcast + 2 * FP32_BYTES + FP32_BYTES)
+    bwd = n * (FP32_BYTES + 2 * FP32_BYTES + FP32_BYTES + cast_back)
+    kernels = 3 if upcast else 2  # the casts are kernels of their own
+    return NodeTraffic(scale(fwd), scale(bwd), kernels, kernels)
 
 
 def node_traffic(graph: OpGraph, node: Node, ctx: PassContext) -> NodeTraffic:

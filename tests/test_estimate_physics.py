@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from pathlib import Path
 
 import pytest
 from autopar.passes import PassContext
@@ -16,7 +17,11 @@ from autopar.frontend import trace_model
 from autopar.inter_op.layout import parse_fix
 from autopar.inter_op.search import search
 from autopar.inter_op.to_plan import interleaved_chunks
+from autopar.inter_op.unit_costs import solve_tp
+from autopar.intra_op.sharding_costs import compute_s
+from autopar.intra_op.strategies import R
 
+FIXTURES = Path(__file__).parent / "fixtures"
 GPT = {"layers": 8, "hidden": 1024, "heads": 16, "vocab": 8192, "seq_len": 1024}
 A100 = load_cluster("a100-80gb").with_overrides(gpus=256)
 TORCH = load_framework("torch")
@@ -154,6 +159,35 @@ def test_unfused_loss_holds_fp32_logits_a_fused_one_does_not():
     assert a.iteration_time_s - b.iteration_time_s == pytest.approx(expected, rel=0.02)
 
 
+def _loss_node(graph):
+    return next(n for n in graph.ops() if n.op == "aten.cross_entropy_loss.default")
+
+
+def test_a_loss_on_logits_the_model_upcast_casts_nothing():
+    # per logit: the upcast (2 + 4) and the cast back (4 + 2) are the model's own op when it returns
+    # logits.float(); log_softmax (8 + 4) and its backward (4, 8 + 4) remain
+    upcast = trace_model(str(FIXTURES / "fp32_logits.py"), {}, ctx=_ctx(cluster=NODE)).graph
+    bf16 = trace_model("gpt", GPT, ctx=_ctx(cluster=NODE)).graph
+    for graph, fwd, bwd in ((upcast, 12, 16), (bf16, 18, 22)):
+        node = _loss_node(graph)
+        logits = graph.tensor(node.args[0]).numel_at(1)
+        traffic = node.annotations["traffic"]
+        assert (traffic.fwd_bytes.at(1) / logits, traffic.bwd_bytes.at(1) / logits) == (fwd, bwd)
+
+
+def test_a_sharded_loss_streams_its_share_of_the_logits():
+    graph = trace_model("gpt", {**GPT, "vocab": 65536}, ctx=_ctx(cluster=NODE)).graph
+    node = _loss_node(graph)
+    times = {}
+    for tp in (1, 2):
+        mesh, strategies, _ = solve_tp(graph, NODE, _ctx(cluster=NODE), tp, 4, False)
+        assert tp == 1 or strategies[node.name][0].inputs[0] not in (None, R)  # vocab-parallel (or batch) split
+        times[tp] = sum(compute_s(node, graph, strategies[node.name], mesh, 4, NODE, _ctx(cluster=NODE)))
+    launches = (node.annotations["traffic"].fwd_kernels + node.annotations["traffic"].bwd_kernels) \
+        * NODE.kernel_overhead_s
+    assert times[2] - launches == pytest.approx((times[1] - launches) / 2, rel=1e-6)
+
+
 def test_fragmentation_and_reserve_shrink_the_usable_memory():
     c = load_cluster("a100-80gb")
     assert c.usable_memory_bytes == pytest.approx(77 * 2**30 / 1.05)  # (80 GiB - 3 GiB reserved) / (1 + 5 %)
@@ -284,6 +318,17 @@ def test_best_first_search_finds_what_the_exhaustive_one_finds(gpt):
     assert pruned.evaluated < exhaustive.evaluated
     assert pruned.best.estimate.layout == exhaustive.best.estimate.layout
     assert any(c.estimate.layout.schedule in ("interleaved_zb", "zbv", "dualpipev") for c in exhaustive.candidates)
+
+
+def test_top_k_counts_layouts_not_the_intra_op_variants_of_one():
+    """The cut-off is the K-th best distinct layout: variants of one layout (fast, lean, Megatron's plan) are
+    no reason to stop before K layouts are found."""
+    cluster = A100.with_overrides(gpus=8)
+    g = trace_model("gpt", {**GPT, "layers": 4}, ctx=_ctx(cluster=cluster)).graph
+    fix, budget = parse_fix("tp=2,pp=1,zero=1,recompute=none"), cluster.usable_memory_bytes
+    top3 = search(g, cluster, _ctx(cluster=cluster), 64, fix, budget, top_k=3).candidates
+    every = search(g, cluster, _ctx(cluster=cluster), 64, fix, budget, top_k=100_000).candidates
+    assert [c.estimate.layout for c in top3] == [c.estimate.layout for c in every[:3]]
 
 
 def test_the_bubble_bound_never_exceeds_the_simulated_bubble():

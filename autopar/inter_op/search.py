@@ -52,7 +52,6 @@ from autopar.inter_op.estimate import Estimate, ModelFlops, estimate_layout, lay
 from autopar.inter_op.expert_parallel import expert_parallel_share
 from autopar.inter_op.layout import RECOMPUTE, Layout
 from autopar.inter_op.unit_costs import POST, PRE, UnitCost, solve_tp, unit_costs, unit_sequence
-from autopar.intra_op.problem import splits_block_linears
 from autopar.intra_op.strategies import R, Strategy, param_tp_placements
 from autopar.ir import OpGraph
 from autopar.passes.context import PassContext
@@ -171,10 +170,6 @@ class UnitCostCache:
         """The ILP's strategies, solved at the reference micro-batch nearest ``mbs``."""
         ref = min(REFERENCE_MBS, key=lambda r: (abs(math.log2(r) - math.log2(mbs)), r))
         key = (tp, ref, sp, variant if tp > 1 else "fast")
-        if key not in self._solved and variant == "megatron":
-            fast = self.strategies(tp, mbs, sp, "fast")
-            if splits_block_linears(self.graph, fast[1], tp):
-                self._solved[key] = fast  # the unconstrained optimum already splits every Linear
         if key not in self._solved:
             if self.progress is not None and tp > 1:
                 self.progress(f"solving the intra-op ILP: tp={tp}, micro-batch {ref}, sp={'on' if sp else 'off'}, "
@@ -475,7 +470,8 @@ def search(graph: OpGraph, cluster: Cluster, ctx: PassContext, global_batch: int
     queue.sort(key=lambda q: q[:3])
     for bound, _, variant, layout in queue:
         costs, strategies = cache.get(layout.tp, layout.mbs, layout.sp, variant)
-        cutoff = fitting[top_k - 1].estimate.iteration_time_s if len(fitting) >= top_k else None
+        kept = _distinct(fitting, top_k)  # variants of one layout count once
+        cutoff = kept[-1].estimate.iteration_time_s if len(kept) >= top_k else None
         if cutoff is not None and bound >= cutoff:
             break
         est = estimate_layout(graph, costs, layout, global_batch, cluster, ctx, memory_budget_bytes, flops,
