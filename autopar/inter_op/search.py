@@ -52,6 +52,7 @@ from autopar.inter_op.estimate import Estimate, ModelFlops, estimate_layout, lay
 from autopar.inter_op.expert_parallel import expert_parallel_share
 from autopar.inter_op.layout import RECOMPUTE, Layout
 from autopar.inter_op.unit_costs import POST, PRE, UnitCost, solve_tp, unit_costs, unit_sequence
+from autopar.intra_op.problem import splits_block_linears
 from autopar.intra_op.strategies import R, Strategy, param_tp_placements
 from autopar.ir import OpGraph
 from autopar.passes.context import PassContext
@@ -150,6 +151,7 @@ class UnitCostCache:
         self._cache: dict[tuple, tuple[dict[str, UnitCost], dict[str, Strategy]]] = {}
         self._solved: dict[tuple, tuple[MeshSpec, dict[str, Strategy]]] = {}
         self._shards: dict[int, bool] = {}
+        self._needed: dict[tuple[int, int], bool] = {}
         self.solves = 0
         self.statuses: set[str] = set()
         self.gap = 0.0  # the largest relative optimality gap of a solve a time limit stopped
@@ -187,6 +189,18 @@ class UnitCostCache:
                     self.gap = max(self.gap, (r.objective_s - r.bound_s) / r.objective_s)
             self._solved[key] = (mesh, strategies)
         return self._solved[key]
+
+    def needed(self, tp: int, mbs: int, sp: bool, variant: str) -> bool:
+        """Whether ``variant`` adds a layout worth estimating: Megatron's plan is there for where the
+        unconstrained solution keeps some Linear whole; where it already splits them all, the two differ at
+        most in how key/value projections are split, and the constrained solve is skipped."""
+        if variant != "megatron":
+            return True
+        fast = self.strategies(tp, mbs, sp, "fast")[1]
+        key = (id(fast), tp)  # the solutions live as long as the cache
+        if key not in self._needed:
+            self._needed[key] = not splits_block_linears(self.graph, fast, tp)
+        return self._needed[key]
 
     def alternatives(self, strategies: dict[str, Strategy]) -> dict[str, list[tuple[Strategy, float, float]]]:
         """The next cheapest strategies of each op of one of this cache's solutions (none for tp = 1)."""
@@ -463,6 +477,8 @@ def search(graph: OpGraph, cluster: Cluster, ctx: PassContext, global_batch: int
     memo: dict[tuple, tuple[float, float]] = {}
     for layout in layouts(graph, cluster, global_batch, fixed, ctx.framework):
         for variant in variants(ctx.framework, layout.tp):
+            if not cache.needed(layout.tp, layout.mbs, layout.sp, variant):
+                continue
             costs, strategies = cache.get(layout.tp, layout.mbs, layout.sp, variant)
             if runtime_runs(layout, cache.shards_parameters(strategies)) and expert_parallel_runs(layout, costs):
                 queue.append((_lower_bound(costs, counts, layout, ctx, memo, cluster), _layout_key(layout), variant,

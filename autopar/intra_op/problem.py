@@ -296,6 +296,15 @@ def _weight_operands(graph: OpGraph, node: Node) -> list[int]:
             and graph[r.name].out is not None and len(graph[r.name].out.shape) == 2]
 
 
+def splits_block_linears(graph: OpGraph, strategies: dict[str, Strategy], tp: int, axis: int = 0) -> bool:
+    """Whether ``strategies`` (on a mesh whose ``axis`` has ``tp`` ranks) split every weight a fixed
+    tensor-parallel plan splits (``IntraOpConfig.shard_block_linears``).  Ops ``strategies`` does not place
+    are not asked about."""
+    return all(strategies[name][axis].inputs[k] not in (None, R)
+               for name in _split_linears(graph, graph.ops(), tp) if name in strategies
+               for k in _weight_operands(graph, graph[name]))
+
+
 def build_intra_op(graph: OpGraph, node_names: Iterable[str], mesh: MeshSpec, cfg: IntraOpConfig,
                    cluster: Cluster, ctx: PassContext) -> IntraOpProblem:
     """The ILP for the op nodes ``node_names`` (a stage, a layer or the whole graph) on ``mesh``."""
