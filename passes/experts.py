@@ -23,9 +23,10 @@ runs every expert does), without ep.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
-from autopar.ir import OpGraph, Ref, iter_refs
+from autopar.ir import Node, OpGraph, Ref, iter_refs
 
 #: The batched products that run stacked experts (a convolution's weight has three dimensions too).
 EXPERT_PRODUCT_OPS = frozenset({"aten.einsum.default", "aten.bmm.default", "aten.matmul.default",
@@ -50,35 +51,38 @@ _ROUTING_OPS = frozenset({"aten.gather.default", "aten.index.Tensor", "aten.inde
                           "aten.scatter.src", "aten.scatter_add.default", "aten.take_along_dim.default"})
 
 
+def _upstream(graph: OpGraph, ref: Ref, limit: int = 8) -> Iterator[Node]:
+    """The node of ``ref`` and those it was made from, following each op's first tensor argument."""
+    node = graph[ref.name]
+    for _ in range(limit):
+        yield node
+        first = next(iter_refs(node.args), None) if node.kind == "op" else None
+        if first is None:
+            return
+        node = graph[first.name]
+
+
 def stacked_weight(graph: OpGraph, ref: Ref) -> str | None:
     """The stacked weight (canonical FQN) a product's operand ``ref`` is, directly or through views or a row
     pick of it; ``None`` for anything else."""
-    node = graph[ref.name]
-    for _ in range(8):
+    for node in _upstream(graph, ref):
         if node.kind == "param":
             info = graph.params.get(node.target)
             return node.target if info is not None and len(info.shape) >= 3 else None
         if node.kind != "op" or (node.alias_of is None and node.op not in _WEIGHT_PATH_OPS):
             return None
-        first = next(iter_refs(node.args), None)
-        if first is None:
-            return None
-        node = graph[first.name]
     return None
 
 
 def _routed(graph: OpGraph, ref: Ref) -> bool:
     """Whether ``ref`` (through views) is made by a routing op, or is a stacked weight's picked rows."""
-    node = graph[ref.name]
-    for _ in range(8):
+    for node in _upstream(graph, ref):
         if node.kind != "op":
             return False
         if node.op in _ROUTING_OPS:
             return True
-        first = next(iter_refs(node.args), None)
-        if node.alias_of is None or first is None:
+        if node.alias_of is None:
             return False
-        node = graph[first.name]
     return False
 
 

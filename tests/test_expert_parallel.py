@@ -7,13 +7,22 @@ from pathlib import Path
 
 import pytest
 from autopar.passes import PassContext
-from autopar.passes.experts import expert_count, expert_parallel_count, expert_weights
+from autopar.passes.experts import (
+    EXPERT_PRODUCT_OPS,
+    expert_count,
+    expert_parallel_count,
+    expert_weights,
+    stacked_weight,
+)
 
 from autopar.cluster import load_cluster
 from autopar.errors import AutoparError
 from autopar.frontend import trace_model
 from autopar.inter_op.layout import parse_fix
 from autopar.inter_op.search import layouts, search
+from autopar.inter_op.unit_costs import solve_tp
+from autopar.intra_op.sharding_costs import compute_s
+from autopar.intra_op.strategies import tensor_refs
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 FIXTURE = Path(__file__).parent / "fixtures" / "stacked_weights.py"
@@ -120,11 +129,20 @@ def test_ep_plan_records_the_expert_placements(tmp_path):
     assert "EP = 2" in (tmp_path / "train.py").read_text()
 
 
+def _expert_forward_s(graph, layer: int) -> float:
+    """Forward time of the expert products of one layer (no launches), each op costed on its own."""
+    mesh, strategies, _ = solve_tp(graph, H100, CTX, 1, 1, False)
+    return sum(compute_s(n, graph, strategies[n.name], mesh, 1, H100, CTX)[0]
+               - n.annotations["traffic"].fwd_kernels * H100.kernel_overhead_s for n in graph.ops()
+               if n.layer == layer and n.op in EXPERT_PRODUCT_OPS
+               and any(stacked_weight(graph, r) for r in tensor_refs(n)))
+
+
 def test_expert_products_are_retimed_at_a_ranks_shapes():
     """Under ep a rank runs 1 / ep of the experts over ep times the slots: the same FLOPs in bigger GEMMs.
     Ten slots per expert leave most of an H100's tiles empty; eighty fill them better."""
     from autopar.inter_op.expert_parallel import expert_parallel_share
-    from autopar.inter_op.unit_costs import solve_tp, unit_costs
+    from autopar.inter_op.unit_costs import unit_costs
 
     config = {"layers": 2, "hidden": 1024, "heads": 16, "vocab": 1024, "seq_len": 256, "experts": 64, "top_k": 2}
     graph = trace_model("moe", config, ctx=CTX).graph
@@ -132,8 +150,11 @@ def test_expert_products_are_retimed_at_a_ranks_shapes():
     layer = unit_costs(graph, strategies, mesh, 1, H100, CTX)[graph.layers[1].structural_hash]
     assert len(layer.expert_products) == 2 and expert_parallel_share(layer, 1, H100) is layer
     shared = expert_parallel_share(layer, 8, H100)
-    faster = layer.fwd_s - shared.fwd_s
-    assert faster > 0 and shared.product_s == pytest.approx(layer.product_s - faster - (layer.bwd_s - shared.bwd_s))
+    # one of 8 ranks runs 8 experts of ceil(2 * 256 * 1.25 / 64) = 10 slots from each of the 8 ranks: the
+    # products of a model of 8 experts, whose capacity is ceil(2 * 256 * 1.25 / 8) = 80 slots
+    eight = trace_model("moe", {**config, "experts": 8}, ctx=CTX).graph
+    expected = _expert_forward_s(eight, 1) - _expert_forward_s(graph, 1)
+    assert expected < 0 and shared.fwd_s - layer.fwd_s == pytest.approx(expected, rel=1e-6)
     assert shared.fwd_flops == layer.fwd_flops  # the same work
     assert shared.expert_params_local == pytest.approx(layer.expert_params_local / 8)
 
