@@ -220,6 +220,21 @@ def test_a_fixed_tensor_parallel_plan_splits_every_linear_of_the_block():
                             "mlp.fc": "S(0)", "mlp.proj": "S(1)"}
 
 
+def test_a_fixed_plan_with_sequence_parallelism_splits_the_residual_and_the_vocabulary():
+    """Megatron's sequence parallelism reduce-scatters a row-parallel product into a residual stream split on
+    the sequence; a small layer at micro-batch 4 finds an all-reduced, whole stream as cheap, which Megatron
+    does not run.  Its (tied) token embedding and output layer are split on the vocabulary, learned
+    positions replicated."""
+    graph = trace_model("gpt", {"layers": 2, "hidden": 2048, "heads": 16, "vocab": 8192, "seq_len": 256},
+                        ctx=CTX).graph
+    mesh = MeshSpec.on_cluster(A100.with_overrides(gpus=8), ("tp",), (8,))
+    sol = _solve(graph, mesh, IntraOpConfig(batch=4, sequence_parallel=True, grad_sync_weight=1 / 16,
+                                            shard_block_linears=True))
+    adds = [n for n in graph.ops() if n.layer == 1 and n.op == "aten.add.Tensor"]
+    assert len(adds) == 2 and all(sol.node_strategies[n.name][0].outputs == ("S(1)",) for n in adds)
+    assert sol.param_placements["tok.weight"] == ("S(0)",) and sol.param_placements["pos.weight"] == ("R",)
+
+
 def test_a_fixed_tensor_parallel_plan_keeps_routers_and_multi_query_attention_free():
     from autopar.intra_op.problem import _split_linears
 

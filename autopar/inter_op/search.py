@@ -29,7 +29,7 @@ Search space (each key can be pinned with ``fixed``):
   (with ``dp > 1``).
 
 Unit costs depend only on ``(tp, mbs, sp)``.  The intra-op ILP chooses strategies per ``(tp, sp)`` at a
-few reference micro-batch sizes, two or three times (``variants``); every layout
+few reference micro-batch sizes, twice (fastest, and fastest among the leanest in memory); every layout
 reuses them, re-costed at its own micro-batch size; the rest is arithmetic plus the stage DP.  Layouts are
 estimated best first, in the order of their perfectly balanced lower bound, until that bound cannot beat
 the K-th best so far.
@@ -52,7 +52,6 @@ from autopar.inter_op.estimate import Estimate, ModelFlops, estimate_layout, lay
 from autopar.inter_op.expert_parallel import expert_parallel_share
 from autopar.inter_op.layout import RECOMPUTE, Layout
 from autopar.inter_op.unit_costs import POST, PRE, UnitCost, solve_tp, unit_costs, unit_sequence
-from autopar.intra_op.problem import splits_block_linears
 from autopar.intra_op.strategies import R, Strategy, param_tp_placements
 from autopar.ir import OpGraph
 from autopar.passes.context import PassContext
@@ -69,20 +68,7 @@ MIN_CP_TOKENS = 1024
 #: The ILP picks strategies at these micro-batch sizes; other sizes reuse the nearest (in log scale) and
 #: only re-cost it.  The choice between sharding weights and activations moves with the batch slowly.
 REFERENCE_MBS = (1, 4, 16)
-#: Intra-op solutions per (tp, sp, micro-batch): the fastest without a memory limit; the fastest within 2 % of
-#: the least memory; and, where the framework lets the ILP keep weights whole, the fastest that splits every
-#: Linear of the block stack (Megatron's plan).  The ILP prices a tensor-parallel op by its time and sees no
-#: per-device budget: unbounded it keeps weights whole (their optimizer state on every rank), at the least
-#: memory it takes slow splits; Megatron's plan is the middle that tensor-parallel layouts are known by.
-VARIANTS = ("fast", "lean", "megatron")
-
-
-def variants(framework: Framework, tp: int) -> tuple[str, ...]:
-    """The intra-op solutions a layout of ``tp`` is estimated with (one when nothing is split; under a fixed
-    tensor-parallel plan, ``fast`` and ``lean`` already split every Linear)."""
-    if tp == 1:
-        return VARIANTS[:1]
-    return VARIANTS[:2] if framework.tp_layout == "megatron" else VARIANTS
+VARIANTS = ("fast", "lean")  # ILP without memory limit, and at the least memory (+2 %)
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,7 +137,6 @@ class UnitCostCache:
         self._cache: dict[tuple, tuple[dict[str, UnitCost], dict[str, Strategy]]] = {}
         self._solved: dict[tuple, tuple[MeshSpec, dict[str, Strategy]]] = {}
         self._shards: dict[int, bool] = {}
-        self._needed: dict[tuple[int, int], bool] = {}
         self.solves = 0
         self.statuses: set[str] = set()
         self.gap = 0.0  # the largest relative optimality gap of a solve a time limit stopped
@@ -178,8 +163,7 @@ class UnitCostCache:
                               f"{variant}")
             slack = 0.02 if variant == "lean" else None
             mesh, strategies, sol = solve_tp(self.graph, self.cluster, self.ctx, tp, ref, sp, self.backend,
-                                             self.time_limit_s, grad_sync_weight=1 / 16, memory_slack=slack,
-                                             split_linears=True if variant == "megatron" else None)
+                                             self.time_limit_s, grad_sync_weight=1 / 16, memory_slack=slack)
             if sol is not None:
                 self._alternatives[id(strategies)] = sol.alternatives
                 self.solves += 1
@@ -189,18 +173,6 @@ class UnitCostCache:
                     self.gap = max(self.gap, (r.objective_s - r.bound_s) / r.objective_s)
             self._solved[key] = (mesh, strategies)
         return self._solved[key]
-
-    def needed(self, tp: int, mbs: int, sp: bool, variant: str) -> bool:
-        """Whether ``variant`` adds a layout worth estimating: Megatron's plan is there for where the
-        unconstrained solution keeps some Linear whole; where it already splits them all, the two differ at
-        most in how key/value projections are split, and the constrained solve is skipped."""
-        if variant != "megatron":
-            return True
-        fast = self.strategies(tp, mbs, sp, "fast")[1]
-        key = (id(fast), tp)  # the solutions live as long as the cache
-        if key not in self._needed:
-            self._needed[key] = not splits_block_linears(self.graph, fast, tp)
-        return self._needed[key]
 
     def alternatives(self, strategies: dict[str, Strategy]) -> dict[str, list[tuple[Strategy, float, float]]]:
         """The next cheapest strategies of each op of one of this cache's solutions (none for tp = 1)."""
@@ -476,9 +448,7 @@ def search(graph: OpGraph, cluster: Cluster, ctx: PassContext, global_batch: int
     counts = {k: sequence.count(k) for k in dict.fromkeys(sequence)}
     memo: dict[tuple, tuple[float, float]] = {}
     for layout in layouts(graph, cluster, global_batch, fixed, ctx.framework):
-        for variant in variants(ctx.framework, layout.tp):
-            if not cache.needed(layout.tp, layout.mbs, layout.sp, variant):
-                continue
+        for variant in VARIANTS if layout.tp > 1 else VARIANTS[:1]:
             costs, strategies = cache.get(layout.tp, layout.mbs, layout.sp, variant)
             if runtime_runs(layout, cache.shards_parameters(strategies)) and expert_parallel_runs(layout, costs):
                 queue.append((_lower_bound(costs, counts, layout, ctx, memo, cluster), _layout_key(layout), variant,

@@ -160,18 +160,14 @@ def _replicated(graph: OpGraph, names: list[str], axes: int) -> dict[str, Strate
 
 def solve_tp(graph: OpGraph, cluster: Cluster, ctx: PassContext, tp: int, mbs: int, sp: bool,
              backend: Backend = "cbc", time_limit_s: float = 60.0, grad_sync_weight: float = 0.0,
-             memory_slack: float | None = None, split_linears: bool | None = None,
-             ) -> tuple[MeshSpec, dict[str, Strategy], IntraOpSolution | None]:
-    """Every op's strategy on the ``tp`` mesh at micro-batch ``mbs`` (all replicated when ``tp == 1``).
-    ``split_linears``: split every Linear of the block stack (``IntraOpConfig.shard_block_linears``); by default
-    where the framework's tensor-parallel plan is fixed (``Framework.tp_layout``)."""
+             memory_slack: float | None = None) -> tuple[MeshSpec, dict[str, Strategy], IntraOpSolution | None]:
+    """Every op's strategy on the ``tp`` mesh at micro-batch ``mbs`` (all replicated when ``tp == 1``)."""
     mesh = MeshSpec.on_cluster(cluster, ("tp",), (tp,))
     ops = [n.name for n in graph.ops()]
     if tp == 1:
         return mesh, _replicated(graph, ops, 1), None
     cfg = IntraOpConfig(batch=mbs, sequence_parallel=sp, split_batch_on_tp=ctx.framework.tp_splits_batch,
-                        shard_block_linears=(ctx.framework.tp_layout == "megatron" if split_linears is None
-                                             else split_linears),
+                        shard_block_linears=ctx.framework.tp_layout == "megatron",
                         backend=backend, time_limit_s=time_limit_s,
                         grad_sync_weight=grad_sync_weight, memory_slack=memory_slack)
     sol = solve_intra_op(graph, ops, mesh, cfg, cluster, ctx)

@@ -250,7 +250,8 @@ def _split_linears(graph: OpGraph, nodes: Iterable[Node], tp: int) -> frozenset[
     (a Linear whose scores reach a top-k through element-wise and view ops, no other product), which
     Megatron-LM and torchtitan keep replicated, and the key/value projections of an attention with fewer
     key/value heads than ``tp`` (multi-query attention: the ILP places them; Megatron-Core refuses such a
-    tp).  HuggingFace's ``Conv1D`` (GPT-2) is no ``Linear`` here and stays free."""
+    tp); and the output layer and token embedding, split on the vocabulary (``_vocab_parallel``).  HuggingFace's
+    ``Conv1D`` (GPT-2) is no ``Linear`` here and stays free."""
     users = graph.users()
 
     def routes(name: str) -> bool:
@@ -285,24 +286,28 @@ def _split_linears(graph: OpGraph, nodes: Iterable[Node], tp: int) -> frozenset[
             weight = graph.params.get(proj.params[0]) if proj is not None else None
             if weight is not None and head_dim and len(weight.shape) == 2 and weight.shape[0] // head_dim < tp:
                 few_heads.add(proj.name)
-    return frozenset(n.name for n in nodes
-                     if n.layer is not None and n.module_type == "Linear" and n.params and not routes(n.name)
-                     and n.name not in few_heads)
+    block = {n.name for n in nodes if n.layer is not None and n.module_type == "Linear" and n.params
+             and not routes(n.name) and n.name not in few_heads}
+    return frozenset(block | _vocab_parallel(graph, nodes))
+
+
+def _vocab_parallel(graph: OpGraph, nodes: Iterable[Node]) -> set[str]:
+    """The output layer (a Linear outside the block stack) and the token embedding (an embedding of as many
+    rows as it has outputs), which Megatron-LM (``VocabParallelEmbedding``, a column-parallel output layer),
+    Megatron-DeepSpeed and torchtitan split on the vocabulary; learned positions stay replicated."""
+    nodes = list(nodes)
+    heads = [n for n in nodes if n.layer is None and n.module_type == "Linear" and n.params]
+    vocab = {graph.params[n.params[0]].shape[0] for n in heads if n.params[0] in graph.params
+             and len(graph.params[n.params[0]].shape) == 2}
+    embeddings = [n for n in nodes if n.op == "aten.embedding.default" and n.params and n.params[0] in graph.params
+                  and graph.params[n.params[0]].shape[0] in vocab]
+    return {n.name for n in [*heads, *embeddings]}
 
 
 def _weight_operands(graph: OpGraph, node: Node) -> list[int]:
     """Operand positions of ``node``'s 2-D weights."""
     return [k for k, r in enumerate(tensor_refs(node)) if graph[r.name].kind == "param"
             and graph[r.name].out is not None and len(graph[r.name].out.shape) == 2]
-
-
-def splits_block_linears(graph: OpGraph, strategies: dict[str, Strategy], tp: int, axis: int = 0) -> bool:
-    """Whether ``strategies`` (on a mesh whose ``axis`` has ``tp`` ranks) split every weight a fixed
-    tensor-parallel plan splits (``IntraOpConfig.shard_block_linears``).  Ops ``strategies`` does not place
-    are not asked about."""
-    return all(strategies[name][axis].inputs[k] not in (None, R)
-               for name in _split_linears(graph, graph.ops(), tp) if name in strategies
-               for k in _weight_operands(graph, graph[name]))
 
 
 def build_intra_op(graph: OpGraph, node_names: Iterable[str], mesh: MeshSpec, cfg: IntraOpConfig,
@@ -322,7 +327,11 @@ def build_intra_op(graph: OpGraph, node_names: Iterable[str], mesh: MeshSpec, cf
     # and as the runtime's RowwiseParallel hands its all-reduced output on: a row-parallel product's partial
     # sums are all-reduced, not reduce-scattered into a stream split on the hidden dimension (which would
     # price the residual's element-wise work, saved tensors and pipeline sends at 1/tp).
-    residual = _residual_adds(graph, nodes) if not cfg.sequence_parallel else frozenset()
+    # With it, a fixed Megatron plan splits the stream on the sequence between the tensor-parallel regions
+    # (Korthikanti et al. 2022): a row-parallel product's partial sums are reduce-scattered into it, not
+    # all-reduced into a whole stream (which the ILP may find as cheap, but Megatron-LM does not run).
+    megatron_sp = cfg.sequence_parallel and cfg.shard_block_linears
+    residual = _residual_adds(graph, nodes) if not cfg.sequence_parallel or megatron_sp else frozenset()
     fixed_split = _split_linears(graph, nodes, mesh.shape[tp]) if cfg.shard_block_linears and tp is not None \
         else frozenset()
     groups: list[_Group] = []
@@ -358,9 +367,11 @@ def build_intra_op(graph: OpGraph, node_names: Iterable[str], mesh: MeshSpec, cf
             # a Linear no strategy splits (a weight dim smaller than tp) stays free rather than unpriceable
             strategies = [s for s in strategies
                           if all(s[tp].inputs[k] not in (None, R) for k in weights)] or strategies
-        if n.name in residual and tp is not None:
+        if n.name in residual and tp is not None and not cfg.sequence_parallel:
             strategies = [s for s in strategies
                           if all(p in (None, R) for p in (*s[tp].inputs, *s[tp].outputs))] or strategies[:1]
+        elif n.name in residual and tp is not None:  # megatron_sp
+            strategies = [s for s in strategies if _is_sequence_sharded(graph, n, s, tp)] or strategies
         leader = rep_of.get(acts[0], acts[0]) if len(acts) == 1 else None
         if leader is not None and leader in group_of:
             placed = _follow(n, acts[0], leader, groups[group_of[leader]], strategies)
