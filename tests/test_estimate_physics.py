@@ -321,8 +321,8 @@ def test_best_first_search_finds_what_the_exhaustive_one_finds(gpt):
 
 
 def test_top_k_counts_layouts_not_the_intra_op_variants_of_one():
-    """The cut-off is the K-th best distinct layout: variants of one layout (the fast and the lean intra-op solutions) are
-    no reason to stop before K layouts are found."""
+    """The cut-off is the K-th best distinct layout: variants of one layout (the fast and the lean intra-op
+    solutions) are no reason to stop before K layouts are found."""
     cluster = A100.with_overrides(gpus=8)
     g = trace_model("gpt", {**GPT, "layers": 4}, ctx=_ctx(cluster=cluster)).graph
     fix, budget = parse_fix("tp=2,pp=1,zero=1,recompute=none"), cluster.usable_memory_bytes
