@@ -71,6 +71,9 @@ class Framework:
     """Pipeline sends and receives run under compute; ``False``: they wait on the critical path."""
     pp_scatter_gather: bool
     """A pipeline boundary tensor crosses nodes split over the tp ranks and is re-gathered over NVLink."""
+    pp_scatter_gather_grads: bool
+    """With ``pp_scatter_gather``, gradients are sent split too (``False``: only activations, as DeepSpeed's
+    pipeline engine did before September 2021)."""
     fused_cross_entropy: bool
     """The loss is one fused kernel on the 16-bit logits (FlashAttention's ``CrossEntropyLoss``) instead of
     fp32 ``log_softmax`` passes that materialize fp32 copies of the logits."""
@@ -124,9 +127,6 @@ class Framework:
     ``torch.compile``: every step of a cast is its own kernel), ``dynamic`` (torchao compiled: an amax pass,
     then one fused cast), ``delayed`` (Transformer Engine's DelayedScaling: the scale comes from the amax
     history and the cast records the new amax), ``none`` (no FP8 training: ``--precision fp8`` is refused)."""
-    pp_scatter_gather_grads: bool
-    """With ``pp_scatter_gather``, gradients are sent split too (``False``: only activations, as DeepSpeed's
-    pipeline engine did before September 2021)."""
     fp8_param_gather: bool = False
     """Whether ZeRO-3 all-gathers the FP8 Linears' weights in FP8, cast on the shard (torchao's
     ``enable_fsdp_float8_all_gather``, Megatron's ``--fp8-param-gather``): one byte per element on the wire."""
