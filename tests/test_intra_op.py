@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from autopar.passes import PassContext, run_pipeline
@@ -15,6 +17,7 @@ from autopar.frontend import trace_model
 from autopar.intra_op.problem import IntraOpConfig, build_intra_op, solve_intra_op
 
 A100 = load_cluster("a100-80gb")
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
 CTX = PassContext(cluster=A100)
 
 
@@ -233,6 +236,16 @@ def test_a_fixed_plan_with_sequence_parallelism_splits_the_residual_and_the_voca
     adds = [n for n in graph.ops() if n.layer == 1 and n.op == "aten.add.Tensor"]
     assert len(adds) == 2 and all(sol.node_strategies[n.name][0].outputs == ("S(1)",) for n in adds)
     assert sol.param_placements["tok.weight"] == ("S(0)",) and sol.param_placements["pos.weight"] == ("R",)
+
+
+def test_only_the_output_layer_and_token_embedding_are_split_on_the_vocabulary():
+    """Linears outside the block stack that are not the output layer (OPT's projections in and out of the
+    blocks) stay replicated under a fixed plan; the output layer and the token embedding are split."""
+    from autopar.intra_op.problem import _vocab_parallel
+
+    graph = trace_model(str(FIXTURES / "projected_lm.py"), {}, ctx=CTX).graph
+    split = {graph[name].module for name in _vocab_parallel(graph, graph.ops())}
+    assert split == {"head", "tok"}
 
 
 def test_a_fixed_tensor_parallel_plan_keeps_routers_and_multi_query_attention_free():

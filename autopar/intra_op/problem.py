@@ -292,16 +292,28 @@ def _split_linears(graph: OpGraph, nodes: Iterable[Node], tp: int) -> frozenset[
 
 
 def _vocab_parallel(graph: OpGraph, nodes: Iterable[Node]) -> set[str]:
-    """The output layer (a Linear outside the block stack) and the token embedding (an embedding of as many
-    rows as it has outputs), which Megatron-LM (``VocabParallelEmbedding``, a column-parallel output layer),
-    Megatron-DeepSpeed and torchtitan split on the vocabulary; learned positions stay replicated."""
-    nodes = list(nodes)
-    heads = [n for n in nodes if n.layer is None and n.module_type == "Linear" and n.params]
-    vocab = {graph.params[n.params[0]].shape[0] for n in heads if n.params[0] in graph.params
-             and len(graph.params[n.params[0]].shape) == 2}
-    embeddings = [n for n in nodes if n.op == "aten.embedding.default" and n.params and n.params[0] in graph.params
-                  and graph.params[n.params[0]].shape[0] in vocab]
-    return {n.name for n in [*heads, *embeddings]}
+    """The output layer and the token embedding, which Megatron-LM (``VocabParallelEmbedding``, a
+    column-parallel output layer), Megatron-DeepSpeed and torchtitan split on the vocabulary; learned
+    positions and other Linears outside the block stack (OPT's ``project_in`` / ``project_out``) stay
+    replicated.  The output layer is a Linear after the last block with as many outputs as a token embedding
+    has rows (the vocabulary); a model without an embedding (its own input features) has its last Linear
+    after the blocks as its output layer."""
+    order = {n.name: i for i, n in enumerate(graph.nodes)}
+    last_block = max((order[n.name] for n in graph.ops() if n.layer is not None), default=None)
+    if last_block is None:
+        return set()  # no block stack: nothing to tell an output layer from the model's own layers
+
+    def rows(n: Node) -> int | None:
+        w = graph.params.get(n.params[0]) if n.params else None
+        return w.shape[0] if w is not None and len(w.shape) == 2 else None
+
+    after = [n for n in graph.ops() if order[n.name] > last_block and n.module_type == "Linear" and rows(n)]
+    embeddings = [n for n in graph.ops() if n.op == "aten.embedding.default" and rows(n)]
+    vocab = {rows(n) for n in embeddings}
+    heads = [n for n in after if rows(n) in vocab] if embeddings else after[-1:]
+    outputs = {rows(n) for n in heads}
+    chosen = {n.name for n in [*heads, *(e for e in embeddings if rows(e) in outputs)]}
+    return chosen & {n.name for n in nodes}
 
 
 def _weight_operands(graph: OpGraph, node: Node) -> list[int]:
