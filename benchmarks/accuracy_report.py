@@ -1,7 +1,9 @@
 """Regenerate ``docs/accuracy.md`` and ``docs/accuracy.png`` from the benchmark results.
 
 Reads ``benchmarks/results/calibration.json`` (``python benchmarks/calibration.py``) and
-``benchmarks/results/ranking.json`` (``python benchmarks/ranking.py``).  The figure needs matplotlib, the
+``benchmarks/results/ranking.json`` (``python benchmarks/ranking.py``), and, when present, the wider checks
+of ``WIDER`` (``calibration.py --references`` on another published table, e.g. llm-foundry's, see
+``import_llm_foundry.py``).  The figure needs matplotlib, the
 ``bench`` extra: ``pip install -c constraints.txt -e '.[bench]'``.
 
     python benchmarks/accuracy_report.py
@@ -10,6 +12,7 @@ Reads ``benchmarks/results/calibration.json`` (``python benchmarks/calibration.p
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +21,12 @@ from autopar.inter_op.layout import Layout
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 DOCS = ROOT / "docs"
+
+
+#: Wider checks: (results file stem, what the rows are, the command that writes the results).
+WIDER = (("llm_foundry_tables", "MosaicML llm-foundry's MPT benchmark tables (FSDP, 125M-70B, 8-512 GPUs)",
+          "python benchmarks/calibration.py --references benchmarks/reference/llm_foundry_tables.json "
+          "--output benchmarks/results/llm_foundry_tables.json"),)
 
 
 def _load(name: str) -> dict[str, Any]:
@@ -105,7 +114,33 @@ def render(calib: dict[str, Any], ranking: dict[str, Any]) -> str:
                      f"{r['error']:+.1%} | {mfu} |")
     lines += ["", "The per-layer row sums its variants (no recompute, sequence parallel, full and selective",
               "recompute); each variant is in `benchmarks/results/calibration.json`.", ""]
+    lines += _wider_checks()
     return "\n".join(lines) + "\n"
+
+
+def _wider_checks() -> list[str]:
+    """Per-cluster summaries of the wider published tables whose results exist."""
+    lines: list[str] = []
+    for stem, what, command in WIDER:
+        path = RESULTS / f"{stem}.json"
+        if not path.exists():
+            continue
+        rows = json.loads(path.read_text())["rows"]
+        lines += [f"## Wider check: {what}", "", f"Written by `{command}`; none of these rows set a number of the",
+                  "cost model.", "", "| cluster | runs | median signed error | median abs. error | within 10 % | "
+                  "beyond 20 % | refused |", "|---|---:|---:|---:|---:|---:|---:|"]
+        by_cluster: dict[str, list[dict[str, Any]]] = {}
+        for r in rows:
+            by_cluster.setdefault(r.get("cluster") or "?", []).append(r)
+        for cluster, group in sorted(by_cluster.items()):
+            errors = [r["error"] for r in group if r["error"] is not None]
+            refused = sum(r["error"] is None or r.get("fits") is False for r in group)
+            absolute = [abs(e) for e in errors]
+            lines.append(f"| {cluster} | {len(group)} | {statistics.median(errors):+.1%} | "
+                         f"{statistics.median(absolute):.1%} | {sum(e <= 0.1 for e in absolute)} | "
+                         f"{sum(e > 0.2 for e in absolute)} | {refused} |")
+        lines.append("")
+    return lines
 
 
 def main() -> None:
