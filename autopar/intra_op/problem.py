@@ -252,6 +252,7 @@ def _split_linears(graph: OpGraph, nodes: Iterable[Node], tp: int) -> frozenset[
     key/value heads than ``tp`` (multi-query attention: the ILP places them; Megatron-Core refuses such a
     tp); and the output layer and token embedding, split on the vocabulary (``_vocab_parallel``).  HuggingFace's
     ``Conv1D`` (GPT-2) is no ``Linear`` here and stays free."""
+    nodes = list(nodes)  # read twice: the block's Linears and the vocabulary-parallel ones
     users = graph.users()
 
     def routes(name: str) -> bool:
@@ -295,9 +296,10 @@ def _vocab_parallel(graph: OpGraph, nodes: Iterable[Node]) -> set[str]:
     """The output layer and the token embedding, which Megatron-LM (``VocabParallelEmbedding``, a
     column-parallel output layer), Megatron-DeepSpeed and torchtitan split on the vocabulary; learned
     positions and other Linears outside the block stack (OPT's ``project_in`` / ``project_out``) stay
-    replicated.  The output layer is a Linear after the last block with as many outputs as a token embedding
-    has rows (the vocabulary); a model without an embedding (its own input features) has its last Linear
-    after the blocks as its output layer."""
+    replicated.  The token embedding is the lookup that scales with the batch (positions index a range); the
+    output layer a Linear after the last block with as many outputs as it has rows (the vocabulary).  A
+    model without a token embedding (it reads its own features) has its last Linear after the blocks as its
+    output layer."""
     order = {n.name: i for i, n in enumerate(graph.nodes)}
     last_block = max((order[n.name] for n in graph.ops() if n.layer is not None), default=None)
     if last_block is None:
@@ -308,7 +310,7 @@ def _vocab_parallel(graph: OpGraph, nodes: Iterable[Node]) -> set[str]:
         return w.shape[0] if w is not None and len(w.shape) == 2 else None
 
     after = [n for n in graph.ops() if order[n.name] > last_block and n.module_type == "Linear" and rows(n)]
-    embeddings = [n for n in graph.ops() if n.op == "aten.embedding.default" and rows(n)]
+    embeddings = [n for n in graph.ops() if n.op == "aten.embedding.default" and n.batch_scaled and rows(n)]
     vocab = {rows(n) for n in embeddings}
     heads = [n for n in after if rows(n) in vocab] if embeddings else after[-1:]
     outputs = {rows(n) for n in heads}
