@@ -136,8 +136,9 @@ def _wider_checks() -> list[str]:
             errors = [r["error"] for r in group if r["error"] is not None]
             refused = sum(r["error"] is None or r.get("fits") is False for r in group)
             absolute = [abs(e) for e in errors]
-            lines.append(f"| {cluster} | {len(group)} | {statistics.median(errors):+.1%} | "
-                         f"{statistics.median(absolute):.1%} | {sum(e <= 0.1 for e in absolute)} | "
+            signed, median = (f"{statistics.median(errors):+.1%}", f"{statistics.median(absolute):.1%}") if errors \
+                else ("", "")
+            lines.append(f"| {cluster} | {len(group)} | {signed} | {median} | {sum(e <= 0.1 for e in absolute)} | "
                          f"{sum(e > 0.2 for e in absolute)} | {refused} |")
         lines.append("")
     return lines

@@ -88,6 +88,7 @@ def estimate_run(run: ReferenceRun, traces: TraceCache) -> dict[str, Any]:
             "layout": est.layout.to_dict(), "estimate_s": est.iteration_time_s, "measured_s": run.measured_s,
             "error": est.iteration_time_s / run.measured_s - 1, "mfu": est.mfu, "hfu": est.hfu,
             "peak_memory_gib": est.peak_memory_bytes / 2**30, "fits": est.fits, "breakdown": est.breakdown,
+            "compute_detail": est.compute_detail,
             "wall_s": time.perf_counter() - t0}
 
 
