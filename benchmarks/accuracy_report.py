@@ -26,7 +26,10 @@ DOCS = ROOT / "docs"
 #: Wider checks: (results file stem, what the rows are, the command that writes the results).
 WIDER = (("llm_foundry_tables", "MosaicML llm-foundry's MPT benchmark tables (FSDP, 125M-70B, 8-512 GPUs)",
           "python benchmarks/calibration.py --references benchmarks/reference/llm_foundry_tables.json "
-          "--output benchmarks/results/llm_foundry_tables.json"),)
+          "--output benchmarks/results/llm_foundry_tables.json"),
+         ("megatron_core_h100_table", "the Megatron-LM README's H100 table (Megatron-Core, 1.7B-462B, 48-6144 GPUs)",
+          "python benchmarks/calibration.py --references benchmarks/reference/megatron_core_h100_table.json "
+          "--output benchmarks/results/megatron_core_h100_table.json"))
 
 
 def _load(name: str) -> dict[str, Any]:
