@@ -7,7 +7,7 @@ import math
 import pytest
 
 from autopar.cluster import load_cluster
-from autopar.kernels import flash_attention_s, gemm_efficiency, gemm_s
+from autopar.kernels import flash_attention_s, gemm_efficiency, gemm_s, memory_s
 
 A100 = load_cluster("a100-80gb")
 H100 = load_cluster("h100-80gb")
@@ -71,3 +71,26 @@ def test_flash_attention_versions():
     assert t1 / t2 == pytest.approx(2, rel=0.05)  # FlashAttention-2 is about twice v1 (Dao 2023)
     assert t2 == pytest.approx(flops / (H100.peak_flops * H100.attention_efficiency))
     assert math.isclose(flash_attention_s(A100, flops, 3), flash_attention_s(A100, flops, 2))  # no v3 on Ampere
+
+
+#: OpenXLA's published H100 (sm_90) matmul measurements, bf16 in and out: (batch, m, n, k, flop/s), from
+#: xla/service/gpu/model/matmul_interpolator_data.h (kDefaultMatmulPTable, 2025), at the sizes of training
+#: products (k >= 1024, at least 2^21 outputs).  An independent check of the GEMM model, not its source.
+OPENXLA_SM90_BF16 = ((2, 4096, 4096, 2048, 763.0e12), (1, 4096, 4096, 4096, 783.3e12), (2, 4096, 2048, 4096, 783.2e12),
+                     (4, 2048, 2048, 2048, 725.7e12), (2, 2048, 4096, 1024, 678.7e12), (4, 4096, 1024, 1024, 673.8e12),
+                     (4, 1024, 2048, 2048, 712.7e12), (2, 4096, 1024, 4096, 750.6e12), (2, 4096, 512, 4096, 729.7e12),
+                     (1, 2048, 2048, 2048, 632.0e12), (4, 1024, 1024, 2048, 626.1e12), (4, 2048, 512, 2048, 621.4e12),
+                     (1, 1024, 2048, 2048, 524.3e12), (2, 1024, 4096, 1024, 596.5e12), (4, 512, 4096, 1024, 592.2e12))
+
+
+def test_the_h100_gemm_model_matches_openxla_measurements_at_training_sizes():
+    """A product as the cost model times it (``sharding_costs.compute_s``: the GEMM or its bytes, whichever is
+    longer, plus one kernel's launch) against OpenXLA's measured time."""
+    h100 = load_cluster("h100-80gb")
+
+    def modelled_s(b: int, m: int, n: int, k: int) -> float:
+        return max(gemm_s(h100, m, n, k, b), memory_s(h100, 2 * b * (m * k + k * n + m * n))) + h100.kernel_overhead_s
+
+    ratios = [2 * b * m * n * k / modelled_s(b, m, n, k) / measured for b, m, n, k, measured in OPENXLA_SM90_BF16]
+    assert all(0.85 <= r <= 1.15 for r in ratios), [round(r, 2) for r in ratios]
+    assert 0.92 <= sorted(ratios)[len(ratios) // 2] <= 1.08
