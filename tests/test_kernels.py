@@ -74,8 +74,9 @@ def test_flash_attention_versions():
 
 
 #: OpenXLA's published H100 (sm_90) matmul measurements, bf16 in and out: (batch, m, n, k, flop/s), from
-#: xla/service/gpu/model/matmul_interpolator_data.h (kDefaultMatmulPTable, 2025), at the sizes of training
-#: products (k >= 1024, at least 2^21 outputs).  An independent check of the GEMM model, not its source.
+#: xla/service/gpu/model/matmul_interpolator_data.h (kDefaultMatmulPTable as of tensorflow/tensorflow commit
+#: 372d578b's third_party/xla copy, 2025): the 15 entries of training sizes (k >= 1024, at least 2^21
+#: outputs) among the first 75 of its sm_90 table.  An independent check of the GEMM model, not its source.
 OPENXLA_SM90_BF16 = ((2, 4096, 4096, 2048, 763.0e12), (1, 4096, 4096, 4096, 783.3e12), (2, 4096, 2048, 4096, 783.2e12),
                      (4, 2048, 2048, 2048, 725.7e12), (2, 2048, 4096, 1024, 678.7e12), (4, 4096, 1024, 1024, 673.8e12),
                      (4, 1024, 2048, 2048, 712.7e12), (2, 4096, 1024, 4096, 750.6e12), (2, 4096, 512, 4096, 729.7e12),
