@@ -381,11 +381,12 @@ def build_intra_op(graph: OpGraph, node_names: Iterable[str], mesh: MeshSpec, cf
             # a Linear no strategy splits (a weight dim smaller than tp) stays free rather than unpriceable
             strategies = [s for s in strategies
                           if all(s[tp].inputs[k] not in (None, R) for k in weights)] or strategies
-        if n.name in residual and tp is not None and not cfg.sequence_parallel:
-            strategies = [s for s in strategies
-                          if all(p in (None, R) for p in (*s[tp].inputs, *s[tp].outputs))] or strategies[:1]
-        elif n.name in residual and tp is not None:  # megatron_sp
-            strategies = [s for s in strategies if _is_sequence_sharded(graph, n, s, tp)] or strategies
+        if n.name in residual and tp is not None:
+            if megatron_sp:  # split on the sequence between the regions
+                strategies = [s for s in strategies if _is_sequence_sharded(graph, n, s, tp)] or strategies
+            else:  # whole on every rank
+                strategies = [s for s in strategies
+                              if all(p in (None, R) for p in (*s[tp].inputs, *s[tp].outputs))] or strategies[:1]
         leader = rep_of.get(acts[0], acts[0]) if len(acts) == 1 else None
         if leader is not None and leader in group_of:
             placed = _follow(n, acts[0], leader, groups[group_of[leader]], strategies)
