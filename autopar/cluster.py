@@ -25,7 +25,7 @@ from autopar.errors import ClusterSpecError
 from autopar.spec_files import load_spec
 from autopar.units import GiB
 
-PRESETS = ("a100-40gb", "a100-80gb", "h100-80gb", "h100-80gb-roce", "h200", "gb200-nvl72", "cpu")
+PRESETS = ("a100-40gb", "a100-80gb", "h100-80gb", "h100-80gb-roce", "h200", "b200", "gb200-nvl72", "cpu")
 
 
 #: Index of each NCCL protocol in the per-protocol cluster keys.
@@ -33,12 +33,56 @@ PROTOCOLS = ("LL", "LL128", "Simple")
 FABRICS = ("nvlink", "infiniband", "roce", "ethernet", "loopback")
 _TRIPLES = ("collective_base_latency_s", "intra_node_latency_s", "inter_node_latency_s",
             "protocol_bandwidth_fraction")
-_FRACTIONS = ("gemm_efficiency", "attention_efficiency", "flash1_attention_efficiency", "flash3_attention_efficiency",
-              "memory_efficiency",
+_FRACTIONS = ("gemm_efficiency", "memory_efficiency",
               "intra_node_collective_efficiency", "inter_node_collective_efficiency", "tree_bandwidth_fraction")
-_INTEGERS = ("gpus", "gpus_per_node", "sm_count", "attention_block", "nics_per_node", "pod_gpus", "nvlink_domain_size")
+_INTEGERS = ("gpus", "gpus_per_node", "sm_count", "attention_block", "nics_per_node", "pod_gpus", "nvlink_domain_size",
+             "nccl_channels", "nccl_network_channels")
 #: Keys a cluster file may leave out, and their values then.
-_DEFAULTS = {"nvlink_domain_size": 0, "peak_fp8_flops": 0.0, "fp8_gemm_efficiency": 0.0, "fp8_gemm_k_overhead": 0.0}
+_DEFAULTS = {"nvlink_domain_size": 0, "peak_fp8_flops": 0.0, "fp8_gemm_efficiency": 0.0, "fp8_gemm_k_overhead": 0.0,
+             "mamf_fp8_flops": 0.0, "mamf_fp8_shape": ()}
+#: Attention kernels (``PassContext.attention``) a cluster's ``attention_kernels`` tables describe.
+FLASH_KERNELS = ("flash1", "flash", "flash3")
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionTable:
+    """Published throughput of one flash-attention kernel on the device: one pass (``fwd`` or ``bwd``), one
+    head dimension, causal or not, at several sequence lengths, in TFLOP/s as its source counts them (the
+    FlashAttention papers' convention: forward ``4 s^2 d`` per head, halved under a causal mask; backward 2.5x
+    forward)."""
+
+    kernel: str
+    direction: str
+    head_dim: int
+    causal: bool
+    seq_len: tuple[int, ...]
+    tflops: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if self.kernel not in FLASH_KERNELS or self.direction not in ("fwd", "bwd"):
+            raise ClusterSpecError(f"attention table: kernel must be one of {', '.join(FLASH_KERNELS)} and "
+                                   f"direction fwd or bwd, got {self.kernel!r}, {self.direction!r}")
+        if (not self.seq_len or len(self.seq_len) != len(self.tflops) or list(self.seq_len) != sorted(self.seq_len)
+                or min(self.seq_len) <= 0 or min(self.tflops) <= 0 or self.head_dim < 0):
+            raise ClusterSpecError(f"attention table {self.kernel} {self.direction} d{self.head_dim}: seq_len must "
+                                   "rise, and seq_len and tflops be positive lists of one length")
+
+    @classmethod
+    def parse(cls, entry: Any) -> AttentionTable:
+        if isinstance(entry, AttentionTable):
+            return entry
+        if not isinstance(entry, dict):
+            raise ClusterSpecError(f"attention_kernels entries must be tables, got {entry!r}")
+        try:
+            return cls(str(entry["kernel"]), str(entry["direction"]), int(entry["head_dim"]), bool(entry["causal"]),
+                       tuple(int(x) for x in entry["seq_len"]), tuple(float(x) for x in entry["tflops"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ClusterSpecError(f"attention_kernels entry {entry!r}: needs kernel, direction, head_dim, causal, "
+                                   f"seq_len and tflops ({exc})") from exc
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kernel": self.kernel, "direction": self.direction, "head_dim": self.head_dim, "causal": self.causal,
+                "seq_len": list(self.seq_len), "tflops": list(self.tflops)}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -64,24 +108,45 @@ class Cluster:
     """Streaming multiprocessors: a GEMM's output tiles run in waves of this many."""
     gemm_efficiency: float
     """Fraction of ``peak_flops`` a large GEMM reaches once its tiles fill whole waves and its reduction
-    dimension is long (cuBLAS main-loop efficiency)."""
+    dimension is long (cuBLAS main-loop efficiency), with the clock products hold on their own under a
+    sustained load."""
     gemm_tiles: tuple[tuple[float, float, float], ...]
     """Output tiles (rows, columns, relative efficiency) cuBLAS may pick; it picks the one that wastes the
     least to tile and wave quantization.  Empty: no quantization (CPU)."""
     gemm_k_overhead: float
     """Reduction length equivalent to a tile's pipeline fill and epilogue: efficiency ``k / (k + this)``."""
-    attention_efficiency: float
-    """Fraction of ``peak_flops`` reached by FlashAttention-2 kernels on the FLOPs they execute."""
-    flash1_attention_efficiency: float
-    """The same for FlashAttention (v1) kernels."""
-    flash3_attention_efficiency: float
-    """The same for FlashAttention-3 / cuDNN fused attention (Hopper's warp-specialized kernels)."""
+    mamf_flops: float
+    """Maximum achievable matmul FLOP/s (bf16): the best of a sweep of ``torch.mm`` shapes run back to back
+    after a warm-up (stas00/ml-engineering's mamf-finder): a ceiling the GEMM model must not pass."""
+    mamf_shape: tuple[int, int, int]
+    """The (m, n, k) at which ``mamf_flops`` was measured."""
+    attention_kernels: tuple[AttentionTable, ...]
+    """Published forward and backward throughput of the flash-attention kernels (``autopar.kernels``)."""
     attention_block: int
     """Query and key block size of flash attention: a causal mask skips the blocks above the diagonal."""
     memory_efficiency: float
     """Fraction of HBM bandwidth reached by memory-bound (element-wise, norm, softmax) kernels."""
-    kernel_overhead_s: float
-    """Fixed cost per launched kernel (launch latency and tail), added to every op."""
+    kernel_launch_s: float
+    """CPU time of launching one kernel (the CUDA driver call), on the host timeline (``autopar.kernels``)."""
+    kernel_gap_s: float
+    """GPU time between two kernels queued back to back in one stream (the next one's launch on the device)."""
+    gemm_latency_s: float
+    """A product kernel's fixed GPU time beyond its tiles' work, its gap included: the grid's launch and drain,
+    the first stage's loads, the epilogue's stores."""
+    # ---- clocks and power (``autopar.interference``)
+    boost_clock_hz: float
+    """The highest SM clock the device runs."""
+    peak_clock_hz: float
+    """The SM clock at which ``peak_flops`` is quoted."""
+    loaded_clock_hz: float
+    """The SM clock the device holds at its power cap when matrix products, HBM traffic and communication at
+    the full rate of the intra-node fabric run together (the products alone hold ``boost_clock_hz``)."""
+    power_cap_w: float
+    """Board power limit (TDP)."""
+    idle_power_w: float
+    """Board power of an idle device."""
+    memory_bound_power_w: float
+    """Board power while memory-bound kernels stream HBM at full bandwidth (``autopar.power``)."""
     # ---- memory
     hbm_bytes: float
     """Device memory per device, bytes."""
@@ -119,9 +184,14 @@ class Cluster:
     """Share of the bus bandwidth each protocol delivers (LL sends half its bytes as flags)."""
     tree_bandwidth_fraction: float
     """Share of the ring's bus bandwidth the tree all-reduce reaches."""
-    overlap_slowdown: float
-    """Fraction by which compute slows while a collective runs beside it (NCCL kernels occupy SMs and
-    memory bandwidth), so overlapped communication is never entirely free."""
+    nccl_channels: int
+    """SMs (channels, one thread block each) an NCCL collective inside the NVLink domain occupies while it runs:
+    compute beside it has the rest (``autopar.interference``)."""
+    nccl_network_channels: int
+    """SMs an NCCL collective between nodes occupies."""
+    comm_hbm_bytes_per_byte: float
+    """HBM bytes a collective reads and writes per byte it sends (its staging buffers and the user's data):
+    what it takes from the HBM bandwidth of memory-bound kernels beside it."""
     peak_fp8_flops: float = 0.0
     """Peak dense FP8 tensor-core FLOP/s per device; 0: the device has no FP8 tensor cores (``--precision fp8``
     is refused)."""
@@ -130,6 +200,10 @@ class Cluster:
     ``peak_fp8_flops``."""
     fp8_gemm_k_overhead: float = 0.0
     """``gemm_k_overhead`` of FP8 products, in elements of the reduction dimension."""
+    mamf_fp8_flops: float = 0.0
+    """``mamf_flops`` for FP8 (``torch._scaled_mm``); 0: not measured."""
+    mamf_fp8_shape: tuple[int, ...] = ()
+    """The (m, n, k) of ``mamf_fp8_flops``."""
     nvlink_domain_size: int = 0
     """GPUs on one NVLink (NVSwitch) domain, a whole number of nodes: the intra-node bandwidth and latencies
     hold inside it, the network's between domains.  0: one node (``gpus_per_node``), as in DGX/HGX
@@ -142,6 +216,14 @@ class Cluster:
                 continue
             if f.name in _TRIPLES:
                 _check_numbers(self.name, f.name, value, 3)
+                continue
+            if f.name == "attention_kernels":
+                if not isinstance(value, tuple) or not all(isinstance(t, AttentionTable) for t in value):
+                    raise ClusterSpecError(f"cluster {self.name}: attention_kernels must be a list of tables")
+                continue
+            if f.name in ("mamf_shape", "mamf_fp8_shape"):
+                if value and (not isinstance(value, tuple) or len(value) != 3 or min(value) < 1):
+                    raise ClusterSpecError(f"cluster {self.name}: {f.name} must be [m, n, k]")
                 continue
             if f.name == "gemm_tiles":
                 if not isinstance(value, tuple) or any(len(t) != 3 for t in value):
@@ -174,8 +256,18 @@ class Cluster:
                                    "is set")
         if not all(0 < x <= 1 for x in self.protocol_bandwidth_fraction):
             raise ClusterSpecError(f"cluster {self.name}: protocol_bandwidth_fraction values must be in (0, 1]")
-        if not 0 <= self.overlap_slowdown < 1:
-            raise ClusterSpecError(f"cluster {self.name}: overlap_slowdown must be in [0, 1)")
+        if not 0 < self.loaded_clock_hz <= self.boost_clock_hz or self.peak_clock_hz <= 0:
+            raise ClusterSpecError(f"cluster {self.name}: clocks must be positive and loaded_clock_hz at most "
+                                   "boost_clock_hz")
+        if not self.mamf_shape:
+            raise ClusterSpecError(f"cluster {self.name}: mamf_shape must be [m, n, k]")
+        if self.nccl_channels >= self.sm_count and self.sm_count > 1:
+            raise ClusterSpecError(f"cluster {self.name}: nccl_channels must be fewer than sm_count")
+        kernels = {t.kernel for t in self.attention_kernels}
+        for kernel in FLASH_KERNELS:
+            directions = {t.direction for t in self.attention_kernels if t.kernel == kernel}
+            if kernel in kernels and directions != {"fwd", "bwd"}:
+                raise ClusterSpecError(f"cluster {self.name}: attention kernel {kernel} needs fwd and bwd tables")
         if self.pod_oversubscription < 1:
             raise ClusterSpecError(f"cluster {self.name}: pod_oversubscription must be >= 1 (1 = full bisection)")
         if self.inter_node_fabric not in FABRICS:
@@ -226,15 +318,29 @@ class Cluster:
         for key in _TRIPLES:
             values[key] = tuple(values[key])
         values["gemm_tiles"] = tuple(tuple(t) for t in values["gemm_tiles"])
-        return cls(**values)
+        return cls(**_parsed_structures(values))
 
     def to_dict(self) -> dict[str, Any]:
         out = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            out[f.name] = [list(x) for x in value] if f.name == "gemm_tiles" else (
-                list(value) if isinstance(value, tuple) else value)
+            if f.name == "attention_kernels":
+                out[f.name] = [t.to_dict() for t in value]
+            else:
+                out[f.name] = [list(x) for x in value] if f.name == "gemm_tiles" else (
+                    list(value) if isinstance(value, tuple) else value)
         return out
+
+
+def _parsed_structures(values: dict[str, Any]) -> dict[str, Any]:
+    """TOML / JSON lists of a cluster's structured keys as the tuples ``Cluster`` holds."""
+    out = dict(values)
+    if isinstance(out.get("attention_kernels"), (list, tuple)):
+        out["attention_kernels"] = tuple(AttentionTable.parse(e) for e in out["attention_kernels"])
+    for key in ("mamf_shape", "mamf_fp8_shape"):
+        if isinstance(out.get(key), list):
+            out[key] = tuple(int(x) for x in out[key])
+    return out
 
 
 def _check_numbers(cluster: str, key: str, value: Any, n: int) -> None:
@@ -265,7 +371,7 @@ class AxisLink:
     inter_latency_s: tuple[float, float, float]
     protocol_fraction: tuple[float, float, float]
     tree_fraction: float
-    launch_s: float  # fixed cost of issuing one collective (a kernel launch)
+    launch_s: float  # fixed GPU-side cost of one collective's kernel (``Cluster.kernel_gap_s``)
 
     @property
     def crosses_nodes(self) -> bool:
@@ -297,7 +403,7 @@ def axis_link(cluster: Cluster, size: int, stride: int) -> AxisLink:
     nic = cluster.nic_bandwidth_per_gpu_bytes_per_s * cluster.inter_node_collective_efficiency
     common = dict(base_latency_s=cluster.collective_base_latency_s, intra_latency_s=cluster.intra_node_latency_s,
                   inter_latency_s=cluster.inter_node_latency_s, protocol_fraction=cluster.protocol_bandwidth_fraction,
-                  tree_fraction=cluster.tree_bandwidth_fraction, launch_s=cluster.kernel_overhead_s)
+                  tree_fraction=cluster.tree_bandwidth_fraction, launch_s=cluster.kernel_gap_s)
     if per_node >= size:
         return AxisLink(size, size, 1, 1, intra, intra, nic, **common)
     nodes = math.ceil(size / per_node)
@@ -361,7 +467,7 @@ def load_cluster(spec: str) -> Cluster:
             values[key] = tuple(values[key])
     if isinstance(values["gemm_tiles"], list):
         values["gemm_tiles"] = tuple(tuple(t) if isinstance(t, list) else t for t in values["gemm_tiles"])
-    return Cluster(**values)
+    return Cluster(**_parsed_structures(values))
 
 
 def cluster_from_args(spec: str, gpus: int | None = None, gpus_per_node: int | None = None,
@@ -376,5 +482,5 @@ def cluster_from_args(spec: str, gpus: int | None = None, gpus_per_node: int | N
     return cluster.with_overrides(gpus=gpus, gpus_per_node=gpus_per_node, inter_node_bandwidth_bytes_per_s=inter)
 
 
-__all__ = ["FABRICS", "PRESETS", "PROTOCOLS", "AxisLink", "Cluster", "GiB", "MeshSpec", "axis_link",
-           "cluster_from_args", "load_cluster", "mesh_links"]
+__all__ = ["FABRICS", "FLASH_KERNELS", "PRESETS", "PROTOCOLS", "AttentionTable", "AxisLink", "Cluster", "GiB",
+           "MeshSpec", "axis_link", "cluster_from_args", "load_cluster", "mesh_links"]

@@ -24,7 +24,8 @@ from autopar.errors import AutoparError
 from autopar.solvers.pipeline import SCHEDULES
 from autopar.spec_files import load_spec
 
-FRAMEWORKS = ("torch", "torchtitan", "megatron-lm", "megatron-core", "deepspeed", "llm-foundry", "aa-scaling")
+FRAMEWORKS = ("torch", "torchtitan", "megatron-lm", "megatron-core", "nemo", "deepspeed", "llm-foundry", "aa-scaling",
+              "llama3")
 ZeroUnit = Literal["block", "module", "parameter"]
 ZERO_UNITS: tuple[ZeroUnit, ...] = ("block", "module", "parameter")
 
@@ -122,6 +123,17 @@ class Framework:
     """ZeRO levels it implements without pipeline parallelism."""
     zero_levels_with_pp: tuple[int, ...]
     """... and with it."""
+    host_op_s: float = 0.0
+    """CPU time the runtime spends issuing one traced op (Python, the dispatcher, autograd's bookkeeping), besides
+    the driver's launch of its kernels: the host timeline that a stage's GPU time must outlast
+    (``autopar.intra_op.sharding_costs.host_s``)."""
+    tp_overlap_comm_sms: int = 0
+    """SMs the tensor-parallel collectives hold while they run under the GEMMs, where the framework drives them
+    itself (``tp_comm_overlap``: Transformer Engine's userbuffers); 0: NCCL's channels (``autopar.interference``)."""
+    interleaved_groups: Literal["rounds", "tunable"] = "rounds"
+    """How the ``interleaved`` schedule groups micro-batches: in torch's rounds (``ScheduleInterleaved1F1B``,
+    Megatron-LM's ``p``), or in groups of a tunable size ``N`` the search chooses (Llama 3's pipeline, sec. 3.3.2;
+    Megatron-Core's ``microbatch_group_size_per_vp_stage``): fewer micro-batches in flight for a longer wait."""
     fp8_scaling: Literal["none", "eager", "dynamic", "delayed"] = "none"
     """How it trains Linears in FP8 (``autopar.intra_op.fp8``): ``eager`` (torchao's float8 training without
     ``torch.compile``: every step of a cast is its own kernel), ``dynamic`` (torchao compiled: an amax pass,
@@ -139,6 +151,8 @@ class Framework:
         if self.grad_reduce_bytes not in (1, 2, 4) or self.main_grad_bytes not in (2, 4):
             raise FrameworkSpecError(f"framework {self.name}: grad_reduce_bytes must be 1, 2 or 4 and "
                                      "main_grad_bytes 2 or 4")
+        if self.host_op_s < 0 or self.tp_overlap_comm_sms < 0:
+            raise FrameworkSpecError(f"framework {self.name}: host_op_s and tp_overlap_comm_sms must be >= 0")
         if self.grad_bucket_bytes <= 0:
             raise FrameworkSpecError(f"framework {self.name}: grad_bucket_bytes must be positive")
         if not self.schedules or any(s not in SCHEDULES for s in self.schedules):
@@ -160,6 +174,8 @@ class Framework:
         if self.selective_recompute not in ("attention_core", "attention_module"):
             raise FrameworkSpecError(f"framework {self.name}: selective_recompute must be attention_core or "
                                      "attention_module")
+        if self.interleaved_groups not in ("rounds", "tunable"):
+            raise FrameworkSpecError(f"framework {self.name}: interleaved_groups must be rounds or tunable")
         if self.fp8_scaling not in ("none", "eager", "dynamic", "delayed"):
             raise FrameworkSpecError(f"framework {self.name}: fp8_scaling must be none, eager, dynamic or delayed")
         if self.zero3_unit not in ZERO_UNITS:
@@ -186,7 +202,8 @@ def load_framework(spec: str) -> Framework:
     """A preset name (``torch``, ``megatron-core``, ...) or a path to a TOML file."""
     values, origin = load_spec(spec, what="framework", folder="frameworks", presets=FRAMEWORKS, fields=_FIELDS,
                                base_values=lambda b: load_framework(b).to_dict(), error=FrameworkSpecError,
-                               defaults={"fp8_scaling": "none", "fp8_param_gather": False})
+                               defaults={"fp8_scaling": "none", "fp8_param_gather": False, "tp_overlap_comm_sms": 0,
+                                         "interleaved_groups": "rounds"})
     for key in ("schedules", "zero_levels", "zero_levels_with_pp"):
         if isinstance(values.get(key), list):
             values[key] = tuple(values[key])

@@ -54,7 +54,7 @@ def simulate(plan: Plan) -> list[Slice]:
     parts = [s["estimated_parts_per_microbatch_s"] for s in plan.stages]
     runs = simulate_pipeline(lay["schedule"], [_op_s("F", part) for part in parts],
                              [_op_s("B", part) for part in parts], m, v, [part.get("weight_s", 0.0) for part in parts],
-                             [part.get("rerun_s", 0.0) for part in parts])
+                             [part.get("rerun_s", 0.0) for part in parts], lay.get("group", 0))
     slices: list[Slice] = []
     for k, ops in enumerate(runs):
         for (kind, local, i), start, _ in ops:

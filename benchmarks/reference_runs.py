@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from autopar.passes import PassContext
+from autopar.passes.context import PrecisionPolicy
 
 from autopar.cluster import Cluster, load_cluster
 from autopar.errors import AutoparError
@@ -63,11 +64,14 @@ class ReferenceRun:
     """Layout knobs the source does not publish, left to the search."""
     per_layer_ms: dict[str, dict[str, float]] = field(default_factory=dict)
     """For per-layer rows: measured forward/backward milliseconds of one layer per variant."""
+    precision: str = "bf16"
+    """What the layers' Linears trained in: ``bf16`` or ``fp8``."""
 
     def context(self) -> PassContext:
-        """The pass context of the row: its cluster, attention kernel and framework."""
+        """The pass context of the row: its cluster, attention kernel, framework and training precision."""
         framework = load_framework(self.framework).with_overrides(**self.framework_overrides)
-        return PassContext(cluster=self.cluster, attention=self.attention, framework=framework)
+        return PassContext(cluster=self.cluster, attention=self.attention, framework=framework,
+                           precision=PrecisionPolicy(training=self.precision))
 
     @property
     def model_key(self) -> tuple:
@@ -98,12 +102,16 @@ def framework_of(case: dict[str, Any]) -> str:
     if "ptd-p" in case_id:
         return "megatron-lm"  # Narayanan et al.'s own PTD-P rows (their Table 2 compares it with ZeRO-3)
     text = _lower(case.get("source"), lay.get("framework"), lay.get("dp_type"), case.get("case_id"))
-    if "torchtitan" in text or "llama 3" in text or "llama team" in text:
-        return "torchtitan"  # Llama 3 ran Meta's PyTorch-native FSDP + TP + PP stack that torchtitan opens up
+    if "llama 3" in text or "llama team" in text:
+        return "llama3"  # Meta's PyTorch-native FSDP + TP + PP stack with its own pipeline schedule (sec. 3.3.2)
+    if "torchtitan" in text:
+        return "torchtitan"
     if "hagemann" in text or "aleph alpha" in text:
         return "aa-scaling"  # Hagemann et al. 2023 measured their sweeps on Aleph Alpha's Scaling codebase
     if "llm-foundry" in text or "mosaicml" in text:
         return "llm-foundry"
+    if "nemo" in text or "dgx cloud" in text or "megatron-bridge" in text:
+        return "nemo"  # NVIDIA's recipes on Megatron-Core + Transformer Engine
     if "zero-3" in case_id or "deepspeed" in text or "mt-nlg" in text:
         return "deepspeed"
     if "megatron-core" in text or "megatron-lm readme" in text or "nvidia/megatron-lm readme" in text:
@@ -123,6 +131,8 @@ def framework_overrides_of(case: dict[str, Any]) -> dict[str, Any]:
         out["grad_reduce_bytes"] = 2  # FSDP mixed precision PURE reduces in bf16 ...
         if framework_of(case) == "llm-foundry":
             out["zero3_copy_bytes_per_param"] = 0  # ... so nothing is cast (and FSDP1 copies nothing)
+    if _lower(lay.get("fp8_recipe")) == "current":
+        out["fp8_scaling"] = "dynamic"  # per-tensor current scaling (TE's Float8CurrentScaling): an amax pass, a cast
     precision = _lower(lay.get("precision"))
     if "bf16" in precision and framework_of(case) == "megatron-lm":
         out["grad_reduce_bytes"] = 4  # bf16 forces fp32 gradient accumulation and all-reduce
@@ -142,7 +152,7 @@ def attention_of(case: dict[str, Any]) -> str:
     (FlashAttention v1 class); other rows FlashAttention-2."""
     if _before_flash_attention(case):
         return "math"
-    if framework_of(case) == "megatron-core" and "h100" in _lower(case["cluster"].get("gpu")):
+    if framework_of(case) in ("megatron-core", "nemo") and "h100" in _lower(case["cluster"].get("gpu")):
         return "flash3"
     if framework_of(case) == "llm-foundry":
         # The benchmark tables (scripts/train/benchmarking/README.md, last regenerated 2023-10 and 2024-01) come
@@ -322,7 +332,12 @@ def reference_run(case: dict[str, Any]) -> ReferenceRun:
         framework=framework_of(case), framework_overrides=framework_overrides_of(case), attention=attention,
         global_batch=case.get("global_batch") or 0,
         fixed=fixed, measured_s=measured_time_s(case), searched=searched,
-        per_layer_ms=case.get("measured_per_layer_ms", {}))
+        per_layer_ms=case.get("measured_per_layer_ms", {}), precision=precision_of(case["layout"]))
+
+
+def precision_of(lay: dict[str, Any]) -> str:
+    """``fp8`` where the row trained its Linears in FP8, else ``bf16``."""
+    return "fp8" if "fp8" in _lower(lay.get("precision")) else "bf16"
 
 
 #: A sweep run's "kernel" field -> (attention kernel, RMSNorm implementation).  "fused" is Megatron-LM's

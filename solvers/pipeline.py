@@ -81,11 +81,17 @@ def rank_of_chunk(schedule: str, chunk: int, p: int) -> int:
     return chunk % p
 
 
+def round_size(p: int, m: int, group: int = 0) -> int:
+    """Micro-batches a chunk of ``interleaved`` runs in a row: ``group`` (Llama 3's tunable ``N``), or torch's
+    rounds of ``m / max(1, m // p)`` (Megatron-LM's ``p`` when ``p`` divides ``m``)."""
+    return min(group, m) if group else m // max(1, m // p)
+
+
 def in_flight_microbatches(schedule: Schedule, stage: int, num_stages: int, num_microbatches: int,
-                           virtual_stages: int = 1, residue: float = 0.0) -> float:
+                           virtual_stages: int = 1, residue: float = 0.0, group: int = 0) -> float:
     """Micro-batches' worth of whole-stage activations alive at once on ``stage``.  ``residue``: for the
     split-backward schedules, what a chunk holds between its ``I`` and ``W`` beyond its activations, as a
-    fraction of them."""
+    fraction of them; ``group``: ``interleaved``'s micro-batches per round (``round_size``)."""
     p, m, v = num_stages, num_microbatches, virtual_stages
     if p == 1:  # no pipeline: gradient accumulation finishes each micro-batch's backward before the next
         return 1.0
@@ -95,9 +101,10 @@ def in_flight_microbatches(schedule: Schedule, stage: int, num_stages: int, num_
         return float(m)
     if schedule == "1f1b":
         return float(min(p - stage, m))
-    # torch's ScheduleInterleaved1F1B: micro-batches go in rounds of m / max(1, m // p); before its first
-    # backward, rank r runs (v - 1) rounds plus 2 (p - 1 - r) chunk forwards (_get_warmup_ops), then one more.
-    per_round = m // max(1, m // p)
+    # torch's ScheduleInterleaved1F1B: micro-batches go in rounds of m / max(1, m // p) (or Llama 3's N); before
+    # its first backward, rank r runs (v - 1) rounds plus 2 (p - 1 - r) chunk forwards (_get_warmup_ops; Megatron-
+    # Core's get_pp_rank_microbatches with microbatch_group_size_per_vp_stage = N), then one more.
+    per_round = round_size(p, m, group)
     chunks = min(m * v, (v - 1) * per_round + 2 * (p - 1 - stage) + 1)
     return chunks / v
 
@@ -175,13 +182,13 @@ def _held_frontier(ops: list[Op]) -> tuple[tuple[int, int], ...]:
 Op = tuple[str, int, int]
 
 
-def schedule_order(schedule: Schedule, rank: int, p: int, m: int, v: int = 1) -> list[Op]:
+def schedule_order(schedule: Schedule, rank: int, p: int, m: int, v: int = 1, group: int = 0) -> list[Op]:
     """The ops one rank runs, in order.  No pipeline: each micro-batch's backward before the next forward
     (gradient accumulation); GPipe: all forwards, then all backwards; 1F1B: ``p - 1 - rank`` warm-up
     forwards, then a forward and a backward each step; interleaved: torch's ``ScheduleInterleaved1F1B``
     (Megatron-LM's order): micro-batches in rounds of ``m / max(1, m // p)``, each round through every
-    chunk, after torch's warm-up count (``_get_warmup_ops``); the zero-bubble schedules: torch's orders
-    (see the module docstring)."""
+    chunk, after torch's warm-up count (``_get_warmup_ops``), or in groups of ``group`` (Llama 3's tunable
+    ``N``); the zero-bubble schedules: torch's orders (see the module docstring)."""
     if p == 1 and schedule not in V_SHAPED:
         return [op for i in range(m) for op in (*[("F", j, i) for j in range(v)],
                                                   *[("B", j, i) for j in reversed(range(v))])]
@@ -202,12 +209,15 @@ def schedule_order(schedule: Schedule, rank: int, p: int, m: int, v: int = 1) ->
                 ops.append(("F", 0, warm + b))
             ops.append(("B", 0, b))
         return ops
-    per_round = m // max(1, m // p)
+    per_round = round_size(p, m, group)
 
     def nth(k: int, forward: bool) -> Op:
-        group, within = divmod(k, per_round * v)
-        chunk, offset = divmod(within, per_round)
-        return ("F" if forward else "B", chunk if forward else v - 1 - chunk, group * per_round + offset)
+        # the k-th forward (backward): rounds of per_round micro-batches through every chunk; a last, shorter
+        # round when per_round does not divide m
+        first = (k // (per_round * v)) * per_round
+        size = min(per_round, m - first)
+        chunk, offset = divmod(k - first * v, size)
+        return ("F" if forward else "B", chunk if forward else v - 1 - chunk, first + offset)
 
     total = m * v
     warm = min((v - 1) * per_round + 2 * (p - 1 - rank), total)
@@ -351,7 +361,7 @@ def _dualpipev_order(rank: int, p: int, m: int) -> list[Op]:
 
 def simulate_pipeline(schedule: Schedule, forward_s: Sequence[float], backward_s: Sequence[float], m: int,
                       v: int = 1, weight_s: Sequence[float] | None = None,
-                      rerun_s: Sequence[float] | None = None) -> list[list[tuple[Op, float, float]]]:
+                      rerun_s: Sequence[float] | None = None, group: int = 0) -> list[list[tuple[Op, float, float]]]:
     """Run the schedule op by op: per rank, its ops with their start and end times.  ``forward_s[k]`` and
     ``backward_s[k]``: one micro-batch through all of stage ``k``'s chunks (each chunk takes ``1 / v``),
     as a split backward runs it; ``weight_s[k]``: its weight step ``W`` (its input step ``I`` is the rest);
@@ -359,7 +369,7 @@ def simulate_pipeline(schedule: Schedule, forward_s: Sequence[float], backward_s
     for the previous chunk's forward of its micro-batch, an input (or whole) backward for its own forward
     and the next chunk's input gradient, a weight step for its input step."""
     p = len(forward_s)
-    order, ops = _dependency_order(schedule, p, m, v)
+    order, ops = _dependency_order(schedule, p, m, v, group)
     weight_s = weight_s if weight_s is not None else [0.0] * p
     rerun_s = rerun_s if rerun_s is not None else [0.0] * p
     span = {"F": forward_s, "B": [b - r for b, r in zip(backward_s, rerun_s)], "W": weight_s,
@@ -379,13 +389,13 @@ def simulate_pipeline(schedule: Schedule, forward_s: Sequence[float], backward_s
 
 
 @functools.lru_cache(maxsize=128)  # an entry holds every op of the schedule: keep few
-def _dependency_order(schedule: Schedule, p: int, m: int, v: int) -> tuple[tuple[tuple[int, int, tuple[int, ...]], ...],
-                                                                           tuple[tuple[Op, ...], ...]]:
+def _dependency_order(schedule: Schedule, p: int, m: int, v: int, group: int = 0
+                      ) -> tuple[tuple[tuple[int, int, tuple[int, ...]], ...], tuple[tuple[Op, ...], ...]]:
     """Every op of the schedule as ``(rank, index in its rank's order, positions of the ops it waits for)``,
     in an order where each op comes after those (the ranks run their orders round-robin as far as their
     inputs allow; the order does not depend on the ops' durations), and each rank's ops."""
     last = p * v - 1
-    queues = tuple(tuple(schedule_order(schedule, k, p, m, v)) for k in range(p))
+    queues = tuple(tuple(schedule_order(schedule, k, p, m, v, group)) for k in range(p))
     heads = [0] * p
     position: dict[tuple[str, int, int], int] = {}
     order: list[tuple[int, int, tuple[int, ...]]] = []

@@ -40,8 +40,8 @@ def test_bad_toml_key_is_named(fixtures):
 
 
 def test_unknown_preset():
-    with pytest.raises(ClusterSpecError, match="unknown cluster 'b200'"):
-        load_cluster("b200")
+    with pytest.raises(ClusterSpecError, match="unknown cluster 'b300'"):
+        load_cluster("b300")
 
 
 def test_invalid_toml(tmp_path):

@@ -12,7 +12,7 @@ INTRA_BW = 300e9 * 0.78  # NVLink x NCCL efficiency
 NIC_BW = 25e9 * 0.85  # HDR x NCCL efficiency
 LL, LL128, SIMPLE = 0, 1, 2
 BASE, INTRA, INTER = A100.collective_base_latency_s, A100.intra_node_latency_s, A100.inter_node_latency_s
-L = A100.kernel_overhead_s
+L = A100.kernel_gap_s
 MB = 1e6
 
 

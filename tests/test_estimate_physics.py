@@ -15,7 +15,7 @@ from autopar.errors import AutoparError
 from autopar.framework import FRAMEWORKS, FrameworkSpecError, load_framework
 from autopar.frontend import trace_model
 from autopar.inter_op.layout import parse_fix
-from autopar.inter_op.search import search
+from autopar.inter_op.search import UnitCostCache, search
 from autopar.inter_op.to_plan import interleaved_chunks
 from autopar.inter_op.unit_costs import solve_tp
 from autopar.intra_op.sharding_costs import compute_s
@@ -139,7 +139,11 @@ def test_op_checkpointing_sits_between_none_and_full(gpt):
 
 
 def test_unfused_loss_holds_fp32_logits_a_fused_one_does_not():
-    cluster = A100.with_overrides(gpus=8)
+    # a cap that never binds and collectives that take nothing from the compute beside them: the loss's extra
+    # streaming would otherwise also change the clock its unit's products hold (autopar.power) and what the
+    # ZeRO-3 gathers cost it (autopar.interference), which this test does not look at
+    cluster = A100.with_overrides(gpus=8, loaded_clock_hz=A100.boost_clock_hz, nccl_channels=0,
+                                  nccl_network_channels=0, comm_hbm_bytes_per_byte=0.0)
     big_vocab = {**GPT, "vocab": 65536}
     unfused = trace_model("gpt", big_vocab, ctx=_ctx(cluster=cluster)).graph
     fused_fw = TORCH.with_overrides(fused_cross_entropy=True)
@@ -155,7 +159,7 @@ def test_unfused_loss_holds_fp32_logits_a_fused_one_does_not():
     # cast back 4 + 2) in 3 + 3 kernels, the fused one 6 B (read; read and rewrite) in 1 + 1
     shifted = 4 * 1023 * 65536  # the loss reads the logits of all but the last position
     stream = cluster.hbm_bandwidth_bytes_per_s * cluster.memory_efficiency
-    expected = shifted * (40 - 6) / stream + 4 * cluster.kernel_overhead_s
+    expected = shifted * (40 - 6) / stream + 4 * cluster.kernel_gap_s
     assert a.iteration_time_s - b.iteration_time_s == pytest.approx(expected, rel=0.02)
 
 
@@ -184,7 +188,7 @@ def test_a_sharded_loss_streams_its_share_of_the_logits():
         assert tp == 1 or strategies[node.name][0].inputs[0] not in (None, R)  # vocab-parallel (or batch) split
         times[tp] = sum(compute_s(node, graph, strategies[node.name], mesh, 4, NODE, _ctx(cluster=NODE)))
     launches = (node.annotations["traffic"].fwd_kernels + node.annotations["traffic"].bwd_kernels) \
-        * NODE.kernel_overhead_s
+        * NODE.kernel_gap_s
     assert times[2] - launches == pytest.approx((times[1] - launches) / 2, rel=1e-6)
 
 
@@ -393,3 +397,29 @@ def test_uniform_units_estimates_every_stage_count(gpt):
             assert all(s.units[1] > s.units[0] for s in res.best.estimate.stages)
             priced.append(pp)
     assert priced == [2, 4]  # 11 units on 8 stages would leave the final norm alone: declined
+
+
+def test_launches_run_on_the_host_timeline_and_small_layers_are_host_bound():
+    """A pass costs the longer of its kernels' GPU time and the CPU time of issuing its ops: a small model's
+    layers are host-bound (its time follows the runtime's per-op cost), a large one's are not."""
+    h100 = load_cluster("h100-80gb").with_overrides(gpus=8)
+    fix = "dp=8,tp=1,pp=1,mbs=1,recompute=none,zero=0"
+    small_cfg = {"layers": 4, "hidden": 256, "heads": 4, "vocab": 1024, "seq_len": 256}
+    big_cfg = {"layers": 4, "hidden": 4096, "heads": 32, "vocab": 1024, "seq_len": 4096}
+    times = {}
+    for name, cfg in (("small", small_cfg), ("big", big_cfg)):
+        graph = trace_model("gpt", cfg, ctx=_ctx(cluster=h100)).graph
+        for slow in (1, 4):
+            fw = TORCH.with_overrides(host_op_s=TORCH.host_op_s * slow)
+            times[name, slow] = _estimate(graph, fix, fw, h100, 64).iteration_time_s
+        layer = graph.layers[0].structural_hash
+        costs, _ = UnitCostCache(graph, h100, _ctx(cluster=h100), "cbc", 60.0).get(1, 1, False, "fast")
+        u = costs[layer]
+        ops = [n for n in graph.ops() if n.layer == graph.layers[1].index]
+        fwd_kernels = sum(n.annotations["traffic"].fwd_kernels for n in ops)
+        # every op of the layer dispatches, every kernel is launched
+        assert u.fwd_host_s == pytest.approx(len(ops) * TORCH.host_op_s + fwd_kernels * h100.kernel_launch_s)
+        if name == "small":
+            assert u.fwd_host_s > u.fwd_s  # the GPU waits on the host
+    assert times["small", 4] > 1.5 * times["small", 1]
+    assert times["big", 4] == pytest.approx(times["big", 1], rel=0.02)

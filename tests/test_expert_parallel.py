@@ -133,7 +133,7 @@ def _expert_forward_s(graph, layer: int) -> float:
     """Forward time of the expert products of one layer (no launches), each op costed on its own."""
     mesh, strategies, _ = solve_tp(graph, H100, CTX, 1, 1, False)
     return sum(compute_s(n, graph, strategies[n.name], mesh, 1, H100, CTX)[0]
-               - n.annotations["traffic"].fwd_kernels * H100.kernel_overhead_s for n in graph.ops()
+               - n.annotations["traffic"].fwd_kernels * H100.kernel_gap_s for n in graph.ops()
                if n.layer == layer and n.op in EXPERT_PRODUCT_OPS
                and any(stacked_weight(graph, r) for r in tensor_refs(n)))
 

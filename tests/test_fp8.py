@@ -33,8 +33,9 @@ LLAMA_70B = "layers=80,hidden=8192,heads=64,kv_heads=8,ffn=28672,vocab=128256"
 
 def test_fp8_products_run_at_the_fp8_peak_less_their_longer_pipeline_fill():
     big = gemm_s(H100, 8192, 8192, 8192) / gemm_s(H100, 8192, 8192, 8192, fp8=True)
-    # twice the peak; at this shape FP8 measured 0.81 of its peak and bf16 0.79 of its own
-    assert 1.95 < big < 2.1
+    # twice the peak, at the share of it each reaches: the achievable-matmul sweeps measured FP8 at 0.709 of its
+    # peak and bf16 at 0.803 of its own on H100 (stas00/ml-engineering MAMF table): 2 x 0.709 / 0.803 = 1.77
+    assert 1.7 < big < 1.85
     # a short reduction loses more of the speed-up to the pipeline fill
     short = gemm_s(H100, 8192, 8192, 512) / gemm_s(H100, 8192, 8192, 512, fp8=True)
     assert short < big - 0.15

@@ -54,11 +54,13 @@ def test_interleaving_divides_the_bubble(gpt):
     inter = _estimate(gpt, fix + ",schedule=interleaved,v=2")
     # the warm-up and cool-down of the stage times, over v, bound it (simulated, unequal stages wait less);
     # with v > 1 a stage's chunks are unequal too (the last holds the head and the loss), which the
-    # closed form of equal chunks does not see: a few % over it
-    for est, v, slack in ((base, 1, 1e-9), (inter, 2, 0.05)):
+    # closed form of equal chunks does not see: a few % over it.  Interleaved, the middle stages' times hold
+    # two neighbours' transfers per chunk (a third of this small model's stage time), which the closed form
+    # puts on the warm-up's path and the schedule runs beside other chunks: the simulation waits less
+    for est, v, low, slack in ((base, 1, 0.8, 1e-9), (inter, 2, 0.6, 0.05)):
         times = [s.time_s for s in est.stages]
         closed_form = (sum(times) - max(times)) / v
-        assert 0.8 * closed_form < est.breakdown["pp_bubble_s"] <= closed_form * (1 + slack)
+        assert low * closed_form < est.breakdown["pp_bubble_s"] <= closed_form * (1 + slack)
     # half the bubble of stage times that grow by each chunk's own transfers (about 12 % here)
     assert inter.breakdown["pp_bubble_s"] < 0.6 * base.breakdown["pp_bubble_s"]
 

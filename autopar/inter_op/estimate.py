@@ -37,7 +37,10 @@ which only a framework with TP comm overlap (``Framework.tp_comm_overlap``) hide
   forward (dispatch, combine) and two in backward, with a permuting copy on each side (``ep_comm_s``,
   not overlapped, as torchtitan runs them).  The experts' state, gradient reduction and ZeRO sharding span
   the ``dp / ep`` ranks holding the same experts.
-- **overlap costs**: overlapped communication still slows the compute beside it (``overlap_slowdown``).
+- **overlap costs**: overlapped communication slows the compute beside it: its SMs, its HBM traffic and the
+  clock its power costs (``autopar.interference``).
+- **host**: each pass of a unit costs the longer of its GPU time and the CPU time of issuing its ops
+  (``UnitCost.fwd_host_s``): small layers in an eager runtime are host-bound.
 - **optimizer step**: Adam reads and writes 28 bytes per local parameter, memory-bound.
 
 The iteration time is ``m * t_max + bubble + exposed dp communication + optimizer step``, and the
@@ -50,6 +53,7 @@ import dataclasses
 import functools
 import itertools
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,10 +64,12 @@ from autopar.inter_op.context_parallel import context_parallel_share
 from autopar.inter_op.expert_parallel import expert_exchange_s, expert_parallel_share
 from autopar.inter_op.layout import Layout
 from autopar.inter_op.unit_costs import POST, PRE, UnitCost, unit_sequence
+from autopar.interference import compute_rate, overlapped_s
 from autopar.ir import OpGraph
 from autopar.kernels import memory_s
 from autopar.passes.context import PassContext
 from autopar.passes.flops import total_flops
+from autopar.power import NO_POWER, PowerMix
 from autopar.solvers.pipeline import (
     V_SHAPED,
     bubble_s,
@@ -160,24 +166,19 @@ class _UnitLoad:
     fp8_cast_s: float = 0.0  # the FP8 casts' part of ``compute_s``
     ep_s: float = 0.0  # expert parallelism's dispatch and combine all-to-alls, forward and backward
     ep_fwd_s: float = 0.0  # the forward's share of ``ep_s``
+    power: PowerMix = NO_POWER  # its kernels at the boost clock (``autopar.power``)
 
     def merged(self, other: _UnitLoad) -> _UnitLoad:
         """This unit and ``other`` on one rank (a V's first rank holds the embedding and the head)."""
         peak = ("extra_bytes", "gathered_bytes")
-        return _UnitLoad(**{f.name: (max if f.name in peak else float.__add__)(getattr(self, f.name),
-                                                                                getattr(other, f.name))
+        return _UnitLoad(**{f.name: (max if f.name in peak else operator.add)(getattr(self, f.name),
+                                                                               getattr(other, f.name))
                             for f in dataclasses.fields(self)})
 
 
 @functools.lru_cache(maxsize=4096)
 def _axis_link(cluster: Cluster, size: int, stride: int) -> AxisLink:
     return axis_link(cluster, size, stride)
-
-
-def _exposed(comm_s: float, compute_s: float, cluster: Cluster) -> float:
-    """Time a collective adds when overlapped with ``compute_s`` of work: what does not fit beside the
-    compute, plus the compute's slowdown while both run."""
-    return max(0.0, comm_s - compute_s) + cluster.overlap_slowdown * min(comm_s, compute_s)
 
 
 def _zero3_collectives(u: UnitCost, ctx: PassContext) -> tuple[int, float]:
@@ -232,6 +233,7 @@ class _Links:
 
     dp: AxisLink  # dp x cp: the replicas of the dense weights
     cp: AxisLink
+    tp: AxisLink
     ep: AxisLink  # an expert-parallel group: the innermost ``ep`` ranks of dp
     expert_dp: AxisLink  # the ``dp / ep`` replicas of the same experts
 
@@ -239,12 +241,21 @@ class _Links:
 def _unit_load(u: UnitCost, is_layer: bool, layout: Layout, links: _Links, cluster: Cluster,
                ctx: PassContext) -> _UnitLoad:
     fw, pol = ctx.framework, ctx.precision
-    compute = u.fwd_s + u.bwd_s
+    # each pass costs the longer of the GPU's timeline and the host's issuing its ops ahead of it
+    fwd, bwd = max(u.fwd_s, u.fwd_host_s), max(u.bwd_s, u.bwd_host_s)
+    compute = fwd + bwd
+    mix = u.power
     tp = u.tp_fwd_s + u.tp_bwd_s
-    tp_exposed = _exposed(tp, compute, cluster) if fw.tp_comm_overlap and layout.sp else tp
+    tp_exposed = tp
+    if fw.tp_comm_overlap and layout.sp:  # userbuffers run each collective under the GEMM it feeds
+        products = PowerMix(mix.tensor_s, mix.demand_s, 0.0)
+        rate = compute_rate(cluster, links.tp, products, fw.tp_overlap_comm_sms or None)
+        tp_exposed = overlapped_s(tp, u.product_s, rate)
     mode = layout.recompute if is_layer else "none"
     rc = layer_recompute(u, mode, fw)
     act, recompute = rc.saved_bytes, rc.time_s
+    if u.fwd_s > 0:  # re-issuing the recomputed ops on the host
+        recompute = max(recompute, u.fwd_host_s * min(1.0, rc.time_s / u.fwd_s))
     extra = max(u.transient_bytes, rc.transient_bytes, u.forward_transient_bytes)
     cp_fwd = all_gather_s(u.attention_kv_bytes, links.cp)
     cp = cp_fwd + reduce_scatter_s(u.attention_kv_bytes, links.cp)
@@ -277,7 +288,8 @@ def _unit_load(u: UnitCost, is_layer: bool, layout: Layout, links: _Links, clust
         if is_layer and layout.recompute == "full" and fw.zero3_unit != "block":
             gathers += 1  # per-module runtimes release after every forward, the recomputed one too
         comm = gathers * gather + scatter
-        zero3 = _exposed(comm, compute + recompute, cluster) if fw.zero3_prefetch else comm
+        zero3 = (overlapped_s(comm, compute + recompute, compute_rate(cluster, links.dp, mix)) if fw.zero3_prefetch
+                 else comm)
         zero3 += memory_s(cluster, u.params_local * fw.zero3_copy_bytes_per_param)
         # the gathered weights of this unit and the prefetched next one, and one unsharded gradient
         gathered_bytes = 2 * gathered * pol.weight_bytes + gathered * fw.grad_reduce_bytes
@@ -290,9 +302,9 @@ def _unit_load(u: UnitCost, is_layer: bool, layout: Layout, links: _Links, clust
         recompute *= 1 + split_fraction(layout.schedule, layout.pp, layout.num_microbatches, layout.v)
     time = compute + tp_exposed + cp + ep + recompute + zero3
     tp_fwd = tp_exposed * u.tp_fwd_s / tp if tp > 0 else 0.0
-    return _UnitLoad(time, compute, tp_exposed, tp_fwd, cp, cp_fwd, recompute, zero3, u.fwd_s, u.bwd_s, state, act,
+    return _UnitLoad(time, compute, tp_exposed, tp_fwd, cp, cp_fwd, recompute, zero3, fwd, bwd, state, act,
                      extra, gathered_bytes, weight, rerun, residue, u.product_s, u.attention_s, u.fp8_cast_s, ep,
-                     ep_fwd)
+                     ep_fwd, u.power)
 
 
 def _state_bytes(params: float, replicas: int, layout: Layout, ctx: PassContext) -> float:
@@ -331,29 +343,36 @@ def _bucketed(collective, nbytes: float, link: AxisLink, bucket_bytes: float) ->
 
 
 def _dp_sync_exposed(groups: list[tuple[float, AxisLink]], bwd_window_s: float, fwd_window_s: float,
-                     layout: Layout, cluster: Cluster, ctx: PassContext) -> float:
-    """ZeRO 0-2: the gradient reduction (and weight gather) that compute does not hide.  ``groups``: local
-    parameters and the link of the ranks holding them (the dense weights over dp x cp, expert-parallel
-    experts over dp / ep), reduced one after the other on one stream; ``bwd_window_s`` and
-    ``fwd_window_s``: one micro-batch's backward and forward."""
+                     layout: Layout, cluster: Cluster, ctx: PassContext, mix: PowerMix = NO_POWER) -> float:
+    """ZeRO 0-2: the gradient reduction (and weight gather) that compute does not hide, and what it costs the
+    compute it runs beside.  ``groups``: local parameters and the link of the ranks holding them (the dense
+    weights over dp x cp, expert-parallel experts over dp / ep), reduced one after the other on one stream;
+    ``bwd_window_s`` and ``fwd_window_s``: one micro-batch's backward and forward, whose kernels ``mix`` holds
+    (``autopar.power``)."""
     if layout.zero >= 3:
         return 0.0
     fw = ctx.framework
     reduce = all_reduce_s if layout.zero == 0 or fw.sharded_grad_reduce == "all_reduce" else reduce_scatter_s
     total = last = gather = 0.0
+    link_used = None
     for local_params, link in groups:
         if link.size <= 1 or local_params <= 0:
             continue
         t, one = _bucketed(reduce, local_params * fw.grad_reduce_bytes, link, fw.grad_bucket_bytes)
         total, last = total + t, one  # the last bucket reduced is the last group's
+        link_used = link_used or link
         if layout.zero >= 1:
             gather += _bucketed(all_gather_s, local_params * ctx.precision.weight_bytes, link, fw.grad_bucket_bytes)[0]
     if total <= 0:
         return 0.0
-    exposed = max(_exposed(total, bwd_window_s, cluster), last) if fw.overlap_grad_reduce else total
+
+    def beside(comm: float, window: float) -> float:
+        return overlapped_s(comm, window, compute_rate(cluster, link_used, mix))
+
+    exposed = max(beside(total, bwd_window_s), last) if fw.overlap_grad_reduce else total
     exposed *= _reductions_per_step(layout)
     if layout.zero >= 1:
-        exposed += _exposed(gather, fwd_window_s, cluster) if fw.overlap_param_gather else gather
+        exposed += beside(gather, fwd_window_s) if fw.overlap_param_gather else gather
     return exposed
 
 
@@ -372,7 +391,8 @@ def _stage_parts(s: dict[str, float], layout: Layout) -> dict[str, float]:
 def _simulated(layout: Layout) -> bool:
     """Whether the bubble comes from simulating the schedule rather than the closed form."""
     return splits_backward(layout.schedule, layout.pp) or (layout.pp > 1 and layout.v > 1
-                                                           and layout.num_microbatches < layout.pp)
+                                                           and (layout.num_microbatches < layout.pp
+                                                                or layout.group > 0))
 
 
 def _bubble_s(parts: list[dict[str, float]], stage_times: list[float], layout: Layout, exact: bool = False) -> float:
@@ -385,7 +405,7 @@ def _bubble_s(parts: list[dict[str, float]], stage_times: list[float], layout: L
     if not _simulated(layout) and not (exact and layout.pp > 1):
         return bubble_s(stage_times, v, m)
     forward, backward, weight, rerun = _op_times(parts)
-    return _makespan_s(layout.schedule, forward, backward, weight, rerun, m, v) - m * max(stage_times)
+    return _makespan_s(layout.schedule, forward, backward, weight, rerun, m, v, layout.group) - m * max(stage_times)
 
 
 def _op_times(parts: list[dict[str, float]]) -> tuple[tuple[float, ...], ...]:
@@ -422,8 +442,8 @@ def _bubble_bound_s(parts: list[dict[str, float]], stage_times: list[float], lay
 
 @functools.lru_cache(maxsize=1024)
 def _makespan_s(schedule: str, forward: tuple[float, ...], backward: tuple[float, ...], weight: tuple[float, ...],
-                rerun: tuple[float, ...], m: int, v: int) -> float:
-    runs = simulate_pipeline(schedule, forward, backward, m, v, weight, rerun)
+                rerun: tuple[float, ...], m: int, v: int, group: int = 0) -> float:
+    runs = simulate_pipeline(schedule, forward, backward, m, v, weight, rerun, group)
     return max(end for ops in runs for _, _, end in ops)
 
 
@@ -466,9 +486,10 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
         costs = {k: expert_parallel_share(u, layout.ep, cluster) for k, u in costs.items()}
     dp_link = _axis_link(cluster, layout.replicas, layout.tp)  # mesh (pp, dp, cp, tp): dp x cp is contiguous
     # ep: the innermost ep ranks of dp (pp, dp / ep, ep, cp, tp); cp > 1 never comes with ep > 1
-    links = _Links(dp_link, _axis_link(cluster, layout.cp, layout.tp), _axis_link(cluster, layout.ep, layout.tp),
-                   _axis_link(cluster, layout.expert_replicas, layout.tp * layout.ep))
     tp_link = _axis_link(cluster, layout.tp, 1)
+    links = _Links(dp_link, _axis_link(cluster, layout.cp, layout.tp), tp_link,
+                   _axis_link(cluster, layout.ep, layout.tp), _axis_link(cluster, layout.expert_replicas,
+                                                                       layout.tp * layout.ep))
     pp_link = _axis_link(cluster, p, layout.replicas * layout.tp)
     by_key = {k: _unit_load(costs[k], k not in (PRE, POST), layout, links, cluster, ctx)
               for k in dict.fromkeys(keys)}
@@ -478,7 +499,7 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
     if prune_above_s is not None and m * sum(x.time_s for x in loads) / p >= prune_above_s:
         return None
     residue = sum(x.residue_bytes for x in loads) / max(1.0, sum(x.activation_bytes for x in loads))
-    in_flight = [in_flight_microbatches(layout.schedule, i, p, m, v, residue) for i in range(p)]
+    in_flight = [in_flight_microbatches(layout.schedule, i, p, m, v, residue, layout.group) for i in range(p)]
     tied = _tied_params(costs) if p == 1 else 0.0  # one stage holds both ends: count the shared ones once
     tie_state = ctx.state_bytes(tied, layout.replicas, layout.zero)
     tie_bytes = tie_state + ctx.held_bytes(tied, layout.replicas, layout.zero, p, m)
@@ -505,7 +526,11 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
                        costs[keys[b]].input_bytes if b < len(keys) else 0.0)
         # one transfer each way per neighbour and micro-batch, for every chunk with interleaving
         p2p = neighbours * _p2p_s(boundary, layout, pp_link, tp_link, ctx) * v if p > 1 else 0.0
-        p2p_cost = cluster.overlap_slowdown * p2p if fw.pp_p2p_overlap else p2p
+        busy = sum(x.compute_s for x in units)
+        mix = sum((x.power for x in units), PowerMix())
+        p2p_cost = p2p
+        if fw.pp_p2p_overlap and p2p > 0:  # sent under the next micro-batch's compute, which it slows
+            p2p_cost = overlapped_s(p2p, busy, compute_rate(cluster, pp_link, mix))
         local = sum(costs[key].params_local for key in members[k])
         expert_local = sum(costs[key].expert_params_local for key in members[k]) if layout.ep > 1 else 0.0
         accumulate = _grad_accumulation_s(local - expert_local, layout, cluster, ctx, layout.replicas) \
@@ -514,7 +539,7 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
         stage_times.append(t)
         fwd, bwd = sum(x.fwd_s for x in units), sum(x.bwd_s for x in units)
         groups = [(local - expert_local, dp_link), (expert_local, links.expert_dp)]
-        dp_exposed = max(dp_exposed, _dp_sync_exposed(groups, bwd, fwd, layout, cluster, ctx))
+        dp_exposed = max(dp_exposed, _dp_sync_exposed(groups, bwd, fwd, layout, cluster, ctx, mix))
         tp_fwd = sum(x.tp_fwd_s for x in units)
         cp_fwd = sum(x.cp_fwd_s for x in units)
         ep_fwd = sum(x.ep_fwd_s for x in units)
@@ -587,7 +612,7 @@ def _compute_detail(units: list[_UnitLoad], m: int) -> dict[str, float]:
             "fp8_casts_s": m * sum(x.fp8_cast_s for x in units)}
 
 
-_EMPTY_LOAD = _UnitLoad(**{f.name: 0.0 for f in dataclasses.fields(_UnitLoad)})
+_EMPTY_LOAD = _UnitLoad(**{f.name: 0.0 for f in dataclasses.fields(_UnitLoad) if f.name != "power"})
 
 
 def _stage_members(keys: list[str], split: StageSplit, layout: Layout) -> list[list[str]]:

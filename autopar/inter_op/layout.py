@@ -10,7 +10,7 @@ from autopar.solvers.pipeline import SCHEDULES, Schedule
 
 Recompute = Literal["none", "selective", "op", "full"]
 RECOMPUTE: tuple[Recompute, ...] = ("none", "selective", "op", "full")
-FIX_KEYS = ("dp", "tp", "pp", "cp", "ep", "mbs", "schedule", "v", "recompute", "sp", "zero")
+FIX_KEYS = ("dp", "tp", "pp", "cp", "ep", "mbs", "schedule", "v", "group", "recompute", "sp", "zero")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -37,6 +37,9 @@ class Layout:
     """Expert parallelism: the stacked experts are split over groups of ``ep`` neighbouring data-parallel
     ranks (``ep`` divides ``dp``), which dispatch their tokens' slots to each other by all-to-all; the
     experts' gradients are reduced over the ``dp / ep`` ranks holding the same ones."""
+    group: int = 0
+    """``interleaved``: the micro-batches each chunk runs in a row (Llama 3's tunable ``N``, Megatron-Core's
+    ``microbatch_group_size_per_vp_stage``); 0: the schedule's own rounds (torch's ``m / max(1, m // p)``)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -46,7 +49,8 @@ class Layout:
         text = (f"tp{self.tp}" + (f" cp{self.cp}" if self.cp > 1 else "") + f" pp{self.pp} dp{self.dp}"
                 + (f" ep{self.ep}" if self.ep > 1 else "") + f" mbs{self.mbs}")
         if self.pp > 1:
-            text += f" {self.schedule}" + (f" v{self.v}" if self.v > 1 else "")
+            text += f" {self.schedule}" + (f" v{self.v}" if self.v > 1 else "") + (f" N{self.group}" if self.group
+                                                                                    else "")
         return text + f" rc={self.recompute} z{self.zero}" + (" sp" if self.sp else "")
 
     @property
@@ -87,12 +91,12 @@ def normalize_fix(raw: dict[str, Any]) -> dict[str, Any]:
         if key not in FIX_KEYS:
             raise AutoparError(f"unknown layout key {key!r} (keys: {', '.join(FIX_KEYS)})")
         text = str(value).strip().lower()
-        if key in ("dp", "tp", "pp", "cp", "ep", "mbs", "v", "zero"):
+        if key in ("dp", "tp", "pp", "cp", "ep", "mbs", "v", "group", "zero"):
             try:
                 n = int(text)
             except ValueError:
                 raise AutoparError(f"layout key {key} needs an integer, got {value!r}") from None
-            if n < (0 if key == "zero" else 1) or (key == "zero" and n > 3):
+            if n < (0 if key in ("zero", "group") else 1) or (key == "zero" and n > 3):
                 raise AutoparError(f"layout key {key}={n} is out of range")
             out[key] = n
         elif key == "schedule":

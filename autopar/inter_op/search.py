@@ -216,6 +216,8 @@ def check_fixed(graph: OpGraph, cluster: Cluster, global_batch: int, fixed: dict
     if "dp" in fixed and "mbs" in fixed and global_batch % (fixed["dp"] * fixed["mbs"]):
         raise AutoparError(f"global batch {global_batch} is not divisible by dp*mbs = {fixed['dp'] * fixed['mbs']}")
     schedule = fixed.get("schedule")
+    if fixed.get("group", 0) and (schedule or "interleaved") != "interleaved":
+        raise AutoparError("group (micro-batches per round) needs schedule=interleaved")
     if fixed.get("v", 1) > 1 and (schedule or "interleaved") not in MULTI_CHUNK:
         raise AutoparError(f"v > 1 needs a schedule with several chunks per rank ({', '.join(sorted(MULTI_CHUNK))})")
     if schedule in V_SHAPED and fixed.get("v", 2) != 2:
@@ -341,7 +343,8 @@ def _layouts_at(rest: int, tp: int, cp: int, layers: int, global_batch: int, fix
             for sp in allowed("sp", [False, True] if tp > 1 and fw.sequence_parallel and ep == 1 else [False]):
                 if sp and tp > 1 and ep > 1:
                     continue  # a pinned sp: the routing would see a slice of each sequence
-                for schedule, v in _schedules(pp, m, layers, fixed, fw):
+                for (schedule, v), group in ((sv, g) for sv in _schedules(pp, m, layers, fixed, fw)
+                                             for g in _groups(sv[0], pp, m, fixed, fw)):
                     for recompute in allowed("recompute", list(RECOMPUTE)):
                         if recompute == "op" and splits_backward(schedule, pp):
                             continue  # selective-checkpoint regions refuse the weight step's second pass
@@ -350,7 +353,7 @@ def _layouts_at(rest: int, tp: int, cp: int, layers: int, global_batch: int, fix
                             if zero == 3 and splits_backward(schedule, pp):
                                 continue  # the weight step would not find the resharded blocks' weights
                             yield Layout(dp=dp, tp=tp, pp=pp, mbs=mbs, num_microbatches=m, schedule=schedule,
-                                         v=v, recompute=recompute, sp=sp, zero=zero, cp=cp, ep=ep)
+                                         v=v, recompute=recompute, sp=sp, zero=zero, cp=cp, ep=ep, group=group)
 
 
 INTERLEAVE_V = (2, 4, 8)
@@ -384,6 +387,30 @@ def _schedules(pp: int, m: int, layers: int, fixed: dict[str, Any], fw: Framewor
     if pp == 1:
         options = options[:1] if "schedule" not in fixed else options  # one stage: the schedules coincide
     return options
+
+
+def group_runs(group: int, pp: int, m: int) -> bool:
+    """Whether ``interleaved`` runs ``m`` micro-batches in groups of ``group``: Megatron-Core's rule for
+    ``microbatch_group_size_per_vp_stage`` (``pp <= N <= m``, and ``m % N`` zero or at least ``pp``, else
+    "dependency bubbles"), or one group of all ``m < pp``.  Smaller groups deadlock this warm-up (the first rank
+    would wait on forwards the last one runs only after its first backward)."""
+    if group == 0:
+        return True
+    if m < pp:
+        return group == m
+    return pp <= group <= m and (m % group == 0 or m % group >= pp)
+
+
+def _groups(schedule: str, pp: int, m: int, fixed: dict[str, Any], fw: Framework) -> list[int]:
+    """``Layout.group`` values: 0 (the schedule's rounds), and, for ``interleaved`` where the framework tunes
+    them (``Framework.interleaved_groups``), every other group size that runs (``group_runs``)."""
+    if "group" in fixed:
+        return [fixed["group"]] if fixed["group"] == 0 or (schedule == "interleaved"
+                                                           and group_runs(fixed["group"], pp, m)) else []
+    if schedule != "interleaved" or pp == 1 or fw.interleaved_groups != "tunable":
+        return [0]
+    default = m // max(1, m // pp)
+    return [0] + [g for g in range(1, m + 1) if g != default and group_runs(g, pp, m) and (g % pp == 0 or g == m)]
 
 
 def shards_parameters_on_tp(graph: OpGraph, strategies: dict[str, Strategy]) -> bool:
@@ -508,7 +535,7 @@ def _keep(bucket: list[Candidate], candidate: Candidate, top_k: int, rank: Calla
 
 def _layout_key(layout: Layout) -> tuple:
     return (layout.dp, layout.tp, layout.cp, layout.ep, layout.pp, layout.mbs, layout.num_microbatches,
-            layout.schedule, layout.v, layout.recompute, layout.sp, layout.zero)
+            layout.schedule, layout.v, layout.group, layout.recompute, layout.sp, layout.zero)
 
 
 def _rank(c: Candidate) -> tuple:

@@ -22,10 +22,11 @@ from autopar.intra_op.sharding_costs import (
     PRODUCT_OPS,
     Gemm,
     collectives_s,
-    compute_s,
     fp8_cast_s,
     grad_placements,
+    host_s,
     local_bytes,
+    op_timing,
     operand_bytes,
     param_cost,
     product_gemms,
@@ -41,6 +42,7 @@ from autopar.passes.activations import storage_key
 from autopar.passes.context import PassContext
 from autopar.passes.experts import EXPERT_PRODUCT_OPS, stacked_weight
 from autopar.passes.traffic import FP32_BYTES, LOSS_OPS
+from autopar.power import NO_POWER, PowerMix, clock_fraction
 from autopar.recompute_policy import is_attention_module, product_is_saved
 from autopar.solvers.ilp import Backend
 
@@ -96,6 +98,12 @@ class UnitCost:
     # activation input) on one device: what expert parallelism's dispatch all-to-all moves
     expert_combine_bytes: float = 0.0  # the experts' output slots (the last expert product's output)
     expert_products: tuple[ExpertProduct, ...] = ()  # their GEMMs, which expert parallelism reshapes
+    fwd_host_s: float = 0.0  # CPU time of issuing the forward's ops (``sharding_costs.host_s``): the host
+    # timeline the GPU's ``fwd_s`` runs behind
+    bwd_host_s: float = 0.0  # the same for the backward
+    power: PowerMix = NO_POWER  # its kernels at the boost clock, as the power manager sees them (``autopar.power``)
+    clock: float = 1.0  # the SM clock its forward and backward hold under the power cap, over the boost clock;
+    # every time above is at this clock
     params_local: float = field(init=False)  # elements one device holds of all of them (read per layout)
 
     def __post_init__(self) -> None:
@@ -351,6 +359,7 @@ def _unit_cost(graph: OpGraph, names: list[str], strategies: dict[str, Strategy]
     op_recompute = op_saved = op_recompute_flops = transient = 0.0
     modules: dict[str, float] = {}
     fwd = bwd = tp_sync = attn_s = attn_bytes = bwd_weight = residue = 0.0
+    host_fwd = host_bwd = 0.0
     edges = _Reshards(mesh, mbs, ctx)
     sync_bytes: dict[str, float] = {}
     act = 0.0
@@ -361,13 +370,18 @@ def _unit_cost(graph: OpGraph, names: list[str], strategies: dict[str, Strategy]
     fp8_weights: set[str] = set()
     seen: set[str] = set()
     experts = _ExpertSlots(graph, mesh, mbs, ctx, cluster)
+    timings = [op_timing(graph[name], graph, strategies[name], mesh, mbs, cluster, ctx) for name in names]
+    power = sum((t.power() for t in timings), PowerMix())
+    phi = clock_fraction(cluster, power)  # the clock the unit's kernels hold together under the power cap
     for i, name in enumerate(names):
         node = graph[name]
         strat = strategies[name]
-        f, b = compute_s(node, graph, strat, mesh, mbs, cluster, ctx)
+        f, b = timings[i].at_clock(phi)
+        hf, hb = host_s(node, ctx)
+        host_fwd, host_bwd = host_fwd + hf, host_bwd + hb
         reruns = i <= stop
         fwd, bwd = fwd + f, bwd + b
-        bwd_weight += min(b, weight_grad_s(node, graph, strat, mesh, mbs, cluster, ctx))
+        bwd_weight += min(b, weight_grad_s(node, graph, strat, mesh, mbs, cluster, ctx) / phi)
         cast_f, cast_b = fp8_cast_s(node, graph, strat, mesh, mbs, cluster, ctx)
         if cast_f or cast_b:
             fp8_cast += cast_f + cast_b
@@ -449,7 +463,8 @@ def _unit_cost(graph: OpGraph, names: list[str], strategies: dict[str, Strategy]
                     fp8_params=sum(params.get(graph[w].target, 0.0) for w in fp8_weights),
                     expert_fqns=tuple(experts.counts), expert_counts=tuple(experts.counts.values()),
                     expert_dispatch_bytes=experts.dispatch_bytes(), expert_combine_bytes=experts.combine_bytes(),
-                    expert_products=tuple(experts.products))
+                    expert_products=tuple(experts.products), fwd_host_s=host_fwd, bwd_host_s=host_bwd, power=power,
+                    clock=phi)
 
 
 @dataclass

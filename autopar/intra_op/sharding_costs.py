@@ -36,11 +36,12 @@ from autopar.collectives import all_gather_s, all_reduce_s, collective_s, reduce
 from autopar.intra_op.fp8 import cast_cost, fp8_eligible, layer_linear_weight
 from autopar.intra_op.strategies import PARTIAL, R, Strategy, shard_dim, tensor_refs
 from autopar.ir import Node, OpGraph, TensorInfo
-from autopar.kernels import flash_attention_s, gemm_s, memory_s
+from autopar.kernels import FLASH_BACKWARD_FLOPS, flash_attention_s, gemm_s, memory_s
 from autopar.passes.activations import SavedTensor, storage_key
 from autopar.passes.context import PassContext
-from autopar.passes.flops import NodeFlops
+from autopar.passes.flops import NodeFlops, is_causal
 from autopar.passes.traffic import LOSS_OPS, NodeTraffic, softmax_passes_bytes
+from autopar.power import PowerMix, product_demand, tensor_demand
 
 Placements = tuple[str | None, ...]
 
@@ -288,9 +289,11 @@ class Gemm:
     k: float
 
     def s(self, cluster: Cluster, width: int) -> float:
-        """Roofline of the product: its compute time, or streaming its operands and result if longer."""
+        """Roofline of the product: its compute time, or streaming its operands and result if longer, and the
+        fixed time of its kernel beyond the gap every kernel pays (``Cluster.gemm_latency_s``)."""
         io = width * self.batch * (self.m * self.k + self.k * self.n + self.m * self.n)
-        return max(gemm_s(cluster, self.m, self.n, self.k, self.batch), memory_s(cluster, io))
+        return (max(gemm_s(cluster, self.m, self.n, self.k, self.batch), memory_s(cluster, io))
+                + cluster.gemm_latency_s - cluster.kernel_gap_s)
 
 
 def _splits(placements: tuple[str | None, ...], mesh: MeshSpec, rank: int) -> dict[int, int]:
@@ -423,8 +426,8 @@ def fp8_linear(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec, b
 
 def _cast_s(g: Gemm, cluster: Cluster, ctx: PassContext) -> tuple[float, float]:
     c = cast_cost(g.batch * g.m, g.n, g.k, ctx.framework.fp8_scaling)
-    return (memory_s(cluster, c.fwd_bytes) + c.fwd_kernels * cluster.kernel_overhead_s,
-            memory_s(cluster, c.bwd_bytes) + c.bwd_kernels * cluster.kernel_overhead_s)
+    return (memory_s(cluster, c.fwd_bytes) + c.fwd_kernels * cluster.kernel_gap_s,
+            memory_s(cluster, c.bwd_bytes) + c.bwd_kernels * cluster.kernel_gap_s)
 
 
 def fp8_cast_s(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec, batch: int, cluster: Cluster,
@@ -434,43 +437,95 @@ def fp8_cast_s(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec, b
     return (0.0, 0.0) if g is None else _cast_s(g, cluster, ctx)
 
 
+@dataclass(frozen=True, slots=True)
+class OpTiming:
+    """An op's forward and backward time at the boost clock, the tensor-core kernels' part of each (the rest is
+    memory-bound, or the gaps between kernels) and their power draw (``autopar.power``)."""
+
+    fwd_s: float
+    bwd_s: float
+    fwd_tensor_s: float = 0.0
+    bwd_tensor_s: float = 0.0
+    demand: float = 0.0
+
+    def power(self) -> PowerMix:
+        """Forward and backward together, as the power manager sees them."""
+        tensor = self.fwd_tensor_s + self.bwd_tensor_s
+        return PowerMix(tensor, tensor * self.demand, self.fwd_s + self.bwd_s - tensor)
+
+    def at_clock(self, phi: float) -> tuple[float, float]:
+        """(forward, backward) at ``phi`` of the boost clock: the tensor-core kernels slow, the rest keeps its time."""
+        slow = 1.0 / phi - 1.0
+        return self.fwd_s + self.fwd_tensor_s * slow, self.bwd_s + self.bwd_tensor_s * slow
+
+
 def _attention_s(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec, batch: int, cluster: Cluster,
-                 ctx: PassContext, split: int, fwd_bytes: float, bwd_bytes: float) -> tuple[float, float]:
-    """Attention: a flash kernel at its efficiency on the FLOPs it executes, or unfused products and passes."""
+                 ctx: PassContext, split: int, fwd_bytes: float, bwd_bytes: float) -> OpTiming:
+    """Attention: a flash kernel at its published throughput for its head dimension, sequence length and mask
+    (``autopar.kernels``), or unfused products and passes."""
     flops: NodeFlops = node.annotations["flops"]
     traffic: NodeTraffic = node.annotations["traffic"]
     scale = graph.scale(node, batch)
-    launch_f = traffic.fwd_kernels * cluster.kernel_overhead_s
-    launch_b = traffic.bwd_kernels * cluster.kernel_overhead_s
-    if ctx.flash:
-        version = ctx.flash_version
-        fwd = max(flash_attention_s(cluster, flops.fwd_executed * scale / split, version), memory_s(cluster, fwd_bytes))
-        bwd = max(flash_attention_s(cluster, flops.bwd * scale / split, version), memory_s(cluster, bwd_bytes))
-        return fwd + launch_f, bwd + launch_b
+    gap_f = traffic.fwd_kernels * cluster.kernel_gap_s
+    gap_b = traffic.bwd_kernels * cluster.kernel_gap_s
     q, k, v = (graph.tensor(r) for r in tensor_refs(node)[:3])
+    if ctx.flash:
+        causal = is_causal(node)
+        # the kernels' own count: every score of the local shard, half of them under a causal mask
+        nominal = flops.fwd * scale / split * (0.5 if causal else 1.0)
+        shape = (ctx.flash_version, q.shape[-1], k.shape[-2], causal)
+        kern_f = flash_attention_s(cluster, nominal, shape[0], "fwd", *shape[1:])
+        kern_b = flash_attention_s(cluster, FLASH_BACKWARD_FLOPS * nominal, shape[0], "bwd", *shape[1:])
+        mem_f, mem_b = memory_s(cluster, fwd_bytes), memory_s(cluster, bwd_bytes)
+        tensor_f, tensor_b = (kern_f if kern_f >= mem_f else 0.0), (kern_b if kern_b >= mem_b else 0.0)
+        rate = (1 + FLASH_BACKWARD_FLOPS) * nominal / max(1e-30, kern_f + kern_b)  # FLOP/s as the tables count
+        return OpTiming(max(kern_f, mem_f) + gap_f, max(kern_b, mem_b) + gap_b, tensor_f, tensor_b,
+                        tensor_demand(cluster, rate / cluster.peak_flops))
     sq, sk = q.shape_at(batch), k.shape_at(batch)
     heads = math.prod(sq[:-2]) / split  # batch x heads of the local shard
     s_q, s_k, d, dv = sq[-2], sk[-2], sq[-1], v.shape[-1]
     e = ctx.precision.activation_bytes
-    fwd = sum(g.s(cluster, e) for g in (Gemm(heads, s_q, s_k, d), Gemm(heads, s_q, dv, s_k)))
-    bwd = sum(g.s(cluster, e) for g in (Gemm(heads, s_k, dv, s_q), Gemm(heads, s_q, s_k, dv),
-                                         Gemm(heads, s_q, d, s_k), Gemm(heads, s_k, d, s_q)))
+    prod_f = (Gemm(heads, s_q, s_k, d), Gemm(heads, s_q, dv, s_k))
+    prod_b = (Gemm(heads, s_k, dv, s_q), Gemm(heads, s_q, s_k, dv), Gemm(heads, s_q, d, s_k), Gemm(heads, s_k, d, s_q))
+    fwd, bwd = sum(g.s(cluster, e) for g in prod_f), sum(g.s(cluster, e) for g in prod_b)
+    tensor_f = sum(gemm_s(cluster, g.m, g.n, g.k, g.batch) for g in prod_f)
+    tensor_b = sum(gemm_s(cluster, g.m, g.n, g.k, g.batch) for g in prod_b)
     passes_f, passes_b = softmax_passes_bytes(graph, node, ctx)
     fwd += memory_s(cluster, passes_f.at(batch) / split)
     bwd += memory_s(cluster, passes_b.at(batch) / split)
-    return fwd + launch_f, bwd + launch_b
+    return OpTiming(fwd + gap_f, bwd + gap_b, min(tensor_f, fwd), min(tensor_b, bwd), product_demand(cluster))
+
+
+def host_s(node: Node, ctx: PassContext) -> tuple[float, float]:
+    """(forward, backward) CPU time of issuing ``node``: the framework's per-op dispatch (``Framework.host_op_s``)
+    and one driver call per kernel it launches (``Cluster.kernel_launch_s``).  Views dispatch and launch
+    nothing on the GPU; a backward exists only where the op launches backward kernels."""
+    traffic: NodeTraffic = node.annotations["traffic"]
+    fw, cluster = ctx.framework, ctx.cluster
+    fwd = fw.host_op_s + traffic.fwd_kernels * cluster.kernel_launch_s
+    bwd = (fw.host_op_s + traffic.bwd_kernels * cluster.kernel_launch_s) if traffic.bwd_kernels else 0.0
+    return fwd, bwd
 
 
 def compute_s(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec, batch: int, cluster: Cluster,
               ctx: PassContext) -> tuple[float, float]:
-    """(forward, backward) time of ``node``'s local shard under ``strategy``.
+    """(forward, backward) time of ``node``'s local shard under ``strategy`` at the boost clock (``op_timing``)."""
+    t = op_timing(node, graph, strategy, mesh, batch, cluster, ctx)
+    return t.fwd_s, t.bwd_s
+
+
+def op_timing(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec, batch: int, cluster: Cluster,
+              ctx: PassContext) -> OpTiming:
+    """Time of ``node``'s local shard under ``strategy`` at the boost clock, and its tensor-core part.
 
     Products are timed as GEMMs of their local shapes (``autopar.kernels``), attention by its kernel, and
-    everything else by the bytes it moves; each op also pays its kernel launches."""
+    everything else by the bytes it moves; each kernel also pays the gap between back-to-back kernels (its
+    launch runs on the host's timeline: ``host_s``).  What the power cap does to the clock is the unit's
+    (``autopar.power``)."""
     flops: NodeFlops = node.annotations["flops"]
     traffic: NodeTraffic = node.annotations["traffic"]
     if node.alias_of is not None or traffic.fwd_kernels == traffic.bwd_kernels == 0:
-        return 0.0, 0.0  # a view, or an op that launches nothing (dropout with p = 0)
+        return OpTiming(0.0, 0.0)  # a view, or an op that launches nothing (dropout with p = 0)
     scale = graph.scale(node, batch)
     split = math.prod(n for a, n in enumerate(mesh.shape)
                       if any(shard_dim(p or R) is not None for p in strategy[a].inputs))
@@ -480,8 +535,8 @@ def compute_s(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec, ba
         fwd_bytes, bwd_bytes = traffic.fwd_bytes.at(batch) / split, traffic.bwd_bytes.at(batch) / split
     if node.op in ATTENTION_OPS:
         return _attention_s(node, graph, strategy, mesh, batch, cluster, ctx, split, fwd_bytes, bwd_bytes)
-    launch_f = traffic.fwd_kernels * cluster.kernel_overhead_s
-    launch_b = traffic.bwd_kernels * cluster.kernel_overhead_s
+    launch_f = traffic.fwd_kernels * cluster.kernel_gap_s
+    launch_b = traffic.bwd_kernels * cluster.kernel_gap_s
     gemms = product_gemms(node, graph, strategy, mesh, batch) if flops.fwd > 0 else None
     fp8_g = _fp8_forward(node, graph, strategy, mesh, batch, ctx) if gemms is not None else None
     fp8 = fp8_g is not None
@@ -491,9 +546,15 @@ def compute_s(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec, ba
     else:
         peak = cluster.peak_flops * cluster.gemm_efficiency
         fwd_c, bwd_c = flops.fwd * scale / split / peak, flops.bwd * scale / split / peak
-    fwd = max(fwd_c, memory_s(cluster, fwd_bytes)) + launch_f
-    bwd = max(bwd_c, memory_s(cluster, bwd_bytes)) + launch_b
+    mem_f, mem_b = memory_s(cluster, fwd_bytes), memory_s(cluster, bwd_bytes)
+    if gemms is not None:  # a product kernel's fixed time, beyond the gap every kernel pays
+        launch_f += len(gemms[0]) * (cluster.gemm_latency_s - cluster.kernel_gap_s)
+        launch_b += len(gemms[1]) * (cluster.gemm_latency_s - cluster.kernel_gap_s)
+    fwd = max(fwd_c, mem_f) + launch_f
+    bwd = max(bwd_c, mem_b) + launch_b
+    tensor_f = fwd_c if flops.fwd > 0 and fwd_c >= mem_f else 0.0
+    tensor_b = bwd_c if flops.fwd > 0 and bwd_c >= mem_b else 0.0
     if fp8_g is not None:
         cast_f, cast_b = _cast_s(fp8_g, cluster, ctx)
         fwd, bwd = fwd + cast_f, bwd + cast_b
-    return fwd, bwd
+    return OpTiming(fwd, bwd, tensor_f, tensor_b, product_demand(cluster, fp8))

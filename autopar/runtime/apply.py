@@ -141,6 +141,10 @@ def apply(plan: Plan, loss_fn: Callable[..., torch.Tensor] | None = None, *,
         raise AutoparError(f"the given device mesh is {tuple(mesh.mesh.shape)} over {mesh.mesh_dim_names}; the "
                            f"plan runs on (pp, dp, cp, tp) = {dims}")
     context = context_of(mesh, plan.seq_len)
+    if plan.layout.get("group", 0):
+        raise AutoparError(f"this plan runs its interleaved schedule in groups of {plan.layout['group']} "
+                           "micro-batches (a framework's tunable schedule, such as Llama 3's), which "
+                           "torch.distributed.pipelining does not run: plan it again with --framework torch")
     ranges = [tuple(r) for r in stage_layer_ranges(plan)]
     pp_rank = mesh.get_local_rank("pp")
     chunks = rank_chunks(plan.layout["schedule"], pp_rank, shape.pp, len(ranges))
