@@ -29,7 +29,11 @@ WIDER = (("llm_foundry_tables", "MosaicML llm-foundry's MPT benchmark tables (FS
           "--output benchmarks/results/llm_foundry_tables.json"),
          ("megatron_core_h100_table", "the Megatron-LM README's H100 table (Megatron-Core, 1.7B-462B, 48-6144 GPUs)",
           "python benchmarks/calibration.py --references benchmarks/reference/megatron_core_h100_table.json "
-          "--output benchmarks/results/megatron_core_h100_table.json"))
+          "--output benchmarks/results/megatron_core_h100_table.json"),
+         ("nvidia_h100_tables", "NVIDIA's published H100 BF16 and FP8 runs (DGX Cloud recipes, NeMo 24.07, "
+          "Megatron-Bridge 25.09; 8-2048 GPUs)",
+          "python benchmarks/calibration.py --references benchmarks/reference/nvidia_h100_tables.json "
+          "--output benchmarks/results/nvidia_h100_tables.json"))
 
 
 def _load(name: str) -> dict[str, Any]:
@@ -92,8 +96,9 @@ def render(calib: dict[str, Any], ranking: dict[str, Any]) -> str:
         "and the estimate is compared with the measured iteration time.",
         "",
         f"- **{s['rows']} runs**: median |error| **{s['median_abs_error']:.1%}**, largest "
-        f"**{s['max_abs_error']:.1%}**, median signed error {s['median_signed_error']:+.1%}; "
-        f"{s['within_10pct']} of {s['scored']} within 10 %.",
+        f"**{s['max_abs_error']:.1%}**, median signed error **{s['median_signed_error']:+.1%}**; "
+        f"{s['within_10pct']} of {s['scored']} within 10 %; {s.get('too_slow', 0)} estimated too slow "
+        f"(pessimistic), {s['scored'] - s.get('too_slow', 0)} too fast.",
         f"- Layouts that ran but are refused for memory: {', '.join(s['refused']) or 'none'}.",
     ]
     for sweep in ranking["summary"]:
@@ -101,9 +106,10 @@ def render(calib: dict[str, Any], ranking: dict[str, Any]) -> str:
         lines.append(f"- **Sweep {sweep['sweep']}** ({sweep['runs']} layouts): Spearman **{sweep['spearman']:.3f}**; "
                      f"autopar's top pick measured {pick['measured_s']:.1f} s against the best "
                      f"{best['measured_s']:.1f} s (regret **{sweep['top_pick_regret']:+.1%}**).")
-    lines += ["", "![estimate vs measured](accuracy.png)", "", "## Published runs", "",
-              "| run | GPUs | framework | attention | layout | estimate | measured | error | MFU (est.) |",
-              "|---|---:|---|---|---|---:|---:|---:|---:|"]
+    lines += ["", "![estimate vs measured](accuracy.png)", "", "## Published runs, by GPU", ""]
+    lines += _by_gpu(calib["rows"])
+    lines += ["| run | GPU | GPUs | framework | attention | layout | estimate | measured | error | MFU (est.) |",
+              "|---|---|---:|---|---|---|---:|---:|---:|---:|"]
     for r in calib["rows"]:
         if r["error"] is None:
             lines.append(f"| {r['case_id']} | {r['gpus']} | {r['framework']} | | {r.get('note', '')} | | | | |")
@@ -112,13 +118,37 @@ def render(calib: dict[str, Any], ranking: dict[str, Any]) -> str:
         scale = 1e3 if unit == "ms" else 1.0
         mfu = f"{r['mfu']:.1%}" if "mfu" in r else ""
         refused = " (does not fit)" if r.get("fits") is False else ""
-        lines.append(f"| {r['case_id']} | {r['gpus']} | {r['framework']} | {r['attention']} | {_layout(r)}{refused} | "
+        lines.append(f"| {r['case_id']} | {r.get('cluster', '')} | {r['gpus']} | {r['framework']} | {r['attention']} | "
+                     f"{_layout(r)}{refused} | "
                      f"{r['estimate_s'] * scale:.3g} {unit} | {r['measured_s'] * scale:.3g} {unit} | "
                      f"{r['error']:+.1%} | {mfu} |")
     lines += ["", "The per-layer row sums its variants (no recompute, sequence parallel, full and selective",
               "recompute); each variant is in `benchmarks/results/calibration.json`.", ""]
     lines += _wider_checks()
+    lines += _ablation()
     return "\n".join(lines) + "\n"
+
+
+def _ablation() -> list[str]:
+    """What each term of the cost model moves, from ``results/term_ablation.json`` (``term_ablation.py``)."""
+    path = RESULTS / "term_ablation.json"
+    if not path.exists():
+        return []
+    data = json.loads(path.read_text())
+    lines = ["## What each term moves", "",
+             "Written by `python benchmarks/term_ablation.py`: every table's median signed error per GPU with the full",
+             "model, and with one term switched off (`power`: no power cap; `interference`: collectives take no SMs",
+             "or HBM bandwidth from the compute beside them; `host`: launches cost the host nothing;",
+             "`kernel_latency`: a product kernel has no fixed time).", "",
+             "| table | GPU | full model | power off | interference off | host off | kernel latency off |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for stem, variants in data.items():
+        full = variants["full model"]
+        for group, value in full.items():
+            cells = [f"{variants[t].get(group, float('nan')):+.1%}" for t in ("power", "interference", "host",
+                                                                               "kernel_latency")]
+            lines.append(f"| {stem} | {group} | {value:+.1%} | " + " | ".join(cells) + " |")
+    return [*lines, ""]
 
 
 def _wider_checks() -> list[str]:
@@ -130,21 +160,28 @@ def _wider_checks() -> list[str]:
             continue
         rows = json.loads(path.read_text())["rows"]
         lines += [f"## Wider check: {what}", "", f"Written by `{command}`; none of these rows set a number of the",
-                  "cost model.", "", "| cluster | runs | median signed error | median abs. error | within 10 % | "
-                  "beyond 20 % | refused |", "|---|---:|---:|---:|---:|---:|---:|"]
-        by_cluster: dict[str, list[dict[str, Any]]] = {}
-        for r in rows:
-            by_cluster.setdefault(r.get("cluster") or "?", []).append(r)
-        for cluster, group in sorted(by_cluster.items()):
-            errors = [r["error"] for r in group if r["error"] is not None]
-            refused = sum(r["error"] is None or r.get("fits") is False for r in group)
-            absolute = [abs(e) for e in errors]
-            signed, median = (f"{statistics.median(errors):+.1%}", f"{statistics.median(absolute):.1%}") if errors \
-                else ("", "")
-            lines.append(f"| {cluster} | {len(group)} | {signed} | {median} | {sum(e <= 0.1 for e in absolute)} | "
-                         f"{sum(e > 0.2 for e in absolute)} | {refused} |")
-        lines.append("")
+                  "cost model.", ""]
+        lines += _by_gpu(rows)
     return lines
+
+
+def _by_gpu(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per GPU (and training precision): errors' medians, rows within 10 %, beyond 20 %, too slow."""
+    lines = ["| GPU | precision | runs | median signed error | median abs. error | within 10 % | beyond 20 % | "
+             "too slow | refused |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r.get("cluster") or "?", r.get("precision") or "bf16"), []).append(r)
+    for (cluster, precision), group in sorted(groups.items()):
+        errors = [r["error"] for r in group if r["error"] is not None]
+        refused = sum(r["error"] is None or r.get("fits") is False for r in group)
+        absolute = [abs(e) for e in errors]
+        signed, median = (f"{statistics.median(errors):+.1%}", f"{statistics.median(absolute):.1%}") if errors \
+            else ("", "")
+        lines.append(f"| {cluster} | {precision} | {len(group)} | {signed} | {median} | "
+                     f"{sum(e <= 0.1 for e in absolute)} | {sum(e > 0.2 for e in absolute)} | "
+                     f"{sum(e > 0 for e in errors)} | {refused} |")
+    return [*lines, ""]
 
 
 def main() -> None:

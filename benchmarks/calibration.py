@@ -84,6 +84,7 @@ def estimate_run(run: ReferenceRun, traces: TraceCache) -> dict[str, Any]:
                 "error": None, "fits": False, "note": "no layout of the search space matches the published one"}
     est = res.best.estimate
     return {"case_id": run.case_id, "framework": run.framework, "attention": run.attention,
+            "precision": run.precision,
             "gpus": run.cluster.gpus, "cluster": run.cluster.name, "fixed": run.fixed, "searched": list(run.searched),
             "layout": est.layout.to_dict(), "estimate_s": est.iteration_time_s, "measured_s": run.measured_s,
             "error": est.iteration_time_s / run.measured_s - 1, "mfu": est.mfu, "hfu": est.hfu,
@@ -129,6 +130,7 @@ def estimate_case(case: dict[str, Any], traces: TraceCache) -> dict[str, Any]:
 
 
 def run_all(cases: list[dict[str, Any]], only: str | None = None) -> list[dict[str, Any]]:
+    """Every row's estimate (or only ``only``'s)."""
     traces = TraceCache()
     return [estimate_case(case, traces) for case in cases if not only or case["case_id"] == only]
 
@@ -141,7 +143,8 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     errors = [abs(r["error"]) for r in scored]
     return {"rows": len(rows), "scored": len(scored), "median_abs_error": statistics.median(errors),
             "max_abs_error": max(errors), "median_signed_error": statistics.median(r["error"] for r in scored),
-            "within_10pct": sum(e <= 0.10 for e in errors), "refused": refused}
+            "within_10pct": sum(e <= 0.10 for e in errors), "too_slow": sum(r["error"] > 0 for r in scored),
+            "refused": refused}
 
 
 def render(rows: list[dict[str, Any]], summary: dict[str, Any], console: Console) -> None:
@@ -164,7 +167,8 @@ def render(rows: list[dict[str, Any]], summary: dict[str, Any], console: Console
     console.print(table)
     console.print(f"{summary['rows']} rows: median |error| {summary['median_abs_error']:.1%}, "
                   f"max |error| {summary['max_abs_error']:.1%}, median signed {summary['median_signed_error']:+.1%}, "
-                  f"{summary['within_10pct']} within 10 %, refused: {summary['refused'] or 'none'}")
+                  f"{summary['within_10pct']} within 10 %, {summary['too_slow']} estimated too slow, "
+                  f"refused: {summary['refused'] or 'none'}")
 
 
 def main() -> None:

@@ -1,14 +1,15 @@
 """The calibration gate: autopar's estimates of the published runs in ``benchmarks/reference``.
 
 Each row is planned with its published layout pinned (``benchmarks/reference_runs.py``) and compared with
-its measured iteration time; the measured sweep checks the ranking of layouts.  Two kinds of tests:
+its measured iteration time; the measured sweep checks the ranking of layouts; the wider tables (llm-foundry's MPT
+runs, the Megatron-LM README's H100 table, NVIDIA's H100 BF16/FP8 runs) are checked per GPU.  Two kinds of tests:
 
 - **guards** hold the accuracy the cost model reaches today, so that a change that makes it worse fails;
-- **targets** are issue 9's acceptance bounds.  The ones the model does not reach yet are marked ``xfail``
+- **targets** are issue 29's acceptance bounds.  The ones the model does not reach yet are marked ``xfail``
   with ``strict=True``: they report as expected failures, and the day one passes it fails, to be promoted
   to a guard.
 
-Traces and intra-op solves are shared by all rows (one module-scoped run of both benchmarks).
+Traces and intra-op solves are shared by all rows of a table (one module-scoped run of each).
 """
 
 from __future__ import annotations
@@ -22,15 +23,22 @@ import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
-#: Today's accuracy, as guards (benchmarks/results and docs/accuracy.md show the figures).
-GUARD_MAX_ABS_ERROR = 0.40
-GUARD_MEDIAN_ABS_ERROR = 0.09
-GUARD_SPEARMAN = 0.845
-KNOWN_REFUSED = {"llama3_405b_8192_cp1"}  # Llama 3's own flexible-N schedule keeps fewer micro-batches in flight
-#: Issue 9's acceptance.
-TARGET_MAX_ABS_ERROR = 0.20
-TARGET_MEDIAN_ABS_ERROR = 0.08
-TARGET_REGRET = 0.05
+#: Today's accuracy on the 19 published runs, as guards (benchmarks/results and docs/accuracy.md show the figures).
+GUARD_MAX_ABS_ERROR = 0.21
+GUARD_MEDIAN_ABS_ERROR = 0.08
+GUARD_SIGNED_MEDIAN = -0.08  # the median row is estimated at most 8 % fast
+KNOWN_REFUSED = {"llama3_405b_8192_cp1"}  # Llama 3's schedule keeps fewer micro-batches in flight than any we can price
+#: Issue 29's acceptance.
+TARGET_MAX_ABS_ERROR = 0.15
+TARGET_MEDIAN_ABS_ERROR = 0.06
+TARGET_SIGNED = 0.03
+TARGET_TOO_SLOW = 6
+TARGET_WIDER_MEDIAN = 0.10  # each GPU of llm-foundry's tables, and the Megatron-Core H100 table
+TARGET_SPEARMAN = 0.85
+TARGET_REGRET = 0.03
+#: NVIDIA's H100 BF16/FP8 runs today, as a guard against a correction that only makes H100 estimates slower.
+GUARD_NVIDIA_MEDIAN = 0.06
+GUARD_NVIDIA_SIGNED = 0.03
 
 #: llm-foundry runs (benchmarks/reference/llm_foundry_tables.json) whose estimated peak memory comes closest
 #: to their GPU's (82-89 % of it, 90-100 % of what the planner counts usable), one per model, sequence and GPU
@@ -84,6 +92,7 @@ def test_guard_every_row_has_an_estimate_within_the_guard(results):
 def test_guard_median_error(results):
     rows, _ = results
     assert statistics.median(_errors(rows).values()) <= GUARD_MEDIAN_ABS_ERROR
+    assert statistics.median(r["error"] for r in rows) >= GUARD_SIGNED_MEDIAN
 
 
 def test_guard_no_new_refusals(results):
@@ -92,52 +101,91 @@ def test_guard_no_new_refusals(results):
     assert refused <= KNOWN_REFUSED, sorted(refused - KNOWN_REFUSED)
 
 
-def test_guard_the_memory_tightest_llm_foundry_runs_fit():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        calibration = importlib.import_module("calibration")
-        reference_runs = importlib.import_module("reference_runs")
-        cases = reference_runs.load_calibration(BENCHMARKS / "reference" / "llm_foundry_tables.json")
-        traces = calibration.TraceCache()
-        rows = [calibration.estimate_case(c, traces) for c in cases if c["case_id"] in TIGHTEST_LLM_FOUNDRY]
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-    assert len(rows) == len(TIGHTEST_LLM_FOUNDRY)
-    for r in rows:
+def test_guard_the_memory_tightest_llm_foundry_runs_fit(wider):
+    rows = {r["case_id"]: r for r in wider["llm_foundry_tables"]}
+    for case in TIGHTEST_LLM_FOUNDRY:
+        r = rows[case]
         assert r["error"] is not None and r["fits"], (r["case_id"], r.get("note"), r.get("peak_memory_gib"))
-        assert abs(r["error"]) <= GUARD_MAX_ABS_ERROR, (r["case_id"], r["error"])
 
 
-def test_sweep_ranking_spearman(results):
+def test_target_sweep_ranking(results):
     _, sweeps = results
     for s in sweeps:
-        assert s["spearman"] >= GUARD_SPEARMAN, f"{s['sweep']}: {s['spearman']:.3f}"
+        assert s["spearman"] >= TARGET_SPEARMAN, f"{s['sweep']}: {s['spearman']:.3f}"
+        assert s["top_pick_regret"] <= TARGET_REGRET
         assert not s["refused"], s["refused"]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 9 target not reached: H100 runs (Megatron-Core, llm-foundry) "
-                                      "estimate 23-33 % fast")
-def test_target_every_row_within_20_percent(results):
+@pytest.mark.xfail(strict=True, reason="issue 29 target not reached: A100 runs at scale (MT-NLG -20 %, ZeRO-3 175B "
+                                      "-14 %, MegaScale -13 %) estimate fast")
+def test_target_every_row_within_15_percent(results):
     rows, _ = results
-    errors = _errors(rows)
-    assert max(errors.values()) <= TARGET_MAX_ABS_ERROR
+    assert max(_errors(rows).values()) <= TARGET_MAX_ABS_ERROR
 
 
-@pytest.mark.xfail(strict=True, reason="issue 9 target not reached: the median row estimates ~8.2 % fast")
-def test_target_median_within_8_percent(results):
+@pytest.mark.xfail(strict=True, reason="issue 29 target not reached: the median row estimates ~7 % fast")
+def test_target_median_within_6_percent(results):
     rows, _ = results
     assert statistics.median(_errors(rows).values()) <= TARGET_MEDIAN_ABS_ERROR
 
 
-@pytest.mark.xfail(strict=True, reason="issue 9 target not reached: torch's interleaved schedule keeps more "
-                                      "micro-batches in flight than Llama 3's own, so its layout does not fit")
+@pytest.mark.xfail(strict=True, reason="issue 29 target not reached: 16 of 19 rows estimate fast (signed median -7 %)")
+def test_target_no_one_sided_bias(results):
+    rows, _ = results
+    scored = [r["error"] for r in rows if r["error"] is not None]
+    assert abs(statistics.median(scored)) <= TARGET_SIGNED
+    assert sum(e > 0 for e in scored) >= TARGET_TOO_SLOW
+
+
+@pytest.mark.xfail(strict=True, reason="issue 29 target not reached: Llama 3 405B's schedule keeps fewer micro-batches "
+                                      "in flight than Megatron-Core's or torch's rules allow")
 def test_target_no_refused_layout(results):
     rows, _ = results
     assert not [r for r in rows if r["error"] is None or r.get("fits") is False]
 
 
-def test_target_top_pick_within_5_percent_of_the_best(results):
-    # a thin lead today: the best (dp64) estimates 26.8 s, pp2 with micro-batch 2 (measured 25 % slower) 26.9 s
-    _, sweeps = results
-    for s in sweeps:
-        assert s["top_pick_regret"] <= TARGET_REGRET
+WIDER = ("llm_foundry_tables", "megatron_core_h100_table", "nvidia_h100_tables")
+
+
+@pytest.fixture(scope="module")
+def wider():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        calibration = importlib.import_module("calibration")
+        reference_runs = importlib.import_module("reference_runs")
+        return {stem: calibration.run_all(reference_runs.load_calibration(BENCHMARKS / "reference" / f"{stem}.json"))
+                for stem in WIDER}
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+def _by_gpu(rows) -> dict[tuple[str, str], list[float]]:
+    out: dict[tuple[str, str], list[float]] = {}
+    for r in rows:
+        assert r["error"] is not None and r.get("fits") is not False, (r["case_id"], r.get("note"))
+        out.setdefault((r["cluster"], r.get("precision", "bf16")), []).append(r["error"])
+    return out
+
+
+@pytest.mark.parametrize("gpu", ["a100-80gb", "h100-80gb"])
+def test_target_llm_foundry_within_10_percent_on_each_gpu(wider, gpu):
+    errors = _by_gpu(wider["llm_foundry_tables"])[gpu, "bf16"]
+    assert statistics.median(abs(e) for e in errors) <= TARGET_WIDER_MEDIAN
+
+
+@pytest.mark.xfail(strict=True, reason="issue 29 target not reached: A100-40GB's llm-foundry runs median 10.3 % fast")
+def test_target_llm_foundry_within_10_percent_on_a100_40gb(wider):
+    errors = _by_gpu(wider["llm_foundry_tables"])["a100-40gb", "bf16"]
+    assert statistics.median(abs(e) for e in errors) <= TARGET_WIDER_MEDIAN
+
+
+def test_target_megatron_core_h100_table_within_10_percent(wider):
+    errors = [e for group in _by_gpu(wider["megatron_core_h100_table"]).values() for e in group]
+    assert statistics.median(abs(e) for e in errors) <= TARGET_WIDER_MEDIAN
+
+
+def test_guard_nvidia_h100_runs_stay_balanced_in_bf16_and_fp8(wider):
+    """NVIDIA's H100 runs, BF16 and FP8 apart: a correction that only made H100 estimates slower fails here."""
+    for (gpu, precision), errors in _by_gpu(wider["nvidia_h100_tables"]).items():
+        assert statistics.median(abs(e) for e in errors) <= GUARD_NVIDIA_MEDIAN, (gpu, precision)
+        assert abs(statistics.median(errors)) <= GUARD_NVIDIA_SIGNED, (gpu, precision)
