@@ -18,9 +18,9 @@ Overlapped communication is not free.  While an NCCL collective runs beside comp
 
 So compute of a given kernel mix runs at a ``rate`` below 1 while the collective runs, and a window of
 ``W`` seconds of compute beside ``C`` seconds of communication takes ``max(C, W + C (1 - rate))``.  This
-replaces a flat tax on every overlap: an all-gather over InfiniBand (16 SMs, a tenth of NVLink's rate)
-costs a GEMM far less than one over NVLink (24 SMs, HBM traffic at three times 360 GB/s, the clock down
-20 %).
+replaces a flat tax on every overlap: an all-gather between nodes with one rank on each (16 SMs, one NIC's
+rate, a tenth of NVLink's) costs a GEMM far less than one inside a node (24 SMs, HBM traffic at three times
+360 GB/s, the clock down 20 %).
 """
 
 from __future__ import annotations

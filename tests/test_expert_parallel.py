@@ -153,7 +153,7 @@ def test_expert_products_are_retimed_at_a_ranks_shapes():
     # one of 8 ranks runs 8 experts of ceil(2 * 256 * 1.25 / 64) = 10 slots from each of the 8 ranks: the
     # products of a model of 8 experts, whose capacity is ceil(2 * 256 * 1.25 / 8) = 80 slots
     eight = trace_model("moe", {**config, "experts": 8}, ctx=CTX).graph
-    expected = _expert_forward_s(eight, 1) - _expert_forward_s(graph, 1)
+    expected = (_expert_forward_s(eight, 1) - _expert_forward_s(graph, 1)) / layer.clock  # at the unit's clock
     assert expected < 0 and shared.fwd_s - layer.fwd_s == pytest.approx(expected, rel=1e-6)
     assert shared.fwd_flops == layer.fwd_flops  # the same work
     assert shared.expert_params_local == pytest.approx(layer.expert_params_local / 8)

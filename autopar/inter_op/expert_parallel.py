@@ -48,6 +48,8 @@ def expert_parallel_share(u: UnitCost, ep: int, cluster: Cluster) -> UnitCost:
         bwd += _retimed(p.bwd, ep, cluster, p.memory_bwd_s, 2 * w)
         if p.weight >= 0:
             weight += _retimed(p.bwd[p.weight:p.weight + 1], ep, cluster, 0.0, 0.0)
+    # at the clock the unit holds under the power cap, as its other times are (``autopar.power``)
+    fwd, bwd, weight = fwd / u.clock, bwd / u.clock, weight / u.clock
     return dataclasses.replace(
         u, param_local=param_local, largest_module_params=largest, fwd_s=u.fwd_s + fwd, bwd_s=u.bwd_s + bwd,
         product_s=u.product_s + fwd + bwd, bwd_weight_s=max(0.0, u.bwd_weight_s + weight),
