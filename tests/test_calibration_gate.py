@@ -14,6 +14,7 @@ Traces and intra-op solves are shared by all rows of a table (one module-scoped 
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import statistics
 import sys
@@ -52,18 +53,22 @@ TIGHTEST_LLM_FOUNDRY = ("mpt_3b_8192_8_h100_80gb_3x6", "mpt_3b_8192_8_a100_80gb_
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def results():
+@contextlib.contextmanager
+def _benchmarks(*names: str):
+    """The ``benchmarks/`` modules ``names``, importable while the block runs."""
     sys.path.insert(0, str(BENCHMARKS))
     try:
-        calibration = importlib.import_module("calibration")
-        ranking = importlib.import_module("ranking")
-        reference_runs = importlib.import_module("reference_runs")
+        yield [importlib.import_module(n) for n in names]
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+@pytest.fixture(scope="module")
+def results():
+    with _benchmarks("calibration", "ranking", "reference_runs") as (calibration, ranking, reference_runs):
         traces = calibration.TraceCache()
         rows = [calibration.estimate_case(case, traces) for case in reference_runs.load_calibration()]
         sweeps = [ranking.rank_sweep(name, sweep, traces) for name, sweep in reference_runs.load_sweeps().items()]
-    finally:
-        sys.path.remove(str(BENCHMARKS))
     return rows, sweeps
 
 
@@ -72,13 +77,9 @@ def _errors(rows) -> dict[str, float]:
 
 
 def test_reference_data_is_in_the_repository():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        reference_runs = importlib.import_module("reference_runs")
+    with _benchmarks("reference_runs") as (reference_runs,):
         assert len(reference_runs.load_calibration()) >= 19
         assert sum(len(s["runs"]) for s in reference_runs.load_sweeps().values()) >= 74
-    finally:
-        sys.path.remove(str(BENCHMARKS))
 
 
 def test_guard_every_row_has_an_estimate_within_the_guard(results):
@@ -149,14 +150,9 @@ WIDER = ("llm_foundry_tables", "megatron_core_h100_table", "nvidia_h100_tables")
 
 @pytest.fixture(scope="module")
 def wider():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        calibration = importlib.import_module("calibration")
-        reference_runs = importlib.import_module("reference_runs")
+    with _benchmarks("calibration", "reference_runs") as (calibration, reference_runs):
         return {stem: calibration.run_all(reference_runs.load_calibration(BENCHMARKS / "reference" / f"{stem}.json"))
                 for stem in WIDER}
-    finally:
-        sys.path.remove(str(BENCHMARKS))
 
 
 def _by_gpu(rows) -> dict[tuple[str, str], list[float]]:
