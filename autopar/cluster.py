@@ -108,8 +108,8 @@ class Cluster:
     """Streaming multiprocessors: a GEMM's output tiles run in waves of this many."""
     gemm_efficiency: float
     """Fraction of ``peak_flops`` a large GEMM reaches once its tiles fill whole waves and its reduction
-    dimension is long (cuBLAS main-loop efficiency), with the clock products hold on their own under a
-    sustained load."""
+    dimension is long (cuBLAS main-loop efficiency), at the boost clock a benchmark's bursts hold (the power cap
+    is ``autopar.power``'s)."""
     gemm_tiles: tuple[tuple[float, float, float], ...]
     """Output tiles (rows, columns, relative efficiency) cuBLAS may pick; it picks the one that wastes the
     least to tile and wave quantization.  Empty: no quantization (CPU)."""
@@ -133,14 +133,15 @@ class Cluster:
     gemm_latency_s: float
     """A product kernel's fixed GPU time beyond its tiles' work, its gap included: the grid's launch and drain,
     the first stage's loads, the epilogue's stores."""
-    # ---- clocks and power (``autopar.interference``)
+    # ---- clocks and power (``autopar.power``, ``autopar.interference``)
     boost_clock_hz: float
     """The highest SM clock the device runs."""
     peak_clock_hz: float
     """The SM clock at which ``peak_flops`` is quoted."""
     loaded_clock_hz: float
-    """The SM clock the device holds at its power cap when matrix products, HBM traffic and communication at
-    the full rate of the intra-node fabric run together (the products alone hold ``boost_clock_hz``)."""
+    """The SM clock dense 16-bit products hold at the power cap under a sustained load; a collective at the full
+    rate of the intra-node fabric beside FP8 products (which alone hold ``boost_clock_hz``) brings them to it
+    too (``autopar.power``)."""
     power_cap_w: float
     """Board power limit (TDP)."""
     idle_power_w: float
@@ -314,11 +315,7 @@ class Cluster:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Cluster:
         """The inverse of ``to_dict`` (a plan's ``cluster``): JSON lists back to tuples."""
-        values = dict(data)
-        for key in _TRIPLES:
-            values[key] = tuple(values[key])
-        values["gemm_tiles"] = tuple(tuple(t) for t in values["gemm_tiles"])
-        return cls(**_parsed_structures(values))
+        return cls(**_parsed_structures(data))
 
     def to_dict(self) -> dict[str, Any]:
         out = {}
@@ -333,8 +330,14 @@ class Cluster:
 
 
 def _parsed_structures(values: dict[str, Any]) -> dict[str, Any]:
-    """TOML / JSON lists of a cluster's structured keys as the tuples ``Cluster`` holds."""
+    """TOML / JSON lists of a cluster's structured keys as the tuples ``Cluster`` holds (values of other types are
+    left for ``Cluster`` to refuse, by name)."""
     out = dict(values)
+    for key in _TRIPLES:
+        if isinstance(out.get(key), list):
+            out[key] = tuple(out[key])
+    if isinstance(out.get("gemm_tiles"), list):
+        out["gemm_tiles"] = tuple(tuple(t) if isinstance(t, list) else t for t in out["gemm_tiles"])
     if isinstance(out.get("attention_kernels"), (list, tuple)):
         out["attention_kernels"] = tuple(AttentionTable.parse(e) for e in out["attention_kernels"])
     for key in ("mamf_shape", "mamf_fp8_shape"):
@@ -462,11 +465,6 @@ def load_cluster(spec: str) -> Cluster:
             raise ClusterSpecError(f"{origin}: {key} must be an integer")
     if not isinstance(values["inter_node_fabric"], str):
         raise ClusterSpecError(f"{origin}: inter_node_fabric must be a string")
-    for key in _TRIPLES:
-        if isinstance(values[key], list):
-            values[key] = tuple(values[key])
-    if isinstance(values["gemm_tiles"], list):
-        values["gemm_tiles"] = tuple(tuple(t) if isinstance(t, list) else t for t in values["gemm_tiles"])
     return Cluster(**_parsed_structures(values))
 
 

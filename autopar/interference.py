@@ -38,12 +38,6 @@ def comm_sms(cluster: Cluster, link: AxisLink) -> int:
     return cluster.nccl_network_channels if link.crosses_nodes else cluster.nccl_channels
 
 
-def clock_ratio(cluster: Cluster, mix: PowerMix, comm_bytes_per_s: float) -> float:
-    """The SM clock of ``mix`` beside a collective moving ``comm_bytes_per_s`` per GPU, over its clock alone."""
-    alone = clock_fraction(cluster, mix)
-    return clock_fraction(cluster, mix, comm_bytes_per_s) / alone
-
-
 def compute_rate(cluster: Cluster, link: AxisLink, mix: PowerMix, sms: int | None = None) -> float:
     """How fast compute of ``mix`` (its kernels at the boost clock) runs while a collective on ``link`` runs beside
     it (1: unaffected), with ``sms`` SMs taken by the collective (default: NCCL's channels on that link)."""
@@ -51,10 +45,12 @@ def compute_rate(cluster: Cluster, link: AxisLink, mix: PowerMix, sms: int | Non
         return 1.0
     taken = comm_sms(cluster, link) if sms is None else sms
     rate_bytes = link.bus_bandwidth_bytes_per_s
-    tensor = max(1, cluster.sm_count - taken) / cluster.sm_count * clock_ratio(cluster, mix, rate_bytes)
+    alone = clock_fraction(cluster, mix)  # the clock the mix holds without the collective
+    beside = clock_fraction(cluster, mix, rate_bytes)
+    tensor = max(1, cluster.sm_count - taken) / cluster.sm_count * beside / alone
     hbm = cluster.hbm_bandwidth_bytes_per_s * cluster.memory_efficiency
     memory = max(_MIN_MEMORY_RATE, 1.0 - cluster.comm_hbm_bytes_per_byte * rate_bytes / hbm)
-    tensor_s = mix.tensor_s / clock_fraction(cluster, mix)  # at the clock the mix holds alone
+    tensor_s = mix.tensor_s / alone  # its tensor-core time at that clock
     return (tensor_s + mix.memory_s) / (tensor_s / tensor + mix.memory_s / memory)
 
 
@@ -66,4 +62,4 @@ def overlapped_s(comm_s: float, window_s: float, rate: float) -> float:
     return max(comm_s - window_s, comm_s * (1.0 - rate))
 
 
-__all__ = ["clock_ratio", "comm_sms", "compute_rate", "overlapped_s"]
+__all__ = ["comm_sms", "compute_rate", "overlapped_s"]

@@ -410,7 +410,9 @@ def _groups(schedule: str, pp: int, m: int, fixed: dict[str, Any], fw: Framework
     if schedule != "interleaved" or pp == 1 or fw.interleaved_groups != "tunable":
         return [0]
     default = m // max(1, m // pp)
-    return [0] + [g for g in range(1, m + 1) if g != default and group_runs(g, pp, m) and (g % pp == 0 or g == m)]
+    # whole multiples of pp, and all m in one group: the sizes that change how many micro-batches are in flight
+    sizes = sorted({*range(pp, m + 1, pp), m})
+    return [0] + [g for g in sizes if g != default and group_runs(g, pp, m)]
 
 
 def shards_parameters_on_tp(graph: OpGraph, strategies: dict[str, Strategy]) -> bool:

@@ -498,8 +498,8 @@ def _attention_s(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec,
 
 def host_s(node: Node, ctx: PassContext) -> tuple[float, float]:
     """(forward, backward) CPU time of issuing ``node``: the framework's per-op dispatch (``Framework.host_op_s``)
-    and one driver call per kernel it launches (``Cluster.kernel_launch_s``).  Views dispatch and launch
-    nothing on the GPU; a backward exists only where the op launches backward kernels."""
+    and one driver call per kernel it launches (``Cluster.kernel_launch_s``).  A view dispatches on the host and
+    launches nothing; a backward costs the host only where the op launches backward kernels."""
     traffic: NodeTraffic = node.annotations["traffic"]
     fw, cluster = ctx.framework, ctx.cluster
     fwd = fw.host_op_s + traffic.fwd_kernels * cluster.kernel_launch_s
