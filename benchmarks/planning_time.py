@@ -2,11 +2,15 @@
 
 Targets: GPT-3 175B on 1024 a100-80gb, global batch 1536, seq 2048: <= 30 s; GPT-3 39B on 64: <= 10 s.
 
-    python benchmarks/planning_time.py
+    python benchmarks/planning_time.py [--exhaustive]
+
+``--exhaustive`` also searches every case with no lower bound and no cut-off and checks that it plans the same
+layout (slow).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from pathlib import Path
@@ -26,6 +30,9 @@ CASES = [
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--exhaustive", action="store_true", help="check each plan against an unpruned search")
+    args = ap.parse_args()
     rows = []
     for name, cfg, gpus, batch, target in CASES:
         cluster = load_cluster("a100-80gb").with_overrides(gpus=gpus)
@@ -40,6 +47,15 @@ def main() -> None:
                "search_s": round(t2 - t1, 2), "total_s": round(t2 - t0, 2), "target_s": target,
                "layouts_evaluated": res.evaluated, "ilp_solves": res.ilp_solves, "layout": est.layout.to_dict(),
                "iteration_time_s": est.iteration_time_s, "mfu": est.mfu}
+        if args.exhaustive:
+            t3 = time.perf_counter()
+            full = search(traced.graph, cluster, ctx, batch, {}, cluster.usable_memory_bytes, exhaustive=True)
+            same = full.best.estimate.layout == est.layout and \
+                full.best.estimate.iteration_time_s == est.iteration_time_s
+            row.update(exhaustive_s=round(time.perf_counter() - t3, 2), exhaustive_evaluated=full.evaluated,
+                       exhaustive_same_plan=same)
+            print(f"{name}: exhaustive search ({full.evaluated} layouts, {row['exhaustive_s']:.1f} s) plans "
+                  f"{'the same layout' if same else 'another layout: ' + str(full.best.estimate.layout.to_dict())}")
         rows.append(row)
         print(f"{name}: {row['total_s']:.1f} s (trace {row['trace_s']:.1f}, search {row['search_s']:.1f}; target "
               f"{target} s) {res.evaluated} layouts, {res.ilp_solves} ILP solves -> {est.layout.to_dict()} "

@@ -204,3 +204,13 @@ def test_a_solution_that_shards_nothing_on_tp_needs_the_micro_batch_to_split_ove
     cache = UnitCostCache(graph, cluster, ctx, "cbc", 60.0)
     _, strategies = cache.get(2, 4, False, "fast")
     assert cache.shards_parameters(strategies) == shards_parameters_on_tp(graph, strategies) is True  # Megatron
+
+
+def test_the_pruned_search_plans_what_an_exhaustive_one_plans(gpt):
+    """The lower bound and the cut-off skip only layouts that cannot win: estimating every layout in full gives
+    the same plan and time."""
+    pruned = search(gpt, A100, CTX, 64, {}, A100.usable_memory_bytes)
+    full = search(gpt, A100, CTX, 64, {}, A100.usable_memory_bytes, exhaustive=True)
+    assert full.evaluated > pruned.evaluated
+    assert full.best.estimate.layout == pruned.best.estimate.layout
+    assert full.best.estimate.iteration_time_s == pruned.best.estimate.iteration_time_s

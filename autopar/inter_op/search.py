@@ -454,12 +454,15 @@ def _lower_bound(costs: dict[str, UnitCost], counts: dict[str, int], layout: Lay
 def search(graph: OpGraph, cluster: Cluster, ctx: PassContext, global_batch: int, fixed: dict[str, Any],
            memory_budget_bytes: float, backend: Backend = "cbc", time_limit_s: float = 60.0, top_k: int = 1,
            progress: Callable[[str], None] | None = None, cache: UnitCostCache | None = None,
-           accept: Callable[[Estimate, dict[str, Strategy]], bool] | None = None) -> SearchResult:
+           accept: Callable[[Estimate, dict[str, Strategy]], bool] | None = None,
+           exhaustive: bool = False) -> SearchResult:
     """The ``top_k`` fastest layouts that fit (or, if none fits, the closest ones marked ``fits=False``).
 
     ``cache``: unit costs (and the intra-op solves behind them) to reuse across searches of the same graph,
     tensor-parallel fabric and context; its solves are counted from zero here either way.  ``accept``: a
-    candidate is kept only if it says so (the runtime that will train the plan can run it)."""
+    candidate is kept only if it says so (the runtime that will train the plan can run it).  ``exhaustive``:
+    estimate every layout in full, with no lower bound or cut-off (slow: it checks that they prune nothing
+    that would win)."""
     t0 = time.perf_counter()
     check_fixed(graph, cluster, global_batch, fixed)
     if cache is None or not cache.serves(graph, cluster, ctx):
@@ -486,7 +489,7 @@ def search(graph: OpGraph, cluster: Cluster, ctx: PassContext, global_batch: int
     for bound, _, variant, layout in queue:
         costs, strategies = cache.get(layout.tp, layout.mbs, layout.sp, variant)
         kept = _distinct(fitting, top_k)  # variants of one layout count once
-        cutoff = kept[-1].estimate.iteration_time_s if len(kept) >= top_k else None
+        cutoff = kept[-1].estimate.iteration_time_s if len(kept) >= top_k and not exhaustive else None
         if cutoff is not None and bound >= cutoff:
             break
         est = estimate_layout(graph, costs, layout, global_batch, cluster, ctx, memory_budget_bytes, flops,
