@@ -117,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_search_args(plan)
     plan.add_argument("--fix", metavar="KEY=VALUE,...", help=f"pin layout keys: {', '.join(FIX_KEYS)}")
     plan.add_argument("--top", type=int, default=1, metavar="K", help="report the K best distinct layouts")
+    plan.add_argument("--exhaustive", action="store_true",
+                      help="estimate every layout, with no lower bound or cut-off (slow: it plans the same)")
     plan.add_argument("-o", "--output", metavar="DIR", help="write DIR/plan.json and DIR/train.py")
     plan.add_argument("--trace", metavar="FILE.json",
                       help="write the simulated iteration as a Chrome trace (Perfetto, chrome://tracing)")
@@ -211,7 +213,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                               global_batch=args.global_batch, seq_len=args.seq_len, fix=args.fix,
                               memory_limit_gb=args.memory_limit, attention=args.attention, solver=args.solver,
                               time_limit_s=args.time_limit, top=args.top, framework=args.framework,
-                              every_layer=args.trace_every_layer, on_progress=tick, precision=args.precision)
+                              every_layer=args.trace_every_layer, on_progress=tick, precision=args.precision,
+                              exhaustive=args.exhaustive)
     finally:
         if progress is not None:
             progress.stop()
@@ -242,7 +245,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         "layout": best.estimate.layout.to_dict(),
         "estimate": best.estimate.to_dict(),
         "solve": {"time_s": res.solve_time_s, "solver": args.solver, "status": res.ilp_status,
-                  "gap": res.ilp_gap, "layouts_evaluated": res.evaluated, "ilp_solves": res.ilp_solves},
+                  "gap": res.ilp_gap, "layouts_enumerated": res.enumerated, "layouts_pruned_by_bound": res.pruned_bound,
+                  "layouts_pruned_by_memory": res.pruned_memory, "layouts_evaluated": res.evaluated,
+                  "ilp_solves": res.ilp_solves},
         "plan_file": plan_file, "trace_file": args.trace,
         "stages": plan.stages,
         "candidates": [{"layout": c.estimate.layout.to_dict(), "estimate": c.estimate.to_dict()}

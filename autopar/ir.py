@@ -176,6 +176,7 @@ class OpGraph:
     annotations: dict[str, Any] = field(default_factory=dict)
     _index: dict[str, Node] = field(default_factory=dict, repr=False)
     _compute_itemsize: int = field(default=0, repr=False)
+    _users: dict[str, list[str]] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self._index = {n.name: n for n in self.nodes}
@@ -202,12 +203,15 @@ class OpGraph:
         return outs[ref.index] if ref.index < len(outs) else None
 
     def users(self) -> dict[str, list[str]]:
-        """Map node name -> names of the nodes that read it (in graph order)."""
-        users: dict[str, list[str]] = {n.name: [] for n in self.nodes}
-        for n in self.nodes:
-            for src in dict.fromkeys(n.inputs):
-                users[src].append(n.name)
-        return users
+        """Map node name -> names of the nodes that read it (in graph order).  Built once: the nodes of a traced
+        graph do not change (passes annotate them); callers must not modify the lists."""
+        if self._users is None:
+            users: dict[str, list[str]] = {n.name: [] for n in self.nodes}
+            for n in self.nodes:
+                for src in dict.fromkeys(n.inputs):
+                    users[src].append(n.name)
+            self._users = users
+        return self._users
 
     @property
     def num_parameters(self) -> int:

@@ -103,8 +103,10 @@ def render_plan(result: dict[str, Any], console: Console) -> None:
                     table.add_row(f"    of which {part.removesuffix('_s').replace('_', ' ')}", human_time(t))
     solve = result["solve"]
     status = solve["status"] + (f", within {solve['gap']:.1%} of optimal" if solve["status"] != "optimal" else "")
-    table.add_row("solve", f"{solve['time_s']:.2f} s ({solve['solver']}, {status}, "
-                           f"{solve['layouts_evaluated']} layouts, {solve['ilp_solves']} ILP solves)")
+    table.add_row("solve", f"{solve['time_s']:.2f} s ({solve['solver']}, {status}, {solve['ilp_solves']} ILP solves)")
+    table.add_row("layouts", f"{solve['layouts_enumerated']}: {solve['layouts_pruned_by_bound']} pruned by the time "
+                             f"bound, {solve['layouts_pruned_by_memory']} by the memory bound, "
+                             f"{solve['layouts_evaluated']} estimated")
     if result.get("plan_file"):
         table.add_row("plan file", result["plan_file"])
     if result.get("trace_file"):

@@ -14,6 +14,8 @@ per-stage memory limit as a hard constraint::
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -104,14 +106,16 @@ class UnitLoad:
     extra_bytes: float = 0.0
 
 
-def split_uniform_stages(pre: UnitLoad, layer: UnitLoad, post: UnitLoad, num_layers: int, in_flight: list[float],
-                         budget_bytes: float) -> StageSplit | None:
+@functools.lru_cache(maxsize=65536)
+def split_uniform_stages(pre: UnitLoad, layer: UnitLoad, post: UnitLoad, num_layers: int,
+                         in_flight: tuple[float, ...], budget_bytes: float) -> StageSplit | None:
     """``split_stages`` for the common chain ``pre, layer x L, post`` with identical layers, in O(p log L).
 
     Stage ``k`` holding ``n_k >= 1`` layers costs ``n_k * t + [k = 0] t_pre + [k = p-1] t_post``; for a
     target ``T`` each stage takes at most ``cap_k(T)`` layers (by time and by memory), and ``T`` is feasible
     when ``sum_k cap_k(T) >= L``.  The least feasible ``T`` is found by bisection over the ``O(L)`` values
-    it can take; the layers are then dealt out within the caps.
+    it can take; the layers are then dealt out within the caps.  Plain Python (the arrays are a few dozen
+    long) and memoized: the search asks for the same split under many schedules.
     """
     p, n_layers = len(in_flight), num_layers
     if p > n_layers or n_layers < 1:
@@ -133,7 +137,7 @@ def split_uniform_stages(pre: UnitLoad, layer: UnitLoad, post: UnitLoad, num_lay
             state += last.state_bytes
         return state + (in_flight[k] - 1) * held + peak
 
-    fixed_t = np.array([(pre.time_s if k == 0 else 0.0) + (post.time_s if k == p - 1 else 0.0) for k in range(p)])
+    fixed_t = [(pre.time_s if k == 0 else 0.0) + (post.time_s if k == p - 1 else 0.0) for k in range(p)]
 
     def mem_cap(k: int) -> int:
         """The most layers stage ``k`` can hold (its memory grows with every layer): in closed form for a
@@ -157,31 +161,38 @@ def split_uniform_stages(pre: UnitLoad, layer: UnitLoad, post: UnitLoad, num_lay
                 hi = mid - 1
         return lo
 
-    mem_caps = np.array([mem_cap(k) for k in range(p)])
+    mem_caps = [mem_cap(k) for k in range(p)]
+    if min(mem_caps) < 1 or sum(mem_caps) < n_layers:
+        return None  # no time target helps: the memory caps alone leave a stage empty or a layer out
 
-    def caps(t_max: float) -> np.ndarray:
-        slack = t_max - fixed_t
-        if layer.time_s <= 0:
-            n_time = np.where(slack >= 0, n_layers, 0)
-        else:
-            n_time = np.where(slack >= 0, np.floor(np.maximum(slack, 0.0) / layer.time_s + 1e-9), 0)
-        return np.minimum(n_time, mem_caps).astype(int)
+    def caps(t_max: float) -> list[int]:
+        out = []
+        for fixed, cap in zip(fixed_t, mem_caps, strict=True):
+            slack = t_max - fixed
+            if slack < 0:
+                n_time = 0
+            elif layer.time_s <= 0:
+                n_time = n_layers
+            else:
+                n_time = math.floor(slack / layer.time_s + 1e-9)
+            out.append(min(n_time, cap))
+        return out
 
     def feasible(t_max: float) -> bool:
         c = caps(t_max)
-        return int(c.min()) >= 1 and int(c.sum()) >= n_layers
+        return min(c) >= 1 and sum(c) >= n_layers
 
-    candidates = np.unique(np.add.outer(np.unique(fixed_t), layer.time_s * np.arange(1, n_layers + 1)))
-    if not feasible(float(candidates[-1])):
+    candidates = sorted({f + layer.time_s * n for f in set(fixed_t) for n in range(1, n_layers + 1)})
+    if not feasible(candidates[-1]):
         return None
     lo, hi = 0, len(candidates) - 1
     while lo < hi:
         mid = (lo + hi) // 2
-        if feasible(float(candidates[mid])):
+        if feasible(candidates[mid]):
             hi = mid
         else:
             lo = mid + 1
-    c = [int(x) for x in caps(float(candidates[lo]))]
+    c = caps(candidates[lo])
     counts = [1] * p  # every stage gets one layer, then fill the stages in order up to their caps
     left = n_layers - p
     for k in range(p):
@@ -192,6 +203,6 @@ def split_uniform_stages(pre: UnitLoad, layer: UnitLoad, post: UnitLoad, num_lay
     for k in range(p):
         bounds.append(bounds[-1] + counts[k] + (1 if k == 0 else 0))
     bounds[-1] += 1  # post
-    times = [float(fixed_t[k]) + counts[k] * layer.time_s for k in range(p)]
+    times = [fixed_t[k] + counts[k] * layer.time_s for k in range(p)]
     mems = [memory(k, counts[k]) for k in range(p)]
     return StageSplit(tuple(bounds), tuple(times), tuple(mems))

@@ -83,7 +83,7 @@ def test_uniform_split_matches_the_general_dp(p):
     n = 8
     in_flight = [float(p - i) for i in range(p)]
     for budget in (float("inf"), 80.0, 60.0):
-        fast = split_uniform_stages(pre, layer, post, n, in_flight, budget)
+        fast = split_uniform_stages(pre, layer, post, n, tuple(in_flight), budget)
         units = [pre, *[layer] * n, post]
         general = split_stages([u.time_s for u in units], [u.state_bytes for u in units],
                                [u.activation_bytes for u in units], in_flight, budget, [u.extra_bytes for u in units])

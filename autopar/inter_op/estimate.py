@@ -228,7 +228,7 @@ def _recompute_regathers(mode: str, fw: Framework) -> bool:
 
 
 @dataclass(frozen=True, slots=True)
-class _Links:
+class Links:
     """The links of a layout's mesh axes (``autopar.cluster.axis_link``)."""
 
     dp: AxisLink  # dp x cp: the replicas of the dense weights
@@ -238,7 +238,61 @@ class _Links:
     expert_dp: AxisLink  # the ``dp / ep`` replicas of the same experts
 
 
-def _unit_load(u: UnitCost, is_layer: bool, layout: Layout, links: _Links, cluster: Cluster,
+def layout_links(cluster: Cluster, layout: Layout) -> Links:
+    """The links of ``layout``'s mesh axes: (pp, dp, cp, tp), where dp x cp is contiguous; the ep ranks are the
+    innermost ``ep`` of dp (pp, dp / ep, ep, cp, tp), and cp > 1 never comes with ep > 1."""
+    return Links(_axis_link(cluster, layout.replicas, layout.tp), _axis_link(cluster, layout.cp, layout.tp),
+                  _axis_link(cluster, layout.tp, 1), _axis_link(cluster, layout.ep, layout.tp),
+                  _axis_link(cluster, layout.expert_replicas, layout.tp * layout.ep))
+
+
+@dataclass(slots=True)
+class SharedWork:
+    """What ``estimate_layout`` computes alike for many layouts of one search, kept across them: each set of unit
+    costs as one of ``cp`` (or ``ep``) ranks runs it, and the units' loads per layout, which the schedule and ``v``
+    change only where they split the backward.  Keyed on the identity of the unit-cost dicts, which every entry
+    holds, so that a key is never reused while the entry lives.  One per search (or per caller that estimates
+    many layouts of one graph, cluster and context)."""
+
+    _shares: dict[tuple, tuple[dict[str, UnitCost], dict[str, UnitCost]]] = field(default_factory=dict)
+    _loads: dict[tuple, tuple[dict[str, UnitCost], dict[str, _UnitLoad]]] = field(default_factory=dict)
+    _links: dict[tuple, Links] = field(default_factory=dict)
+
+    def links(self, cluster: Cluster, layout: Layout) -> Links:
+        """``layout_links``, once per mesh shape (a search's layouts share one cluster)."""
+        key = (cluster.gpus, layout.dp, layout.tp, layout.cp, layout.ep)
+        if key not in self._links:
+            self._links[key] = layout_links(cluster, layout)
+        return self._links[key]
+
+    def shares(self, costs: dict[str, UnitCost], layout: Layout, cluster: Cluster) -> dict[str, UnitCost]:
+        """``costs`` as one of ``layout.cp`` context-parallel (``layout.ep`` expert-parallel) ranks runs them."""
+        if layout.cp <= 1 and layout.ep <= 1:
+            return costs
+        key = (id(costs), layout.cp, layout.ep)
+        if key not in self._shares:
+            out = costs
+            if layout.cp > 1:
+                out = {k: context_parallel_share(u, layout.cp) for k, u in out.items()}
+            if layout.ep > 1:
+                out = {k: expert_parallel_share(u, layout.ep, cluster) for k, u in out.items()}
+            self._shares[key] = (costs, out)
+        return self._shares[key][1]
+
+    def unit_loads(self, costs: dict[str, UnitCost], keys: list[str], layout: Layout, links: Links,
+                   cluster: Cluster, ctx: PassContext) -> dict[str, _UnitLoad]:
+        """``_unit_load`` of every distinct unit of ``keys`` under ``layout`` (the caller must not modify it)."""
+        split = (layout.schedule, layout.v) if splits_backward(layout.schedule, layout.pp) else None
+        key = (id(costs), layout.dp, layout.tp, layout.cp, layout.ep, layout.pp, layout.num_microbatches,
+               layout.recompute, layout.sp, layout.zero, split)
+        if key not in self._loads:
+            loads = {k: _unit_load(costs[k], k not in (PRE, POST), layout, links, cluster, ctx)
+                     for k in dict.fromkeys(keys)}
+            self._loads[key] = (costs, loads)
+        return self._loads[key][1]
+
+
+def _unit_load(u: UnitCost, is_layer: bool, layout: Layout, links: Links, cluster: Cluster,
                ctx: PassContext) -> _UnitLoad:
     fw, pol = ctx.framework, ctx.precision
     # each pass costs the longer of the GPU's timeline and the host's issuing its ops ahead of it
@@ -271,8 +325,8 @@ def _unit_load(u: UnitCost, is_layer: bool, layout: Layout, links: _Links, clust
     ep = 2 * ep_fwd  # backward: the same exchanges of the gradients, in reverse
     dp, z = layout.replicas, layout.zero
     experts = u.expert_params_local if layout.ep > 1 else 0.0  # with ep = 1 the experts are like the rest
-    state = _state_bytes(u.params_local - experts, dp, layout, ctx) + _state_bytes(experts, layout.expert_replicas,
-                                                                                 layout, ctx)
+    state = (state_and_held_bytes(u.params_local - experts, dp, layout, ctx)
+             + state_and_held_bytes(experts, layout.expert_replicas, layout, ctx))
     zero3 = gathered_bytes = 0.0
     if z >= 3 and dp > 1 and u.params_local > 0:
         count, gathered = _zero3_collectives(u, ctx)
@@ -307,7 +361,7 @@ def _unit_load(u: UnitCost, is_layer: bool, layout: Layout, links: _Links, clust
                      ep_fwd, u.power)
 
 
-def _state_bytes(params: float, replicas: int, layout: Layout, ctx: PassContext) -> float:
+def state_and_held_bytes(params: float, replicas: int, layout: Layout, ctx: PassContext) -> float:
     """State and step-time copies of ``params`` elements sharded (by ZeRO) over ``replicas`` ranks."""
     return ctx.state_bytes(params, replicas, layout.zero) + ctx.held_bytes(params, replicas, layout.zero, layout.pp,
                                                                            layout.num_microbatches)
@@ -376,6 +430,30 @@ def _dp_sync_exposed(groups: list[tuple[float, AxisLink]], bwd_window_s: float, 
     return exposed
 
 
+def dp_sync_floor_s(dense_params: float, expert_params: float, layout: Layout, links: Links,
+                    ctx: PassContext) -> float:
+    """A lower bound of the most ``_dp_sync_exposed`` takes on any stage, where the busiest stage holds at least
+    ``dense_params`` and ``expert_params`` local parameters: the reductions and gathers the framework runs after
+    the compute (an overlapped one may hide whole).  Each group's part grows with its parameters, so the larger
+    of the two is below the stage's whole."""
+    if layout.zero >= 3:
+        return 0.0
+    fw = ctx.framework
+    reduce = all_reduce_s if layout.zero == 0 or fw.sharded_grad_reduce == "all_reduce" else reduce_scatter_s
+    floor = 0.0
+    for params, link in ((dense_params, links.dp), (expert_params, links.expert_dp)):
+        if link.size <= 1 or params <= 0:
+            continue
+        t = 0.0
+        if not fw.overlap_grad_reduce:
+            t += _bucketed(reduce, params * fw.grad_reduce_bytes, link, fw.grad_bucket_bytes)[0] \
+                * _reductions_per_step(layout)
+        if layout.zero >= 1 and not fw.overlap_param_gather:
+            t += _bucketed(all_gather_s, params * ctx.precision.weight_bytes, link, fw.grad_bucket_bytes)[0]
+        floor = max(floor, t)
+    return floor
+
+
 def _stage_parts(s: dict[str, float], layout: Layout) -> dict[str, float]:
     """``StageEstimate.parts_s`` of one stage from its sums."""
     tp_bwd, cp_bwd, ep_bwd = s["tp"] - s["tp_fwd"], s["cp"] - s["cp_fwd"], s["ep"] - s["ep_fwd"]
@@ -388,7 +466,7 @@ def _stage_parts(s: dict[str, float], layout: Layout) -> dict[str, float]:
     return parts
 
 
-def _simulated(layout: Layout) -> bool:
+def simulated_bubble(layout: Layout) -> bool:
     """Whether the bubble comes from simulating the schedule rather than the closed form."""
     return splits_backward(layout.schedule, layout.pp) or (layout.pp > 1 and layout.v > 1
                                                            and (layout.num_microbatches < layout.pp
@@ -402,7 +480,7 @@ def _bubble_s(parts: list[dict[str, float]], stage_times: list[float], layout: L
     steps fill the bubble as far as the schedule lets them (``p x m x v`` ops and more: the search prices a
     layout's bubble only once the rest of it, and a lower bound of the bubble, beat its cut-off)."""
     m, v = layout.num_microbatches, layout.v
-    if not _simulated(layout) and not (exact and layout.pp > 1):
+    if not simulated_bubble(layout) and not (exact and layout.pp > 1):
         return bubble_s(stage_times, v, m)
     forward, backward, weight, rerun = _op_times(parts)
     return _makespan_s(layout.schedule, forward, backward, weight, rerun, m, v, layout.group) - m * max(stage_times)
@@ -430,7 +508,7 @@ def _bubble_bound_s(parts: list[dict[str, float]], stage_times: list[float], lay
     """A lower bound of a simulated schedule's bubble (its closed form, for the others): a rank cannot start
     before the forwards of the chunks ahead of its first one, and then has ``m`` micro-batches of work."""
     p, m, v = layout.pp, layout.num_microbatches, layout.v
-    if not _simulated(layout):
+    if not simulated_bubble(layout):
         return bubble_s(stage_times, v, m)
     forward = _op_times(parts)[0]
     start, latest = 0.0, 0.0
@@ -472,35 +550,31 @@ def _p2p_s(boundary_bytes: float, layout: Layout, pp_link: AxisLink, tp_link: Ax
 def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, global_batch: int,
                     cluster: Cluster, ctx: PassContext, memory_budget_bytes: float,
                     flops: ModelFlops | None = None, allow_spill: bool = True,
-                    prune_above_s: float | None = None, exact_bubble: bool = False) -> Estimate | None:
+                    prune_above_s: float | None = None, exact_bubble: bool = False, keys: list[str] | None = None,
+                    shared: SharedWork | None = None) -> Estimate | None:
     """Estimate ``layout``.  When no stage split fits ``memory_budget_bytes``: the best split ignoring
     memory, marked ``fits=False``, if ``allow_spill``, else ``None``.  ``prune_above_s``: return ``None`` as
     soon as a perfectly balanced pipeline of these units would already be slower (the search's cut-off).
     ``exact_bubble``: simulate every pipeline schedule op by op (what ``autopar.timeline`` draws) instead
-    of the closed form, which is exact only for equal stages; the search ranks its last candidates so."""
-    keys = unit_sequence(graph)
+    of the closed form, which is exact only for equal stages; the search ranks its last candidates so.
+    ``keys``: ``unit_sequence(graph)``, and ``shared``: the work kept across the layouts of one search, where the
+    caller has them."""
+    keys = keys if keys is not None else unit_sequence(graph)
+    shared = shared if shared is not None else SharedWork()
     p, m, v = layout.pp, layout.num_microbatches, layout.v
-    if layout.cp > 1:
-        costs = {k: context_parallel_share(u, layout.cp) for k, u in costs.items()}
-    if layout.ep > 1:
-        costs = {k: expert_parallel_share(u, layout.ep, cluster) for k, u in costs.items()}
-    dp_link = _axis_link(cluster, layout.replicas, layout.tp)  # mesh (pp, dp, cp, tp): dp x cp is contiguous
-    # ep: the innermost ep ranks of dp (pp, dp / ep, ep, cp, tp); cp > 1 never comes with ep > 1
-    tp_link = _axis_link(cluster, layout.tp, 1)
-    links = _Links(dp_link, _axis_link(cluster, layout.cp, layout.tp), tp_link,
-                   _axis_link(cluster, layout.ep, layout.tp), _axis_link(cluster, layout.expert_replicas,
-                                                                       layout.tp * layout.ep))
+    costs = shared.shares(costs, layout, cluster)
+    links = shared.links(cluster, layout)
+    dp_link, tp_link = links.dp, links.tp
     pp_link = _axis_link(cluster, p, layout.replicas * layout.tp)
-    by_key = {k: _unit_load(costs[k], k not in (PRE, POST), layout, links, cluster, ctx)
-              for k in dict.fromkeys(keys)}
+    by_key = shared.unit_loads(costs, keys, layout, links, cluster, ctx)
     if layout.schedule in V_SHAPED and p > 1:  # the first rank holds both ends of the V
-        by_key[PRE], by_key[POST] = by_key[PRE].merged(by_key[POST]), _EMPTY_LOAD
+        by_key = {**by_key, PRE: by_key[PRE].merged(by_key[POST]), POST: _EMPTY_LOAD}
     loads = [by_key[k] for k in keys]
-    if prune_above_s is not None and m * sum(x.time_s for x in loads) / p >= prune_above_s:
+    if prune_above_s is not None and m * sum(x.time_s for x in loads) / p > prune_above_s:
         return None
     residue = sum(x.residue_bytes for x in loads) / max(1.0, sum(x.activation_bytes for x in loads))
     in_flight = [in_flight_microbatches(layout.schedule, i, p, m, v, residue, layout.group) for i in range(p)]
-    tied = _tied_params(costs) if p == 1 else 0.0  # one stage holds both ends: count the shared ones once
+    tied = tied_params(costs) if p == 1 else 0.0  # one stage holds both ends: count the shared ones once
     tie_state = ctx.state_bytes(tied, layout.replicas, layout.zero)
     tie_bytes = tie_state + ctx.held_bytes(tied, layout.replicas, layout.zero, p, m)
     split_by = ctx.framework.pipeline_split
@@ -533,8 +607,8 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
             p2p_cost = overlapped_s(p2p, busy, compute_rate(cluster, pp_link, mix))
         local = sum(costs[key].params_local for key in members[k])
         expert_local = sum(costs[key].expert_params_local for key in members[k]) if layout.ep > 1 else 0.0
-        accumulate = _grad_accumulation_s(local - expert_local, layout, cluster, ctx, layout.replicas) \
-            + _grad_accumulation_s(expert_local, layout, cluster, ctx, layout.expert_replicas)
+        accumulate = grad_accumulation_s(local - expert_local, layout, cluster, ctx, layout.replicas) \
+            + grad_accumulation_s(expert_local, layout, cluster, ctx, layout.expert_replicas)
         t = sum(x.time_s for x in units) + p2p_cost
         stage_times.append(t)
         fwd, bwd = sum(x.fwd_s for x in units), sum(x.bwd_s for x in units)
@@ -570,7 +644,7 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
     }
     parts = [_stage_parts(s, layout) for s in per_stage]
     if prune_above_s is not None and sum(breakdown.values()) + _bubble_bound_s(parts, stage_times, layout) \
-            >= prune_above_s:
+            > prune_above_s:
         return None  # slower than the cut-off before its full bubble (which a simulated schedule makes costly)
     breakdown["pp_bubble_s"] = _bubble_s(parts, stage_times, layout, exact_bubble)
     stages = []
@@ -659,7 +733,7 @@ def ep_bytes(costs: dict[str, UnitCost], keys: list[str], layout: Layout) -> dic
     return {"all_to_all": total} if total else {}
 
 
-def _grad_accumulation_s(local_params: float, layout: Layout, cluster: Cluster, ctx: PassContext,
+def grad_accumulation_s(local_params: float, layout: Layout, cluster: Cluster, ctx: PassContext,
                          replicas: int) -> float:
     """Adding every micro-batch's gradients after the first into the gradient buffer: autograd's
     ``AccumulateGrad`` reads the buffer and the new gradient and writes the sum (3 passes over the gradient
@@ -730,7 +804,7 @@ def _split(keys: list[str], by_key: dict[str, _UnitLoad], loads: list[_UnitLoad]
     layer_keys = set(keys[1:-1])
     if len(layer_keys) == 1:
         pre, layer, post = (_as_solver_load(by_key[k]) for k in (keys[0], keys[1], keys[-1]))
-        return split_uniform_stages(pre, layer, post, len(keys) - 2, in_flight, budget)
+        return split_uniform_stages(pre, layer, post, len(keys) - 2, tuple(in_flight), budget)
     return split_stages([x.time_s for x in loads], [x.state_bytes for x in loads],
                         [x.activation_bytes for x in loads], in_flight, budget, [x.extra_bytes for x in loads])
 
@@ -739,7 +813,7 @@ def _as_solver_load(x: _UnitLoad) -> UnitLoad:
     return UnitLoad(x.time_s, x.state_bytes, x.activation_bytes, x.extra_bytes)
 
 
-def _tied_params(costs: dict[str, UnitCost]) -> float:
+def tied_params(costs: dict[str, UnitCost]) -> float:
     """Local parameters shared by ``pre`` and ``post`` (tied embeddings), which both units count."""
     shared = set(costs[PRE].param_local) & set(costs[POST].param_local)
     return sum(costs[POST].param_local[f] for f in shared)

@@ -48,16 +48,16 @@ from typing import Any
 from autopar.cluster import Cluster, MeshSpec
 from autopar.errors import AutoparError
 from autopar.framework import DEFAULT_FRAMEWORK, Framework, load_framework
-from autopar.inter_op.estimate import Estimate, ModelFlops, estimate_layout, layer_recompute
-from autopar.inter_op.expert_parallel import expert_parallel_share
+from autopar.inter_op.bound import UnitTotals, memory_bound_bytes, time_bound_s, unit_totals
+from autopar.inter_op.estimate import Estimate, ModelFlops, SharedWork, estimate_layout
 from autopar.inter_op.layout import RECOMPUTE, Layout
-from autopar.inter_op.unit_costs import POST, PRE, UnitCost, solve_tp, unit_costs, unit_sequence
+from autopar.inter_op.unit_costs import UnitCost, solve_tp, unit_costs, unit_sequence
 from autopar.intra_op.strategies import R, Strategy, param_tp_placements
 from autopar.ir import OpGraph
 from autopar.passes.context import PassContext
 from autopar.passes.experts import expert_count, expert_parallel_count, expert_weights
 from autopar.solvers.ilp import Backend
-from autopar.solvers.pipeline import MULTI_CHUNK, SPLIT_BACKWARD, V_SHAPED, split_fraction, splits_backward
+from autopar.solvers.pipeline import MULTI_CHUNK, SPLIT_BACKWARD, V_SHAPED, splits_backward
 
 MAX_MBS = 16
 #: A bound on the search space, not physics: context parallelism is offered unpinned only while every rank
@@ -92,6 +92,12 @@ class SearchResult:
     one before it proved optimality (no ILP: ``optimal``, the replicated layout is the only one)."""
     ilp_gap: float = 0.0
     """With ``feasible``: the largest relative gap between a stopped solve's answer and its lower bound."""
+    enumerated: int = 0
+    """Layouts (with their intra-op variants) the search space holds for this search."""
+    pruned_bound: int = 0
+    """Of those, the ones whose time bound could not beat the best found (never estimated)."""
+    pruned_memory: int = 0
+    """... and the ones whose memory bound exceeds the budget (never estimated, unless nothing fits)."""
 
     @property
     def best(self) -> Candidate | None:
@@ -428,27 +434,15 @@ def runtime_runs(layout: Layout, shards_parameters: bool) -> bool:
     return layout.tp == 1 or layout.mbs % layout.tp == 0 or shards_parameters
 
 
-def _lower_bound(costs: dict[str, UnitCost], counts: dict[str, int], layout: Layout, ctx: PassContext,
-                 memo: dict[tuple, tuple[float, float]], cluster: Cluster) -> float:
-    """Iteration time if every stage were perfectly balanced and nothing but compute, exposed tp
-    communication and recomputation cost anything.  ``counts``: how often each unit occurs; ``memo``: the
-    work of one micro-batch and its recomputation, per unit costs and mode (shared across layouts)."""
-    key = (id(costs), layout.recompute, layout.sp, layout.ep)
+def _totals(costs: dict[str, UnitCost], counts: dict[str, int], layout: Layout, cluster: Cluster, ctx: PassContext,
+            shared: SharedWork, memo: dict[tuple, UnitTotals]) -> UnitTotals:
+    """The unit totals ``layout``'s bounds read (``autopar.inter_op.bound``), once per unit costs and the layout
+    keys they depend on."""
+    costs = shared.shares(costs, layout, cluster)
+    key = (id(costs), layout.recompute, layout.sp, layout.ep)  # ``shared`` keeps ``costs`` alive
     if key not in memo:
-        fw = ctx.framework
-        if layout.ep > 1:  # a rank's expert products at their shapes (faster, as the estimate times them)
-            costs = {k: expert_parallel_share(u, layout.ep, cluster) for k, u in costs.items()}
-        hidden_tp = fw.tp_comm_overlap and layout.sp
-        work = rerun = 0.0
-        for k, n in counts.items():
-            u = costs[k]
-            work += n * (u.fwd_s + u.bwd_s + (0.0 if hidden_tp else u.tp_fwd_s + u.tp_bwd_s))
-            if k not in (PRE, POST):
-                rerun += n * layer_recompute(u, layout.recompute, fw).time_s
-        memo[key] = (work, rerun)
-    work, rerun = memo[key]
-    again = 1 + split_fraction(layout.schedule, layout.pp, layout.num_microbatches, layout.v)  # weight steps too
-    return layout.num_microbatches * (work + again * rerun) / (layout.pp * layout.cp)
+        memo[key] = unit_totals(costs, counts, layout, ctx)
+    return memo[key]
 
 
 def search(graph: OpGraph, cluster: Cluster, ctx: PassContext, global_batch: int, fixed: dict[str, Any],
@@ -471,38 +465,48 @@ def search(graph: OpGraph, cluster: Cluster, ctx: PassContext, global_batch: int
     solves_before = cache.solves
     sequence = unit_sequence(graph)
     flops = ModelFlops.of(graph)
+    shared = SharedWork()
     fitting: list[Candidate] = []
     spill: list[Candidate] = []  # filled only when nothing fits
-    evaluated = 0
-    # best first: every layout's perfectly balanced bound, then the layouts in its order, until the bound of
-    # the next one cannot beat the K-th best found (the rest cannot either)
-    queue: list[tuple[float, tuple, str, Layout]] = []
+    evaluated = pruned_bound = pruned_memory = 0
+    # best first: every layout's lower bound, then the layouts in its order, until the bound of the next one
+    # cannot beat the K-th best found (the rest cannot either); a layout whose memory bound exceeds the budget
+    # cannot fit and is not estimated (unless nothing fits)
+    queue: list[tuple[float, tuple, str, Layout, UnitTotals]] = []
     counts = {k: sequence.count(k) for k in dict.fromkeys(sequence)}
-    memo: dict[tuple, tuple[float, float]] = {}
+    memo: dict[tuple, UnitTotals] = {}
     for layout in layouts(graph, cluster, global_batch, fixed, ctx.framework):
         for variant in VARIANTS if layout.tp > 1 else VARIANTS[:1]:
             costs, strategies = cache.get(layout.tp, layout.mbs, layout.sp, variant)
             if runtime_runs(layout, cache.shards_parameters(strategies)) and expert_parallel_runs(layout, costs):
-                queue.append((_lower_bound(costs, counts, layout, ctx, memo, cluster), _layout_key(layout), variant,
-                              layout))
+                totals = _totals(costs, counts, layout, cluster, ctx, shared, memo)
+                time_lb = time_bound_s(totals, layout, cluster, ctx, shared.links(cluster, layout))
+                queue.append((time_lb, _layout_key(layout), variant, layout, totals))
     queue.sort(key=lambda q: q[:3])
-    for bound, _, variant, layout in queue:
-        costs, strategies = cache.get(layout.tp, layout.mbs, layout.sp, variant)
-        kept = _distinct(fitting, top_k)  # variants of one layout count once
-        cutoff = kept[-1].estimate.iteration_time_s if len(kept) >= top_k and not exhaustive else None
-        if cutoff is not None and bound >= cutoff:
+    for i, (bound, _, variant, layout, totals) in enumerate(queue):
+        # the cut-off is the last of the bucket kept, not the K-th best: the kept candidates are re-estimated with
+        # their bubbles simulated and ranked again, so the bucket must hold what an exhaustive search's holds
+        full = len(fitting) >= _bucket_size(top_k) and not exhaustive
+        cutoff = fitting[-1].estimate.iteration_time_s if full else None
+        if cutoff is not None and bound > cutoff:  # a tie may still win on memory (``_rank``)
+            pruned_bound = len(queue) - i
             break
+        if not exhaustive and memory_bound_bytes(totals, layout, ctx) > memory_budget_bytes:
+            pruned_memory += 1
+            continue
+        costs, strategies = cache.get(layout.tp, layout.mbs, layout.sp, variant)
         est = estimate_layout(graph, costs, layout, global_batch, cluster, ctx, memory_budget_bytes, flops,
-                              allow_spill=False, prune_above_s=cutoff)
+                              allow_spill=False, prune_above_s=cutoff, keys=sequence, shared=shared)
         evaluated += 1
         if progress is not None:
             progress(f"searching layouts: {evaluated} evaluated")
         if est is not None and est.fits and (accept is None or accept(est, strategies)):
             _keep(fitting, Candidate(est, variant, strategies, cache.alternatives(strategies)), top_k, _rank)
     if not fitting:  # nothing fits: of the fastest layouts, marked as not fitting, the leanest
-        for _, _, variant, layout in queue:
+        for _, _, variant, layout, _ in queue:
             costs, strategies = cache.get(layout.tp, layout.mbs, layout.sp, variant)
-            est = estimate_layout(graph, costs, layout, global_batch, cluster, ctx, memory_budget_bytes, flops)
+            est = estimate_layout(graph, costs, layout, global_batch, cluster, ctx, memory_budget_bytes, flops,
+                                  keys=sequence, shared=shared)
             if est is not None and (accept is None or accept(est, strategies)):
                 _keep(spill, Candidate(est, variant, strategies, cache.alternatives(strategies)), top_k, _rank)
     # the closed-form bubble is exact only for equal stages: the candidates kept are re-estimated with their
@@ -513,7 +517,8 @@ def search(graph: OpGraph, cluster: Cluster, ctx: PassContext, global_batch: int
     chosen = _distinct(fitting, top_k) if fitting else _distinct(sorted(spill, key=_spill_rank), top_k)
     status = "feasible" if cache.statuses - {"optimal"} else "optimal"
     return SearchResult(chosen, evaluated, cache.solves - solves_before, time.perf_counter() - t0, status,
-                        cache.gap if status != "optimal" else 0.0)
+                        cache.gap if status != "optimal" else 0.0, enumerated=len(queue), pruned_bound=pruned_bound,
+                        pruned_memory=pruned_memory)
 
 
 def _exact(cands: list[Candidate], graph: OpGraph, cache: UnitCostCache, global_batch: int, cluster: Cluster,
@@ -531,11 +536,17 @@ def _exact(cands: list[Candidate], graph: OpGraph, cache: UnitCostCache, global_
     return out
 
 
+def _bucket_size(top_k: int) -> int:
+    """Candidates a search keeps for the final ranking: a few times ``top_k``, as the variants of one layout and
+    the simulated bubbles may reorder them."""
+    return max(top_k, 1) * 4
+
+
 def _keep(bucket: list[Candidate], candidate: Candidate, top_k: int, rank: Callable[[Candidate], tuple]) -> None:
-    """Add ``candidate`` to ``bucket``, kept sorted by ``rank`` and a few times ``top_k`` long."""
+    """Add ``candidate`` to ``bucket``, kept sorted by ``rank`` and ``_bucket_size(top_k)`` long."""
     bucket.append(candidate)
     bucket.sort(key=rank)
-    del bucket[max(top_k, 1) * 4:]
+    del bucket[_bucket_size(top_k):]
 
 
 def _layout_key(layout: Layout) -> tuple:

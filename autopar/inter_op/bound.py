@@ -1,0 +1,121 @@
+"""Lower bounds of a layout's iteration time and memory, in O(p) per layout, that the search prunes with.
+
+``estimate_layout`` prices a layout as ``m * t_max + bubble + optimizer + accumulation + tp sync + exposed dp``,
+where ``t_max`` is the slowest stage's time per micro-batch and the stages come from the stage DP under the
+memory limit.  Every term here is a value that term can never go below, whatever the split:
+
+- **stages**: the stages' times add up to at least the units' work ``W`` (compute at the longer of the GPU's and
+  the host's timeline, the tp communication a framework does not hide, the recomputation), so
+  ``t_max >= W / p``;
+- **bubble**: the closed form ``m t_max + (T - t_max) / v`` of GPipe, 1F1B and interleaving is at least
+  ``(W / p) (m + (p - 1) / v)``; a simulated schedule (zero-bubble, or interleaving with few micro-batches or
+  Llama 3's groups) takes at least ``m t_max``, as every rank runs its ``m`` micro-batches one after another;
+- **optimizer step, gradient accumulation, tp gradient sync**: linear in a stage's parameters, so at least their
+  value at the mean stage;
+- **dp / ZeRO 0-2**: the reductions and gathers the framework runs after the compute
+  (``estimate.dp_sync_floor_s``), at the mean stage's parameters;
+- **memory**: a stage holds its state and ``in_flight`` micro-batches of its activations, so the fullest stage
+  holds at least the mean of the state plus the fewest in flight times the activations.
+
+``tests/test_bound.py`` checks on random layouts of several models that the bounds never exceed the estimate.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from autopar.cluster import Cluster
+from autopar.inter_op.estimate import (
+    ADAM_BYTES_PER_PARAM,
+    Links,
+    dp_sync_floor_s,
+    grad_accumulation_s,
+    layer_recompute,
+    simulated_bubble,
+    state_and_held_bytes,
+    tied_params,
+)
+from autopar.inter_op.layout import Layout
+from autopar.inter_op.unit_costs import POST, PRE, UnitCost
+from autopar.kernels import memory_s
+from autopar.passes.context import PassContext
+from autopar.solvers.pipeline import in_flight_microbatches, split_fraction
+
+
+@dataclass(frozen=True, slots=True)
+class UnitTotals:
+    """Sums over the unit sequence (each unit as often as it occurs) of one micro-batch on one rank."""
+
+    work_s: float  # forward and backward at the longer of the GPU and host timelines, unhidden tp communication
+    recompute_s: float  # the layers' recomputation under the layout's mode
+    tp_sync_s: float  # per iteration: gradients of parameters replicated on tp but computed split
+    dense_params: float  # local parameters outside expert-parallel experts
+    expert_params: float  # local parameters of expert-parallel experts (0 with ep = 1)
+    activation_bytes: float  # saved for backward under the layout's recomputation mode
+    tied_params: float  # local parameters ``pre`` and ``post`` share (tied embeddings)
+
+
+def unit_totals(costs: dict[str, UnitCost], counts: dict[str, int], layout: Layout, ctx: PassContext) -> UnitTotals:
+    """``UnitTotals`` of ``costs`` (already as one of ``cp`` / ``ep`` ranks runs them) under ``layout``'s
+    recomputation, sequence parallelism and ep; ``counts``: how often each unit key occurs."""
+    fw = ctx.framework
+    hidden_tp = fw.tp_comm_overlap and layout.sp
+    work = rerun = sync = dense = experts = act = 0.0
+    for k, n in counts.items():
+        u = costs[k]
+        tp = 0.0 if hidden_tp else u.tp_fwd_s + u.tp_bwd_s
+        work += n * (max(u.fwd_s, u.fwd_host_s) + max(u.bwd_s, u.bwd_host_s) + tp)
+        sync += n * u.tp_sync_s
+        expert = u.expert_params_local if layout.ep > 1 else 0.0
+        dense += n * (u.params_local - expert)
+        experts += n * expert
+        if k in (PRE, POST):
+            act += n * u.activation_bytes
+        else:
+            rc = layer_recompute(u, layout.recompute, fw)
+            rerun += n * rc.time_s
+            act += n * rc.saved_bytes
+    return UnitTotals(work, rerun, sync, dense, experts, act, tied_params(costs))
+
+
+def time_bound_s(t: UnitTotals, layout: Layout, cluster: Cluster, ctx: PassContext, links: Links) -> float:
+    """A lower bound of ``estimate_layout``'s iteration time for ``layout`` on units totalling ``t``; ``links``: the
+    layout's (``estimate.layout_links``)."""
+    p, m, v = layout.pp, layout.num_microbatches, layout.v
+    again = 1 + split_fraction(layout.schedule, p, m, v)  # the weight steps recompute again
+    per_stage = (t.work_s + again * t.recompute_s) / p
+    slots = float(m) if p == 1 or simulated_bubble(layout) else m + (p - 1) / v
+    dense, experts = t.dense_params / p, t.expert_params / p
+    if layout.zero >= 1:
+        optimizer_params = dense / layout.replicas + experts / layout.expert_replicas
+    else:
+        optimizer_params = dense + experts
+    return (slots * per_stage
+            + memory_s(cluster, optimizer_params * ADAM_BYTES_PER_PARAM)
+            + grad_accumulation_s(dense, layout, cluster, ctx, layout.replicas)
+            + grad_accumulation_s(experts, layout, cluster, ctx, layout.expert_replicas)
+            + t.tp_sync_s / p
+            + dp_sync_floor_s(dense, experts, layout, links, ctx))
+
+
+def memory_bound_bytes(t: UnitTotals, layout: Layout, ctx: PassContext) -> float:
+    """A lower bound of the fullest stage's memory for ``layout``, less what ``estimate_layout`` adds to the budget
+    (the tied parameters one stage holding both ends counts once): the layout cannot fit where this exceeds the
+    memory budget."""
+    p, m = layout.pp, layout.num_microbatches
+    state = (state_and_held_bytes(t.dense_params, layout.replicas, layout, ctx)
+             + state_and_held_bytes(t.expert_params, layout.expert_replicas, layout, ctx))
+    if p == 1:
+        tie = state_and_held_bytes(t.tied_params, layout.replicas, layout, ctx)
+        return state + t.activation_bytes - tie
+    return (state + fewest_in_flight(layout.schedule, p, m, layout.v, layout.group) * t.activation_bytes) / p
+
+
+@functools.lru_cache(maxsize=4096)
+def fewest_in_flight(schedule: str, p: int, m: int, v: int, group: int) -> float:
+    """The fewest micro-batches' worth of activations any of the ``p`` ranks holds at once (``residue`` 0)."""
+    return min(in_flight_microbatches(schedule, k, p, m, v, 0.0, group) for k in range(p))
+
+
+__all__ = ["UnitTotals", "fewest_in_flight", "memory_bound_bytes", "time_bound_s", "unit_totals"]
