@@ -12,7 +12,9 @@ Problem (one model for both backends; :class:`SolverRequest` holds the arrays)::
 The marginal ("joint distribution per edge") linearization is exact: with binary ``x`` the constraints
 force ``y[uv][s][t] = x[u][s] x[v][t]``, and it solves far faster than ``y >= x_u + x_v - 1``.  Before
 building, edges whose matrix is additive (``M[s][t] = a[s] + b[t]``, e.g. all-zero) are folded into the
-node costs (:func:`fold_additive_edges`); they need no ``y`` at all.
+node costs (:func:`fold_additive_edges`); they need no ``y`` at all.  Before that, exact reductions
+(``autopar.solvers.presolve``: strategies the memory budget rules out or another dominates, leaf nodes folded
+into their neighbour) shrink the problem; the answer is mapped back onto the original nodes.
 
 CBC works on costs scaled to microseconds; CP-SAT on integers (nanoseconds, bytes).  Both run with one
 thread and a fixed seed.  That alone does not make the answer unique: where several choices cost exactly
@@ -32,6 +34,7 @@ from collections.abc import Iterator
 from typing import Literal
 
 from autopar.solvers.evaluate import min_memory_bytes, objective_s
+from autopar.solvers.presolve import presolve
 from autopar.solvers.request import SolverRequest, SolverResult
 
 Backend = Literal["cbc", "highs", "cpsat"]
@@ -74,9 +77,11 @@ def solve_ilp(request: SolverRequest, backend: Backend = "cbc") -> SolverResult:
                             num_variables=request.num_variables, num_constraints=request.num_constraints)
     broken = dataclasses.replace(request, node_cost_s=[[c + TIE_BREAK_S * k for k, c in enumerate(row)]
                                                        for row in request.node_cost_s])
-    result = _solve_cpsat(broken) if backend == "cpsat" else _solve_pulp(broken, backend)
+    reduced = presolve(broken)
+    result = _solve_cpsat(reduced.request) if backend == "cpsat" else _solve_pulp(reduced.request, backend)
     if not result.choice:
         return result
+    result = dataclasses.replace(result, choice=reduced.expand(result.choice, len(request.node_names)))
     obj = objective_s(request, result.choice)  # reported without the tie-break
     # a solve stopped by its time limit: the solver's own bound where it gives one (CP-SAT), else the bound
     # every answer respects (each node at its cheapest strategy, edges at their cheapest pair)
