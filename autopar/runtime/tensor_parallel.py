@@ -206,6 +206,13 @@ def _covers(region: str, name: str) -> bool:
     return name == region or _inside(name, region)
 
 
+def _ancestors(name: str) -> list[str]:
+    """``name`` and every module that holds it, innermost last (``a.b.c`` -> ``a``, ``a.b``, ``a.b.c``; the root
+    ``""`` holds everything)."""
+    parts = name.split(".") if name else []
+    return ["", *(".".join(parts[:k]) for k in range(1, len(parts) + 1))]
+
+
 def _is_norm(module: nn.Module) -> bool:
     """LayerNorm, RMSNorm and their look-alikes (``LlamaRMSNorm``): they act on each token alone."""
     return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith("Norm")
@@ -252,8 +259,10 @@ def _sequence_parallel(styles: dict[str, StyleSpec], model: nn.Module, plan: Pla
     if not blocks:
         return
 
+    block_set = set(blocks)
+
     def in_blocks(name: str) -> bool:
-        return any(_covers(b, name) for b in blocks)
+        return any(prefix in block_set for prefix in _ancestors(name))
 
     regions: set[str] = set()
     for name, (kind, kwargs) in styles.items():
@@ -273,12 +282,13 @@ def _sequence_parallel(styles: dict[str, StyleSpec], model: nn.Module, plan: Pla
         styles[region] = ("PrepareActivation", {"input_layouts": "Shard(1)", "desired_input_layouts": "Replicate()",
                                                 "use_local_output": "False"})
     covered = set(styles)
+    holding = {prefix for c in covered for prefix in _ancestors(c) if prefix != c}  # modules with a region inside
     for name, mod in model.named_modules():
         if not in_blocks(name) or next(mod.parameters(recurse=False), None) is None:
             continue
-        if any(_covers(c, name) for c in covered):
+        if any(prefix in covered for prefix in _ancestors(name)):
             continue
-        if any(_inside(c, name) for c in covered):
+        if name in holding:
             raise AutoparError(f"sequence parallelism: {name} holds parameters and contains a tensor-parallel "
                                "region; plan with --fix sp=off")
         if not _is_norm(mod):  # only token-wise modules may see a slice of the sequence

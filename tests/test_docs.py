@@ -1,0 +1,63 @@
+"""Every shell command of the README and of ``docs/`` runs as written.
+
+The fenced ``bash`` blocks of each page are run in order, in a scratch directory that sees the repository's
+``models/``, ``examples/`` and ``benchmarks/`` (a page's later commands read what its earlier ones wrote).  The
+commands that take more than a minute on 2 cores, or that install, are listed in ``NOT_RUN`` with their reason;
+the test fails on a command that is neither run nor listed, and on a listed one no page has any more.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+#: Command prefix -> why it is not run here.
+NOT_RUN = {
+    "python3 -m venv .venv": "creates a virtual environment and installs autopar into it (what .ci/run does)",
+}
+FENCE = re.compile(r"```bash\n(.*?)```", re.S)
+
+
+def commands(page: Path) -> list[str]:
+    """The shell commands of ``page``'s ``bash`` blocks: continuation lines joined, comments dropped."""
+    out = []
+    for block in FENCE.findall(page.read_text()):
+        joined = re.sub(r"\\\n\s*", "", block)
+        for line in joined.splitlines():
+            line = line.split("  #", 1)[0].strip()
+            if line and not line.startswith("#"):
+                out.append(line)
+    return out
+
+
+def _skipped(command: str) -> str | None:
+    return next((why for prefix, why in NOT_RUN.items() if command.startswith(prefix)), None)
+
+
+def test_every_listed_command_is_still_in_a_page():
+    every = [c for page in PAGES for c in commands(page)]
+    for prefix in NOT_RUN:
+        assert any(c.startswith(prefix) for c in every), f"NOT_RUN lists a command no page has: {prefix}"
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if commands(p)], ids=lambda p: p.name)
+def test_the_commands_of_a_page_run(page, tmp_path):
+    for name in ("models", "examples", "benchmarks"):
+        (tmp_path / name).symlink_to(ROOT / name)
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    ran = 0
+    for command in commands(page):
+        if _skipped(command):
+            continue
+        done = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, f"{page.name}: `{command}` exited {done.returncode}:\n{done.stderr[-2000:]}"
+        ran += 1
+    assert ran > 0
