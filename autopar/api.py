@@ -133,12 +133,14 @@ def plan_model(model: ModelLike, *, config: dict[str, Any] | None = None,
                memory_limit_gb: float | None = None, attention: str = "flash", solver: str = "cbc",
                time_limit_s: float | None = None, top: int = 1, framework: str = DEFAULT_FRAMEWORK,
                every_layer: bool = False, on_progress: Callable[[str], None] | None = None,
-               precision: str = "bf16", exhaustive: bool = False) -> Planning:
+               precision: str = "bf16", exhaustive: bool = False, jobs: int = 1) -> Planning:
     """Trace ``model``, search its layouts on ``cluster`` and build the plan(s); raises ``AutoparError`` with
     a one-line message when the input is bad or nothing fits.  ``on_progress`` is told what runs now (the
     trace, each intra-op solve, the search's count).  ``precision`` ``auto`` searches bf16 and, where the
     cluster and framework can, fp8, and keeps the faster.  ``exhaustive``: estimate every layout, with no bound
-    or cut-off (slow; the same plan)."""
+    or cut-off (slow; the same plan).  ``jobs``: processes that solve the intra-op ILPs (the same plan)."""
+    if jobs < 1:
+        raise AutoparError("jobs (--jobs) must be >= 1")
     fixed = _fixed(fix)
     if top < 1:
         raise AutoparError("top (--top) must be >= 1")
@@ -155,7 +157,7 @@ def plan_model(model: ModelLike, *, config: dict[str, Any] | None = None,
     for training in training_precisions(precision, spec, ctx.framework):
         tried = dataclasses.replace(ctx, precision=dataclasses.replace(ctx.precision, training=training))
         found = search(traced.graph, spec, tried, batch, fixed, budget, solver, time_limit_s, top, on_progress,
-                       accept=runnable.accept if runnable else None, exhaustive=exhaustive)
+                       accept=runnable.accept if runnable else None, exhaustive=exhaustive, jobs=jobs)
         if res is None or _faster(found, res):
             res, ctx = found, tried
     best = res.best

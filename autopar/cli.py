@@ -24,7 +24,7 @@ from autopar.errors import AutoparError
 from autopar.framework import DEFAULT_FRAMEWORK, FRAMEWORKS
 from autopar.frontend import TracedModel, trace_model
 from autopar.inter_op.layout import FIX_KEYS, normalize_fix
-from autopar.inter_op.search import search
+from autopar.inter_op.search import default_jobs, search
 from autopar.modelfile import parse_config
 from autopar.passes import PassContext
 from autopar.passes.context import ATTENTION_KERNELS
@@ -119,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--top", type=int, default=1, metavar="K", help="report the K best distinct layouts")
     plan.add_argument("--exhaustive", action="store_true",
                       help="estimate every layout, with no lower bound or cut-off (slow: it plans the same)")
+    plan.add_argument("--jobs", type=int, default=default_jobs(), metavar="N",
+                      help="processes that solve the intra-op ILPs (default: the cores less one, at least 1; "
+                           "the plan is the same)")
     plan.add_argument("-o", "--output", metavar="DIR", help="write DIR/plan.json and DIR/train.py")
     plan.add_argument("--trace", metavar="FILE.json",
                       help="write the simulated iteration as a Chrome trace (Perfetto, chrome://tracing)")
@@ -214,7 +217,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                               memory_limit_gb=args.memory_limit, attention=args.attention, solver=args.solver,
                               time_limit_s=args.time_limit, top=args.top, framework=args.framework,
                               every_layer=args.trace_every_layer, on_progress=tick, precision=args.precision,
-                              exhaustive=args.exhaustive)
+                              exhaustive=args.exhaustive, jobs=args.jobs)
     finally:
         if progress is not None:
             progress.stop()

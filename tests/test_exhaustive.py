@@ -61,3 +61,19 @@ def test_the_pruned_search_writes_the_exhaustive_plan_file(case):
     full = plan_model(model, **kwargs, exhaustive=True)
     assert full.result.evaluated == full.result.enumerated > pruned.result.evaluated
     assert pruned.plan.to_json() == full.plan.to_json()
+
+
+def test_a_pool_of_ilp_solvers_writes_the_same_plan_file():
+    """``--jobs 2`` solves the intra-op ILPs in two processes: the same answers, byte for byte."""
+    kwargs = dict(config=GPT8, cluster="a100-80gb", gpus=16, global_batch=64)
+    one = plan_model("gpt", **kwargs)
+    two = plan_model("gpt", **kwargs, jobs=2)
+    assert two.result.ilp_solves == one.result.ilp_solves > 1
+    assert one.plan.to_json() == two.plan.to_json()
+
+
+def test_jobs_must_be_positive():
+    from autopar.errors import AutoparError
+
+    with pytest.raises(AutoparError, match="jobs"):
+        plan_model("gpt", config=GPT, cluster="cpu", gpus=4, global_batch=8, jobs=0)

@@ -40,8 +40,11 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import multiprocessing
+import os
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +55,7 @@ from autopar.inter_op.bound import UnitTotals, memory_bound_bytes, time_bound_s,
 from autopar.inter_op.estimate import Estimate, ModelFlops, SharedWork, estimate_layout
 from autopar.inter_op.layout import RECOMPUTE, Layout
 from autopar.inter_op.unit_costs import UnitCost, solve_tp, unit_costs, unit_sequence
+from autopar.intra_op.problem import IntraOpSolution
 from autopar.intra_op.strategies import R, Strategy, param_tp_placements
 from autopar.ir import OpGraph
 from autopar.passes.context import PassContext
@@ -159,26 +163,47 @@ class UnitCostCache:
         return (graph is self.graph and sized(cluster) == self.cluster
                 and dataclasses.replace(ctx, cluster=sized(ctx.cluster)) == self.ctx)
 
+    @staticmethod
+    def solve_key(tp: int, mbs: int, sp: bool, variant: str) -> tuple[int, int, bool, str]:
+        """The intra-op solve that serves ``(tp, mbs, sp, variant)``: the reference micro-batch nearest ``mbs``."""
+        ref = min(REFERENCE_MBS, key=lambda r: (abs(math.log2(r) - math.log2(mbs)), r))
+        return (tp, ref, sp, variant if tp > 1 else "fast")
+
     def strategies(self, tp: int, mbs: int, sp: bool, variant: str) -> tuple[MeshSpec, dict[str, Strategy]]:
         """The ILP's strategies, solved at the reference micro-batch nearest ``mbs``."""
-        ref = min(REFERENCE_MBS, key=lambda r: (abs(math.log2(r) - math.log2(mbs)), r))
-        key = (tp, ref, sp, variant if tp > 1 else "fast")
+        key = self.solve_key(tp, mbs, sp, variant)
         if key not in self._solved:
             if self.progress is not None and tp > 1:
-                self.progress(f"solving the intra-op ILP: tp={tp}, micro-batch {ref}, sp={'on' if sp else 'off'}, "
+                self.progress(f"solving the intra-op ILP: tp={tp}, micro-batch {key[1]}, sp={'on' if sp else 'off'}, "
                               f"{variant}")
-            slack = 0.02 if variant == "lean" else None
-            mesh, strategies, sol = solve_tp(self.graph, self.cluster, self.ctx, tp, ref, sp, self.backend,
-                                             self.time_limit_s, grad_sync_weight=1 / 16, memory_slack=slack)
-            if sol is not None:
-                self._alternatives[id(strategies)] = sol.alternatives
-                self.solves += 1
-                self.statuses.add(sol.result.status)
-                r = sol.result
-                if r.status != "optimal" and r.objective_s and r.bound_s is not None:
-                    self.gap = max(self.gap, (r.objective_s - r.bound_s) / r.objective_s)
-            self._solved[key] = (mesh, strategies)
+            self._record(key, _solve(self.graph, self.cluster, self.ctx, self.backend, self.time_limit_s, key))
         return self._solved[key]
+
+    def solve_all(self, keys: list[tuple[int, int, bool, str]], jobs: int) -> None:
+        """Solve the intra-op ILPs of ``keys`` (``solve_key``s) that are not solved yet in a pool of ``jobs``
+        processes; each answer is the one a solve in this process gives (the solves are deterministic)."""
+        todo = sorted({k for k in keys if k not in self._solved and k[0] > 1})
+        if jobs <= 1 or len(todo) <= 1:
+            return
+        if self.progress is not None:
+            self.progress(f"solving {len(todo)} intra-op ILPs in {min(jobs, len(todo))} processes")
+        context = multiprocessing.get_context("spawn")  # torch's threads do not survive a fork
+        with ProcessPoolExecutor(max_workers=min(jobs, len(todo)), mp_context=context, initializer=_pool_init,
+                                 initargs=(self.graph, self.cluster, self.ctx, self.backend,
+                                           self.time_limit_s)) as pool:
+            for key, solved in zip(todo, pool.map(_pool_solve, todo), strict=True):
+                self._record(key, solved)
+
+    def _record(self, key: tuple, solved: tuple[MeshSpec, dict[str, Strategy], IntraOpSolution | None]) -> None:
+        mesh, strategies, sol = solved
+        if sol is not None:
+            self._alternatives[id(strategies)] = sol.alternatives
+            self.solves += 1
+            self.statuses.add(sol.result.status)
+            r = sol.result
+            if r.status != "optimal" and r.objective_s and r.bound_s is not None:
+                self.gap = max(self.gap, (r.objective_s - r.bound_s) / r.objective_s)
+        self._solved[key] = (mesh, strategies)
 
     def alternatives(self, strategies: dict[str, Strategy]) -> dict[str, list[tuple[Strategy, float, float]]]:
         """The next cheapest strategies of each op of one of this cache's solutions (none for tp = 1)."""
@@ -197,6 +222,33 @@ class UnitCostCache:
             mesh, strategies = self.strategies(tp, mbs, sp, variant)
             self._cache[key] = (unit_costs(self.graph, strategies, mesh, mbs, self.cluster, self.ctx), strategies)
         return self._cache[key]
+
+
+def _solve(graph: OpGraph, cluster: Cluster, ctx: PassContext, backend: Backend, time_limit_s: float,
+           key: tuple[int, int, bool, str]) -> tuple[MeshSpec, dict[str, Strategy], IntraOpSolution | None]:
+    tp, ref, sp, variant = key
+    return solve_tp(graph, cluster, ctx, tp, ref, sp, backend, time_limit_s, grad_sync_weight=1 / 16,
+                    memory_slack=0.02 if variant == "lean" else None)
+
+
+_POOL: dict[str, Any] = {}  # a pool worker's graph, cluster, context, backend and time limit
+
+
+def _pool_init(graph: OpGraph, cluster: Cluster, ctx: PassContext, backend: Backend, time_limit_s: float) -> None:
+    _POOL.update(args=(graph, cluster, ctx, backend, time_limit_s))
+
+
+def _pool_solve(key: tuple[int, int, bool, str]) -> tuple[MeshSpec, dict[str, Strategy], IntraOpSolution | None]:
+    return _solve(*_POOL["args"], key)
+
+
+def default_jobs() -> int:
+    """Processes ``--jobs`` defaults to: the cores this process may use, less one, at least one."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores - 1)
 
 
 def check_fixed(graph: OpGraph, cluster: Cluster, global_batch: int, fixed: dict[str, Any]) -> None:
@@ -449,14 +501,14 @@ def search(graph: OpGraph, cluster: Cluster, ctx: PassContext, global_batch: int
            memory_budget_bytes: float, backend: Backend = "cbc", time_limit_s: float = 60.0, top_k: int = 1,
            progress: Callable[[str], None] | None = None, cache: UnitCostCache | None = None,
            accept: Callable[[Estimate, dict[str, Strategy]], bool] | None = None,
-           exhaustive: bool = False) -> SearchResult:
+           exhaustive: bool = False, jobs: int = 1) -> SearchResult:
     """The ``top_k`` fastest layouts that fit (or, if none fits, the closest ones marked ``fits=False``).
 
     ``cache``: unit costs (and the intra-op solves behind them) to reuse across searches of the same graph,
     tensor-parallel fabric and context; its solves are counted from zero here either way.  ``accept``: a
     candidate is kept only if it says so (the runtime that will train the plan can run it).  ``exhaustive``:
     estimate every layout in full, with no lower bound or cut-off (slow: it checks that they prune nothing
-    that would win)."""
+    that would win).  ``jobs``: processes that solve the intra-op ILPs (the same answers as one process)."""
     t0 = time.perf_counter()
     check_fixed(graph, cluster, global_batch, fixed)
     if cache is None or not cache.serves(graph, cluster, ctx):
@@ -475,7 +527,9 @@ def search(graph: OpGraph, cluster: Cluster, ctx: PassContext, global_batch: int
     queue: list[tuple[float, tuple, str, Layout, UnitTotals]] = []
     counts = {k: sequence.count(k) for k in dict.fromkeys(sequence)}
     memo: dict[tuple, UnitTotals] = {}
-    for layout in layouts(graph, cluster, global_batch, fixed, ctx.framework):
+    space = list(layouts(graph, cluster, global_batch, fixed, ctx.framework))
+    cache.solve_all([cache.solve_key(lay.tp, lay.mbs, lay.sp, v) for lay in space for v in VARIANTS], jobs)
+    for layout in space:
         for variant in VARIANTS if layout.tp > 1 else VARIANTS[:1]:
             costs, strategies = cache.get(layout.tp, layout.mbs, layout.sp, variant)
             if runtime_runs(layout, cache.shards_parameters(strategies)) and expert_parallel_runs(layout, costs):
@@ -576,6 +630,7 @@ def _distinct(cands: list[Candidate], k: int) -> list[Candidate]:
     return out
 
 
-__all__ = ["Candidate", "SearchResult", "UnitCostCache", "check_fixed", "divisors", "expert_parallel_runs", "layouts",
+__all__ = ["Candidate", "SearchResult", "UnitCostCache", "check_fixed", "default_jobs", "divisors",
+           "expert_parallel_runs", "layouts",
            "runtime_runs", "search",
            "shards_parameters_on_tp"]
