@@ -63,11 +63,19 @@ def test_the_pruned_search_writes_the_exhaustive_plan_file(case):
     assert pruned.plan.to_json() == full.plan.to_json()
 
 
-def test_a_pool_of_ilp_solvers_writes_the_same_plan_file():
+def test_a_pool_of_ilp_solvers_writes_the_same_plan_file(monkeypatch):
     """``--jobs 2`` solves the intra-op ILPs in two processes: the same answers, byte for byte."""
+    from autopar.inter_op import search
+
+    monkeypatch.setattr(search, "POOL_MIN_OPS", 0)  # a small graph, so that the test is quick
+    pooled = []
+    solve_all = search.UnitCostCache.solve_all
+    monkeypatch.setattr(search.UnitCostCache, "solve_all",
+                        lambda self, keys, jobs: (pooled.append(jobs), solve_all(self, keys, jobs))[1])
     kwargs = dict(config=GPT8, cluster="a100-80gb", gpus=16, global_batch=64)
     one = plan_model("gpt", **kwargs)
     two = plan_model("gpt", **kwargs, jobs=2)
+    assert pooled == [1, 2]
     assert two.result.ilp_solves == one.result.ilp_solves > 1
     assert one.plan.to_json() == two.plan.to_json()
 

@@ -73,6 +73,11 @@ MIN_CP_TOKENS = 1024
 #: only re-cost it.  The choice between sharding weights and activations moves with the batch slowly.
 REFERENCE_MBS = (1, 4, 16)
 VARIANTS = ("fast", "lean")  # ILP without memory limit, and at the least memory (+2 %)
+#: A pool of ILP solvers runs only for graphs of at least this many ops.  Its spawned workers import torch
+#: first (2.8 s on 2 cores), while a graph of a few hundred ops (a transformer's traced layers and ends) solves
+#: all its ILPs in about that time in one process; graphs of many small ops (a state-space scan unrolled over
+#: the sequence: 822 ops for 2 Mamba layers of 32 steps) take seconds per solve.
+POOL_MIN_OPS = 500
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,11 +188,11 @@ class UnitCostCache:
         """Solve the intra-op ILPs of ``keys`` (``solve_key``s) that are not solved yet in a pool of ``jobs``
         processes; each answer is the one a solve in this process gives (the solves are deterministic)."""
         todo = sorted({k for k in keys if k not in self._solved and k[0] > 1})
-        if jobs <= 1 or len(todo) <= 1:
+        if jobs <= 1 or len(todo) <= 1 or sum(1 for _ in self.graph.ops()) < POOL_MIN_OPS:
             return
         if self.progress is not None:
             self.progress(f"solving {len(todo)} intra-op ILPs in {min(jobs, len(todo))} processes")
-        context = multiprocessing.get_context("spawn")  # torch's threads do not survive a fork
+        context = multiprocessing.get_context("spawn")  # a forked worker may inherit a lock torch's threads held
         with ProcessPoolExecutor(max_workers=min(jobs, len(todo)), mp_context=context, initializer=_pool_init,
                                  initargs=(self.graph, self.cluster, self.ctx, self.backend,
                                            self.time_limit_s)) as pool:
