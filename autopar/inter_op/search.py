@@ -55,7 +55,7 @@ from autopar.inter_op.bound import UnitTotals, memory_bound_bytes, time_bound_s,
 from autopar.inter_op.estimate import Estimate, ModelFlops, SharedWork, estimate_layout
 from autopar.inter_op.layout import RECOMPUTE, Layout
 from autopar.inter_op.unit_costs import UnitCost, solve_tp, unit_costs, unit_sequence
-from autopar.intra_op.problem import IntraOpSolution
+from autopar.intra_op.problem import IntraOpProblem, IntraOpSolution
 from autopar.intra_op.strategies import R, Strategy, param_tp_placements
 from autopar.ir import OpGraph
 from autopar.passes.context import PassContext
@@ -151,6 +151,7 @@ class UnitCostCache:
         self.backend, self.time_limit_s = backend, time_limit_s
         self._cache: dict[tuple, tuple[dict[str, UnitCost], dict[str, Strategy]]] = {}
         self._solved: dict[tuple, tuple[MeshSpec, dict[str, Strategy]]] = {}
+        self._built: dict[tuple, IntraOpProblem] = {}  # the ILPs, shared by their fast and lean solves
         self._shards: dict[int, bool] = {}
         self.solves = 0
         self.statuses: set[str] = set()
@@ -181,7 +182,8 @@ class UnitCostCache:
             if self.progress is not None and tp > 1:
                 self.progress(f"solving the intra-op ILP: tp={tp}, micro-batch {key[1]}, sp={'on' if sp else 'off'}, "
                               f"{variant}")
-            self._record(key, _solve(self.graph, self.cluster, self.ctx, self.backend, self.time_limit_s, key))
+            self._record(key, _solve(self.graph, self.cluster, self.ctx, self.backend, self.time_limit_s, key,
+                                     self._built))
         return self._solved[key]
 
     def solve_all(self, keys: list[tuple[int, int, bool, str]], jobs: int) -> None:
@@ -230,10 +232,11 @@ class UnitCostCache:
 
 
 def _solve(graph: OpGraph, cluster: Cluster, ctx: PassContext, backend: Backend, time_limit_s: float,
-           key: tuple[int, int, bool, str]) -> tuple[MeshSpec, dict[str, Strategy], IntraOpSolution | None]:
+           key: tuple[int, int, bool, str], built: dict[tuple, IntraOpProblem] | None = None,
+           ) -> tuple[MeshSpec, dict[str, Strategy], IntraOpSolution | None]:
     tp, ref, sp, variant = key
     return solve_tp(graph, cluster, ctx, tp, ref, sp, backend, time_limit_s, grad_sync_weight=1 / 16,
-                    memory_slack=0.02 if variant == "lean" else None)
+                    memory_slack=0.02 if variant == "lean" else None, built=built)
 
 
 _POOL: dict[str, Any] = {}  # a pool worker's graph, cluster, context, backend and time limit

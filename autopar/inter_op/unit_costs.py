@@ -16,7 +16,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from autopar.cluster import Cluster, MeshSpec
-from autopar.intra_op.problem import IntraOpConfig, IntraOpSolution, solve_intra_op
+from autopar.intra_op.problem import IntraOpConfig, IntraOpProblem, IntraOpSolution, build_intra_op, solve_intra_op
 from autopar.intra_op.sharding_costs import (
     ATTENTION_OPS,
     PRODUCT_OPS,
@@ -168,8 +168,10 @@ def _replicated(graph: OpGraph, names: list[str], axes: int) -> dict[str, Strate
 
 def solve_tp(graph: OpGraph, cluster: Cluster, ctx: PassContext, tp: int, mbs: int, sp: bool,
              backend: Backend = "cbc", time_limit_s: float = 60.0, grad_sync_weight: float = 0.0,
-             memory_slack: float | None = None) -> tuple[MeshSpec, dict[str, Strategy], IntraOpSolution | None]:
-    """Every op's strategy on the ``tp`` mesh at micro-batch ``mbs`` (all replicated when ``tp == 1``)."""
+             memory_slack: float | None = None, built: dict[tuple, IntraOpProblem] | None = None,
+             ) -> tuple[MeshSpec, dict[str, Strategy], IntraOpSolution | None]:
+    """Every op's strategy on the ``tp`` mesh at micro-batch ``mbs`` (all replicated when ``tp == 1``).
+    ``built``: ILPs built by earlier calls, by ``(tp, mbs, sp)``: the fast and the lean solve share one."""
     mesh = MeshSpec.on_cluster(cluster, ("tp",), (tp,))
     ops = [n.name for n in graph.ops()]
     if tp == 1:
@@ -178,7 +180,13 @@ def solve_tp(graph: OpGraph, cluster: Cluster, ctx: PassContext, tp: int, mbs: i
                         shard_block_linears=ctx.framework.tp_layout == "megatron",
                         backend=backend, time_limit_s=time_limit_s,
                         grad_sync_weight=grad_sync_weight, memory_slack=memory_slack)
-    sol = solve_intra_op(graph, ops, mesh, cfg, cluster, ctx)
+    key = (tp, mbs, sp, backend, time_limit_s, grad_sync_weight)
+    problem = built.get(key) if built is not None else None
+    if problem is None:
+        problem = build_intra_op(graph, ops, mesh, cfg, cluster, ctx)
+        if built is not None:
+            built[key] = problem
+    sol = solve_intra_op(graph, ops, mesh, cfg, cluster, ctx, problem)
     if not sol.node_strategies:
         raise RuntimeError(f"intra-op ILP returned no solution ({sol.result.status})")
     return mesh, sol.node_strategies, sol

@@ -570,9 +570,11 @@ def _tie_shared_parameters(graph: OpGraph, nodes: list[Node], rep_of: dict[str, 
 
 
 def solve_intra_op(graph: OpGraph, node_names: Iterable[str], mesh: MeshSpec, cfg: IntraOpConfig,
-                   cluster: Cluster, ctx: PassContext) -> IntraOpSolution:
-    """Build and solve the ILP; map the answer back onto every op and parameter of the slice."""
-    problem = build_intra_op(graph, node_names, mesh, cfg, cluster, ctx)
+                   cluster: Cluster, ctx: PassContext, problem: IntraOpProblem | None = None) -> IntraOpSolution:
+    """Build and solve the ILP; map the answer back onto every op and parameter of the slice.  ``problem``: the
+    ILP already built for these nodes, mesh and config (``cfg.memory_slack`` and ``cfg.backend`` aside, which only
+    the solve reads), so that a solve at another memory slack reuses it."""
+    problem = problem or build_intra_op(graph, node_names, mesh, cfg, cluster, ctx)
     request = problem.request
     if cfg.memory_slack is not None:
         lean = min_memory_bytes(request) * (1 + cfg.memory_slack)
