@@ -454,16 +454,62 @@ def dp_sync_floor_s(dense_params: float, expert_params: float, layout: Layout, l
     return floor
 
 
-def _stage_parts(s: dict[str, float], layout: Layout) -> dict[str, float]:
-    """``StageEstimate.parts_s`` of one stage from its sums."""
-    tp_bwd, cp_bwd, ep_bwd = s["tp"] - s["tp_fwd"], s["cp"] - s["cp_fwd"], s["ep"] - s["ep_fwd"]
-    parts = {"forward_s": s["forward"], "recompute_s": s["recompute"],
-             "backward_s": s["bwd"] + tp_bwd + cp_bwd + ep_bwd + s["zero3"], "p2p_s": s["p2p"],
-             "tp_forward_s": s["tp_fwd"], "tp_backward_s": tp_bwd, "cp_forward_s": s["cp_fwd"],
-             "cp_backward_s": cp_bwd, "ep_forward_s": s["ep_fwd"], "ep_backward_s": ep_bwd, "zero3_s": s["zero3"]}
-    if splits_backward(layout.schedule, layout.pp):
-        parts["weight_s"], parts["rerun_s"] = s["weight"], s["rerun"]
-    return parts
+@dataclass(frozen=True, slots=True)
+class StageCost:
+    """One pipeline stage per micro-batch: its units' loads summed, its transfers, and what it holds."""
+
+    time_s: float  # the stage's slot: its units' times and its exposed transfers
+    compute_s: float
+    tp_s: float  # exposed tensor-parallel communication
+    tp_fwd_s: float
+    cp_s: float
+    cp_fwd_s: float
+    ep_s: float
+    ep_fwd_s: float
+    recompute_s: float
+    p2p_s: float  # exposed pipeline transfers
+    zero3_s: float  # exposed ZeRO-3 gathers and reduce-scatters
+    forward_s: float  # the forward with its exposed tp, cp and ep communication
+    bwd_s: float  # the backward's compute
+    weight_s: float  # split backward: the weight step
+    rerun_s: float  # split backward: what the weight step recomputes again
+    accumulate_s: float  # per iteration: adding the micro-batches' gradients
+    tp_sync_s: float  # per iteration: tp gradient synchronization of split-computed replicated parameters
+    local_params: float  # parameters one device of the stage holds
+    expert_params: float  # of which expert-parallel experts
+
+    @classmethod
+    def of(cls, units: list[_UnitLoad], p2p_s: float, accumulate_s: float, tp_sync_s: float, local_params: float,
+           expert_params: float) -> StageCost:
+        tp_fwd = sum(x.tp_fwd_s for x in units)
+        cp_fwd = sum(x.cp_fwd_s for x in units)
+        ep_fwd = sum(x.ep_fwd_s for x in units)
+        return cls(time_s=sum(x.time_s for x in units) + p2p_s, compute_s=sum(x.compute_s for x in units),
+                   tp_s=sum(x.tp_s for x in units), tp_fwd_s=tp_fwd, cp_s=sum(x.cp_s for x in units), cp_fwd_s=cp_fwd,
+                   ep_s=sum(x.ep_s for x in units), ep_fwd_s=ep_fwd, recompute_s=sum(x.recompute_s for x in units),
+                   p2p_s=p2p_s, zero3_s=sum(x.zero3_exposed_s for x in units),
+                   forward_s=sum(x.fwd_s for x in units) + tp_fwd + cp_fwd + ep_fwd,
+                   bwd_s=sum(x.bwd_s for x in units), weight_s=sum(x.weight_s for x in units),
+                   rerun_s=sum(x.rerun_s for x in units), accumulate_s=accumulate_s, tp_sync_s=tp_sync_s,
+                   local_params=local_params, expert_params=expert_params)
+
+    def optimizer_params(self, layout: Layout) -> float:
+        """Parameters whose optimizer state one device of the stage updates (its ZeRO shard)."""
+        if layout.zero < 1:
+            return self.local_params
+        return (self.local_params - self.expert_params) / layout.replicas + self.expert_params / layout.expert_replicas
+
+    def parts(self, layout: Layout) -> dict[str, float]:
+        """``StageEstimate.parts_s``: one micro-batch of ``time_s`` by what the stage does."""
+        tp_bwd, cp_bwd, ep_bwd = self.tp_s - self.tp_fwd_s, self.cp_s - self.cp_fwd_s, self.ep_s - self.ep_fwd_s
+        parts = {"forward_s": self.forward_s, "recompute_s": self.recompute_s,
+                 "backward_s": self.bwd_s + tp_bwd + cp_bwd + ep_bwd + self.zero3_s, "p2p_s": self.p2p_s,
+                 "tp_forward_s": self.tp_fwd_s, "tp_backward_s": tp_bwd, "cp_forward_s": self.cp_fwd_s,
+                 "cp_backward_s": cp_bwd, "ep_forward_s": self.ep_fwd_s, "ep_backward_s": ep_bwd,
+                 "zero3_s": self.zero3_s}
+        if splits_backward(layout.schedule, layout.pp):
+            parts["weight_s"], parts["rerun_s"] = self.weight_s, self.rerun_s
+        return parts
 
 
 def simulated_bubble(layout: Layout) -> bool:
@@ -590,7 +636,7 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
         return None
     fw = ctx.framework
     stage_times, dp_exposed = [], 0.0
-    per_stage: list[dict[str, float]] = []
+    per_stage: list[StageCost] = []
     members = _stage_members(keys, split, layout)
     for k in range(p):  # what the iteration time needs; the stages' details wait until it is not pruned
         a, b = split.boundaries[k], split.boundaries[k + 1]
@@ -609,40 +655,29 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
         expert_local = sum(costs[key].expert_params_local for key in members[k]) if layout.ep > 1 else 0.0
         accumulate = grad_accumulation_s(local - expert_local, layout, cluster, ctx, layout.replicas) \
             + grad_accumulation_s(expert_local, layout, cluster, ctx, layout.expert_replicas)
-        t = sum(x.time_s for x in units) + p2p_cost
-        stage_times.append(t)
-        fwd, bwd = sum(x.fwd_s for x in units), sum(x.bwd_s for x in units)
+        stage = StageCost.of(units, p2p_cost, accumulate, sum(costs[key].tp_sync_s for key in members[k]), local,
+                             expert_local)
+        stage_times.append(stage.time_s)
         groups = [(local - expert_local, dp_link), (expert_local, links.expert_dp)]
-        dp_exposed = max(dp_exposed, _dp_sync_exposed(groups, bwd, fwd, layout, cluster, ctx, mix))
-        tp_fwd = sum(x.tp_fwd_s for x in units)
-        cp_fwd = sum(x.cp_fwd_s for x in units)
-        ep_fwd = sum(x.ep_fwd_s for x in units)
-        per_stage.append({"compute": sum(x.compute_s for x in units), "accumulate": accumulate,
-                          "tp": sum(x.tp_s for x in units), "cp": sum(x.cp_s for x in units),
-                          "ep": sum(x.ep_s for x in units), "ep_fwd": ep_fwd,
-                          "recompute": sum(x.recompute_s for x in units), "p2p": p2p_cost,
-                          "zero3": sum(x.zero3_exposed_s for x in units), "local": local,
-                          "expert_local": expert_local,
-                          "forward": fwd + tp_fwd + cp_fwd + ep_fwd, "tp_fwd": tp_fwd, "cp_fwd": cp_fwd, "bwd": bwd,
-                          "weight": sum(x.weight_s for x in units), "rerun": sum(x.rerun_s for x in units),
-                          "tp_sync": sum(costs[key].tp_sync_s for key in members[k])})
+        dp_exposed = max(dp_exposed, _dp_sync_exposed(groups, stage.bwd_s, sum(x.fwd_s for x in units), layout,
+                                                      cluster, ctx, mix))
+        per_stage.append(stage)
     bottleneck = max(range(p), key=lambda k: stage_times[k])
     bn = per_stage[bottleneck]
-    accumulation_s = max(s["accumulate"] for s in per_stage)
-    local_opt = max((s["local"] - s["expert_local"]) / layout.replicas + s["expert_local"] / layout.expert_replicas
-                    if layout.zero >= 1 else s["local"] for s in per_stage)
+    accumulation_s = max(s.accumulate_s for s in per_stage)
+    local_opt = max(s.optimizer_params(layout) for s in per_stage)
     optimizer_s = memory_s(cluster, local_opt * ADAM_BYTES_PER_PARAM)
     breakdown = {
-        "compute_s": m * bn["compute"] + optimizer_s + accumulation_s,
-        "tp_comm_s": m * bn["tp"] + max(s["tp_sync"] for s in per_stage),
-        "cp_comm_s": m * bn["cp"],
-        "ep_comm_s": m * bn["ep"],
-        "recompute_s": m * bn["recompute"],
-        "pp_p2p_s": m * bn["p2p"],
+        "compute_s": m * bn.compute_s + optimizer_s + accumulation_s,
+        "tp_comm_s": m * bn.tp_s + max(s.tp_sync_s for s in per_stage),
+        "cp_comm_s": m * bn.cp_s,
+        "ep_comm_s": m * bn.ep_s,
+        "recompute_s": m * bn.recompute_s,
+        "pp_p2p_s": m * bn.p2p_s,
         "pp_bubble_s": 0.0,
-        "dp_comm_exposed_s": m * bn["zero3"] + dp_exposed,
+        "dp_comm_exposed_s": m * bn.zero3_s + dp_exposed,
     }
-    parts = [_stage_parts(s, layout) for s in per_stage]
+    parts = [s.parts(layout) for s in per_stage]
     if prune_above_s is not None and sum(breakdown.values()) + _bubble_bound_s(parts, stage_times, layout) \
             > prune_above_s:
         return None  # slower than the cut-off before its full bubble (which a simulated schedule makes costly)
@@ -654,8 +689,8 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
         layer_idx = [i - 1 for i in range(a, b) if 0 < i < len(keys) - 1]
         last = len(keys) - 2
         layers = (layer_idx[0], layer_idx[-1] + 1) if layer_idx else ((0, 0) if a == 0 else (last, last))
-        expert_local = per_stage[k]["expert_local"]
-        state = (ctx.state_bytes(per_stage[k]["local"] - expert_local, layout.replicas, layout.zero)
+        expert_local = per_stage[k].expert_params
+        state = (ctx.state_bytes(per_stage[k].local_params - expert_local, layout.replicas, layout.zero)
                  + ctx.state_bytes(expert_local, layout.expert_replicas, layout.zero) - tie_state)
         memory = split.stage_memory_bytes[k] - tie_bytes
         held = sum(x.state_bytes for x in units) - tie_bytes  # the state and the copies held through the step
