@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from autopar.framework import Framework
 from autopar.inter_op.unit_costs import UnitCost
 
 #: Fields of ``UnitCost`` proportional to the tokens one rank processes.
@@ -47,4 +48,28 @@ def context_parallel_share(u: UnitCost, cp: int) -> UnitCost:
     return dataclasses.replace(u, **changes)
 
 
-__all__ = ["context_parallel_share"]
+#: A bound on the search space, not physics: context parallelism is offered unpinned only while every rank
+#: keeps this many tokens of a sample.  Below it a rank's GEMMs shrink toward sizes where kernels lose
+#: efficiency and per-op launches stop being small, which the cp model (dividing the costed work by cp)
+#: does not see.  A pinned cp may go below it.
+MIN_CP_TOKENS = 1024
+
+
+def context_parallel_refuses(cp: int, seq_len: int) -> str | None:
+    """Why ``cp`` ranks cannot share a sample of ``seq_len`` tokens, or ``None``: the runtime cuts the sequence
+    into ``2 * cp`` equal chunks (rank ``i`` takes chunks ``i`` and ``2 cp - 1 - i``)."""
+    if cp > 1 and seq_len % (2 * cp):
+        return f"cp={cp} needs the sequence ({seq_len} tokens) to split into 2 * cp = {2 * cp} equal chunks"
+    return None
+
+
+def context_parallel_options(degrees: list[int], seq_len: int, fw: Framework) -> list[int]:
+    """The cp degrees the search offers unpinned among ``degrees``: 1, and where the framework has context
+    parallelism those that run (``context_parallel_refuses``) keeping ``MIN_CP_TOKENS`` tokens per rank."""
+    if not fw.context_parallel:
+        return [1]
+    return [1] + [d for d in degrees if d > 1 and context_parallel_refuses(d, seq_len) is None
+                  and seq_len // d >= MIN_CP_TOKENS]
+
+
+__all__ = ["MIN_CP_TOKENS", "context_parallel_options", "context_parallel_refuses", "context_parallel_share"]

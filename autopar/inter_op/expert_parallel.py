@@ -18,12 +18,16 @@ weights (few slots each) reads ``1 / ep`` of them.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from autopar.cluster import AxisLink, Cluster
 from autopar.collectives import all_to_all_s
+from autopar.errors import AutoparError
 from autopar.inter_op.unit_costs import UnitCost
 from autopar.intra_op.sharding_costs import Gemm
+from autopar.ir import OpGraph
 from autopar.kernels import gemm_s, memory_s
+from autopar.passes.experts import expert_count, expert_weights
 
 #: Passes over one rank's buffer that the permuting copy beside each all-to-all makes (read and write): the
 #: dispatch lays its send buffer out by destination rank, the combine puts the received outputs back in
@@ -78,4 +82,49 @@ def expert_exchange_s(nbytes: float, link: AxisLink, cluster: Cluster) -> float:
     return all_to_all_s(nbytes, link) + memory_s(cluster, PERMUTE_PASSES * nbytes)
 
 
-__all__ = ["PERMUTE_PASSES", "expert_exchange_s", "expert_parallel_share"]
+
+def expert_parallel_refuses(ep: int, dp: int, cp: int = 1, tp: int = 1, sp: bool = False) -> str | None:
+    """Why ``ep`` cannot run beside the other axes, or ``None``: the one rule the search, ``--fix`` and the runtime
+    (``autopar.runtime.support``) share.  The expert-parallel ranks are data-parallel ranks, and the capacity
+    routing fills each expert's slots from whole sequences, so neither context nor sequence parallelism may cut
+    them."""
+    if ep <= 1:
+        return None
+    if dp % ep:
+        return f"ep={ep} must divide dp={dp} (the expert-parallel ranks are data-parallel ranks)"
+    if cp > 1:
+        return (f"expert parallelism runs without context parallelism (cp={cp}): capacity routing fills each "
+                "expert's slots from whole sequences")
+    if sp and tp > 1:
+        return ("expert parallelism runs without sequence parallelism (sp=on): the routing would see a slice of "
+                "each sequence")
+    return None
+
+
+def check_fixed_expert_parallel(graph: OpGraph, fixed: dict[str, Any]) -> None:
+    """A one-line ``AutoparError`` for a pinned ``ep`` the model or the other pinned values refuse."""
+    ep, experts = fixed["ep"], expert_count(graph)
+    if not experts:
+        raise AutoparError(f"--fix ep={ep}: the model has no stacked experts to split (a parameter [experts, ...] "
+                           "that a batched product reads)")
+    listed = [w for w in expert_weights(graph) if not w.stacked]
+    if listed:
+        raise AutoparError(f"--fix ep={ep}: {listed[0].module} keeps its {listed[0].experts} experts in a ModuleList; "
+                           "autopar's expert parallelism splits stacked experts (one [experts, ...] weight, fed "
+                           "fixed-capacity slots); plan with ep=1")
+    dropless = [w.module for w in expert_weights(graph) if not w.capacity_slots]
+    if dropless:
+        raise AutoparError(f"--fix ep={ep}: {dropless[0]} routes without a capacity (dropless: a number of tokens per "
+                           "expert known only at run time); autopar's expert parallelism dispatches fixed-capacity "
+                           "slots; plan with ep=1")
+    if experts % ep:
+        raise AutoparError(f"--fix ep={ep} does not divide the {experts} experts")
+    why = expert_parallel_refuses(ep, fixed.get("dp", ep), fixed.get("cp", 1), fixed.get("tp", 1),
+                                  bool(fixed.get("sp")))
+    if why:
+        raise AutoparError(f"--fix {why}" if why.startswith("ep=") else f"--fix ep={ep}: {why}")
+
+
+
+__all__ = ["PERMUTE_PASSES", "check_fixed_expert_parallel", "expert_exchange_s", "expert_parallel_refuses",
+           "expert_parallel_share"]

@@ -1,38 +1,27 @@
 """The inter-op search: every layout of N devices, estimated on unit costs from the intra-op ILP.
 
-Search space (each key can be pinned with ``fixed``):
+Search space (each key can be pinned with ``fixed``); each technique's rules live in its module, the one source
+for this space, for the errors of pinned values (``check_fixed``) and, where the runtime checks them too, for
+``autopar.runtime.support``:
 
 - mesh ``pp x dp x cp x tp = N``; ``tp`` tiling an NVLink domain (a node, or a rack-scale domain such as
   GB200 NVL72's), across domains only where the network is nearly as fast (``tensor_parallel_degrees``;
   a pinned ``tp`` may cross them anyway), and dividing the query heads and the key/value heads unless
-  there is one (multi-query attention: replicated, ``heads_refuse_tp``); ``cp`` cutting the sequence
-  into ``2 * cp`` equal chunks, where the framework has context parallelism, of at least
-  ``MIN_CP_TOKENS`` tokens per rank unless pinned (it may span domains: its traffic is the keys and
-  values of a long sequence); ``pp`` at most the number of layers;
-- expert parallelism ``ep`` (a model with stacked experts, ``autopar.passes.experts``): a divisor of
-  ``dp`` that divides the experts each tp rank holds, where tp leaves the experts whole or splits them on
-  the expert dimension (the runtime's ``ExpertParallel``); not with context parallelism (the capacity
-  routing fills each expert's slots from whole sequences) nor with sequence parallelism (the routing
-  would see a slice of the sequence);
+  there is one (multi-query attention: replicated, ``heads_refuse_tp``); ``cp`` as
+  ``autopar.inter_op.context_parallel`` offers it; ``pp`` at most the number of layers;
+- expert parallelism ``ep`` (a model with stacked experts, ``autopar.passes.experts``): a divisor of ``dp`` that
+  divides the experts each tp rank holds, where tp leaves the experts whole or splits them on the expert
+  dimension (the runtime's ``ExpertParallel``), under ``autopar.inter_op.expert_parallel``'s rules;
 - micro-batch size ``mbs`` (divisors of ``global_batch / dp`` up to 16) and so ``m = B / (dp * mbs)``;
-- schedule: GPipe, 1F1B (``m >= pp``, as ``Schedule1F1B`` requires), interleaved 1F1B with ``v`` in
-  {2, 4, 8} (any ``v`` when pinned) wherever ``ScheduleInterleaved1F1B`` accepts it (``m`` a multiple of
-  ``max(1, m // pp)``) and every stage holds ``v`` chunks (the layers need not divide ``pp * v``; the end
-  stages may hold one layer fewer); the zero-bubble schedules where the framework runs them:
-  ``interleaved_zb`` (``v`` in {1, 2, 4, 8}, the same rule), ``zbv`` and ``dualpipev`` (two chunks per
-  rank in a V: ``v = 2``, at least ``2 pp`` layers; ``dualpipev`` also ``m >= 2 pp``), none of them with
-  per-op checkpointing (its selective-checkpoint regions refuse the weight step's second backward pass)
-  or ZeRO-3 (``PipelineStage`` collects the weights for the weight step from the module's registered
-  parameters, which are the sharded ones once ZeRO-3 resharded a block after its forward);
-  with one stage there is no pipeline;
+- the pipeline schedule, ``v`` and the micro-batch groups: ``autopar.inter_op.pipelining``;
 - recomputation none / selective / op / full, sequence parallelism on/off (with ``tp > 1``), ZeRO 0-3
-  (with ``dp > 1``).
+  (with ``dp > 1``), as the framework implements them.
 
 Unit costs depend only on ``(tp, mbs, sp)``.  The intra-op ILP chooses strategies per ``(tp, sp)`` at a
 few reference micro-batch sizes, twice (fastest, and fastest among the leanest in memory); every layout
 reuses them, re-costed at its own micro-batch size; the rest is arithmetic plus the stage DP.  Layouts are
-estimated best first, in the order of their perfectly balanced lower bound, until that bound cannot beat
-the K-th best so far.
+estimated best first, in the order of their lower bound (``autopar.inter_op.bound``), until that bound cannot
+beat the last candidate kept; a layout whose memory bound exceeds the budget is not estimated.
 """
 
 from __future__ import annotations
@@ -52,23 +41,25 @@ from autopar.cluster import Cluster, MeshSpec
 from autopar.errors import AutoparError
 from autopar.framework import DEFAULT_FRAMEWORK, Framework, load_framework
 from autopar.inter_op.bound import UnitTotals, memory_bound_bytes, time_bound_s, unit_totals
+from autopar.inter_op.context_parallel import context_parallel_options, context_parallel_refuses
 from autopar.inter_op.estimate import Estimate, ModelFlops, SharedWork, estimate_layout
+from autopar.inter_op.expert_parallel import check_fixed_expert_parallel, expert_parallel_refuses
 from autopar.inter_op.layout import RECOMPUTE, Layout
+from autopar.inter_op.pipelining import (
+    check_fixed_pipeline,
+    group_options,
+    schedule_options,
+    schedule_refuses,
+)
 from autopar.inter_op.unit_costs import UnitCost, solve_tp, unit_costs, unit_sequence
 from autopar.intra_op.problem import IntraOpProblem, IntraOpSolution
 from autopar.intra_op.strategies import R, Strategy, param_tp_placements
 from autopar.ir import OpGraph
 from autopar.passes.context import PassContext
-from autopar.passes.experts import expert_count, expert_parallel_count, expert_weights
+from autopar.passes.experts import expert_parallel_count
 from autopar.solvers.ilp import Backend
-from autopar.solvers.pipeline import MULTI_CHUNK, SPLIT_BACKWARD, V_SHAPED, splits_backward
 
 MAX_MBS = 16
-#: A bound on the search space, not physics: context parallelism is offered unpinned only while every rank
-#: keeps this many tokens of a sample.  Below it a rank's GEMMs shrink toward sizes where kernels lose
-#: efficiency and per-op launches stop being small, which the cp model (dividing the costed work by cp)
-#: does not see.  A pinned cp may go below it.
-MIN_CP_TOKENS = 1024
 #: The ILP picks strategies at these micro-batch sizes; other sizes reuse the nearest (in log scale) and
 #: only re-cost it.  The choice between sharding weights and activations moves with the batch slowly.
 REFERENCE_MBS = (1, 4, 16)
@@ -268,10 +259,9 @@ def check_fixed(graph: OpGraph, cluster: Cluster, global_batch: int, fixed: dict
         if key in fixed and n % fixed[key]:
             raise AutoparError(f"--fix {key}={fixed[key]} does not divide the {n} devices")
     if fixed.get("ep", 1) > 1:
-        _check_fixed_ep(graph, fixed)
-    if fixed.get("cp", 1) > 1 and graph.seq_len % (2 * fixed["cp"]):
-        raise AutoparError(f"--fix cp={fixed['cp']} needs the sequence ({graph.seq_len} tokens) to split into "
-                           f"2 * cp = {2 * fixed['cp']} equal chunks")
+        check_fixed_expert_parallel(graph, fixed)
+    if (why := context_parallel_refuses(fixed.get("cp", 1), graph.seq_len)) is not None:
+        raise AutoparError(f"--fix {why}")
     if "pp" in fixed and fixed["pp"] > max(1, len(graph.layers)):
         raise AutoparError(f"--fix pp={fixed['pp']} exceeds the {len(graph.layers)} layers")
     product = fixed.get("dp", 0) * fixed.get("tp", 0) * fixed.get("pp", 0) * fixed.get("cp", 1)
@@ -281,64 +271,7 @@ def check_fixed(graph: OpGraph, cluster: Cluster, global_batch: int, fixed: dict
         raise AutoparError(f"global batch {global_batch} is not divisible by dp={fixed['dp']}")
     if "dp" in fixed and "mbs" in fixed and global_batch % (fixed["dp"] * fixed["mbs"]):
         raise AutoparError(f"global batch {global_batch} is not divisible by dp*mbs = {fixed['dp'] * fixed['mbs']}")
-    schedule = fixed.get("schedule")
-    if fixed.get("group", 0) and (schedule or "interleaved") != "interleaved":
-        raise AutoparError("group (micro-batches per round) needs schedule=interleaved")
-    if fixed.get("v", 1) > 1 and (schedule or "interleaved") not in MULTI_CHUNK:
-        raise AutoparError(f"v > 1 needs a schedule with several chunks per rank ({', '.join(sorted(MULTI_CHUNK))})")
-    if schedule in V_SHAPED and fixed.get("v", 2) != 2:
-        raise AutoparError(f"schedule={schedule} holds exactly 2 chunks per rank (v=2)")
-    if schedule in SPLIT_BACKWARD and fixed.get("recompute") == "op":
-        raise AutoparError(f"schedule={schedule} splits the backward into two autograd passes, which per-op "
-                           "checkpointing (recompute=op) refuses; use recompute=full, selective or none")
-    if schedule in SPLIT_BACKWARD and fixed.get("zero") == 3:
-        raise AutoparError(f"schedule={schedule} runs each weight step after its blocks were resharded by ZeRO-3, "
-                           "and torch's weight step then misses their weights; use zero 0-2")
-    layers = max(1, len(graph.layers))
-    if schedule in V_SHAPED and "pp" in fixed and layers < 2 * fixed["pp"]:
-        raise AutoparError(f"schedule={schedule} puts 2 chunks on each of pp={fixed['pp']} ranks: it needs at "
-                           f"least {2 * fixed['pp']} layers, the model has {layers}")
-    if schedule in MULTI_CHUNK and fixed.get("pp", 2) > 1 and all(k in fixed for k in ("dp", "mbs")):
-        pp, v = fixed.get("pp", 1), fixed.get("v", 2 if schedule in V_SHAPED else None)
-        m = global_batch // (fixed["dp"] * fixed["mbs"])
-        torch_name = {"interleaved": "ScheduleInterleaved1F1B", "interleaved_zb": "ScheduleInterleavedZeroBubble"}
-        if "pp" in fixed and schedule in torch_name and m % max(1, m // pp):
-            raise AutoparError(f"{m} micro-batches over pp={pp} with schedule={schedule} need m to be a multiple "
-                               f"of max(1, m // pp) = {max(1, m // pp)} (torch's {torch_name[schedule]})")
-        if "pp" in fixed and schedule == "dualpipev" and m < 2 * pp:
-            raise AutoparError(f"schedule=dualpipev needs at least 2 * pp = {2 * pp} micro-batches, the layout "
-                               f"has {m} (torch's ScheduleDualPipeV)")
-        if "pp" in fixed and v and schedule not in V_SHAPED and layers < pp * v - 2:
-            raise AutoparError(f"interleaving v={v} chunks on pp={pp} stages needs at least {pp * v - 2} layers, "
-                               f"the model has {layers}")
-
-
-def _check_fixed_ep(graph: OpGraph, fixed: dict[str, Any]) -> None:
-    ep, experts = fixed["ep"], expert_count(graph)
-    if not experts:
-        raise AutoparError(f"--fix ep={ep}: the model has no stacked experts to split (a parameter [experts, ...] "
-                           "that a batched product reads)")
-    listed = [w for w in expert_weights(graph) if not w.stacked]
-    if listed:
-        raise AutoparError(f"--fix ep={ep}: {listed[0].module} keeps its {listed[0].experts} experts in a ModuleList; "
-                           "autopar's expert parallelism splits stacked experts (one [experts, ...] weight, fed "
-                           "fixed-capacity slots); plan with ep=1")
-    dropless = [w.module for w in expert_weights(graph) if not w.capacity_slots]
-    if dropless:
-        raise AutoparError(f"--fix ep={ep}: {dropless[0]} routes without a capacity (dropless: a number of tokens per "
-                           "expert known only at run time); autopar's expert parallelism dispatches fixed-capacity "
-                           "slots; plan with ep=1")
-    if experts % ep:
-        raise AutoparError(f"--fix ep={ep} does not divide the {experts} experts")
-    if "dp" in fixed and fixed["dp"] % ep:
-        raise AutoparError(f"--fix ep={ep} must divide dp={fixed['dp']} (the expert-parallel ranks are data-parallel "
-                           "ranks)")
-    if fixed.get("cp", 1) > 1:
-        raise AutoparError(f"--fix ep={ep} with cp={fixed['cp']}: expert parallelism runs without context "
-                           "parallelism (capacity routing fills each expert's slots from whole sequences)")
-    if fixed.get("sp") and fixed.get("tp", 1) > 1:
-        raise AutoparError(f"--fix ep={ep} with sp=on: expert parallelism runs without sequence parallelism (the "
-                           "routing would see a slice of each sequence)")
+    check_fixed_pipeline(max(1, len(graph.layers)), global_batch, fixed)
 
 
 def expert_parallel_runs(layout: Layout, costs: dict[str, UnitCost]) -> bool:
@@ -364,11 +297,11 @@ def layouts(graph: OpGraph, cluster: Cluster, global_batch: int, fixed: dict[str
 
     seq = graph.seq_len
     experts = expert_parallel_count(graph)
-    cps = [d for d in divisors(n) if seq % (2 * d) == 0 and seq // d >= MIN_CP_TOKENS] if fw.context_parallel else []
+    cps = context_parallel_options(divisors(n), seq, fw)
     for tp in allowed("tp", tensor_parallel_degrees(cluster)):
         if heads_refuse_tp(heads, tp):
             continue
-        for cp in allowed("cp", [1] + [d for d in cps if d > 1 and (n // tp) % d == 0]):
+        for cp in allowed("cp", [d for d in cps if (n // tp) % d == 0]):
             if (n // tp) % cp:
                 continue
             yield from _layouts_at(n // (tp * cp), tp, cp, layers, global_batch, fixed, fw, allowed, experts)
@@ -403,82 +336,23 @@ def _layouts_at(rest: int, tp: int, cp: int, layers: int, global_batch: int, fix
         eps = allowed("ep", [d for d in divisors(dp) if experts % d == 0] if experts and cp == 1 else [1])
         mbss = allowed("mbs", [d for d in divisors(global_batch // dp) if d <= MAX_MBS])
         for ep, mbs in itertools.product(eps, mbss):
-            if global_batch % (dp * mbs) or dp % ep or (ep > 1 and cp > 1):
+            if global_batch % (dp * mbs) or expert_parallel_refuses(ep, dp, cp):
                 continue
             m = global_batch // (dp * mbs)
             for sp in allowed("sp", [False, True] if tp > 1 and fw.sequence_parallel and ep == 1 else [False]):
-                if sp and tp > 1 and ep > 1:
-                    continue  # a pinned sp: the routing would see a slice of each sequence
-                for (schedule, v), group in ((sv, g) for sv in _schedules(pp, m, layers, fixed, fw)
-                                             for g in _groups(sv[0], pp, m, fixed, fw)):
+                if expert_parallel_refuses(ep, dp, cp, tp, sp):
+                    continue  # a pinned sp
+                for (schedule, v), group in ((sv, g) for sv in schedule_options(pp, m, layers, fixed, fw)
+                                             for g in group_options(sv[0], pp, m, fixed, fw)):
                     for recompute in allowed("recompute", list(RECOMPUTE)):
-                        if recompute == "op" and splits_backward(schedule, pp):
-                            continue  # selective-checkpoint regions refuse the weight step's second pass
+                        if schedule_refuses(schedule, pp, recompute=recompute):
+                            continue
                         zeros = [z for z in (0, 1, 2, 3) if fw.zero_allowed(z, pp)] if dp > 1 else [0]
                         for zero in allowed("zero", zeros):
-                            if zero == 3 and splits_backward(schedule, pp):
-                                continue  # the weight step would not find the resharded blocks' weights
+                            if schedule_refuses(schedule, pp, zero=zero):
+                                continue
                             yield Layout(dp=dp, tp=tp, pp=pp, mbs=mbs, num_microbatches=m, schedule=schedule,
                                          v=v, recompute=recompute, sp=sp, zero=zero, cp=cp, ep=ep, group=group)
-
-
-INTERLEAVE_V = (2, 4, 8)
-
-
-def interleaving_runs(pp: int, m: int, layers: int, v: int) -> bool:
-    """Whether torch's ``ScheduleInterleaved1F1B`` runs ``m`` micro-batches over ``pp`` ranks of ``v`` chunks,
-    with ``v`` chunks per stage (the first and last stage may give one up to the embedding and head)."""
-    rounds = max(1, m // pp)
-    return v >= 2 and m % rounds == 0 and layers >= pp * v - 2
-
-
-def _schedules(pp: int, m: int, layers: int, fixed: dict[str, Any], fw: Framework) -> list[tuple[str, int]]:
-    if pp == 1:
-        options = [("1f1b", 1), ("gpipe", 1)]
-    else:
-        options = [("gpipe", 1)] + ([("1f1b", 1)] if m >= pp else [])
-        vs = [fixed["v"]] if fixed.get("v", 1) > 1 else list(INTERLEAVE_V)
-        options += [("interleaved", v) for v in vs if interleaving_runs(pp, m, layers, v)]
-        zb_vs = [fixed["v"]] if "v" in fixed else [1, *INTERLEAVE_V]
-        options += [("interleaved_zb", v) for v in zb_vs
-                    if m % max(1, m // pp) == 0 and (v == 1 or interleaving_runs(pp, m, layers, v))]
-        if layers >= 2 * pp:
-            options += [("zbv", 2)] + ([("dualpipev", 2)] if m >= 2 * pp else [])
-        if "schedule" not in fixed:  # the framework's own schedules, unless one is pinned
-            options = [o for o in options if o[0] in fw.schedules]
-    if "schedule" in fixed:
-        options = [o for o in options if o[0] == fixed["schedule"]]
-    if "v" in fixed and pp > 1:
-        options = [o for o in options if o[1] == fixed["v"]]
-    if pp == 1:
-        options = options[:1] if "schedule" not in fixed else options  # one stage: the schedules coincide
-    return options
-
-
-def group_runs(group: int, pp: int, m: int) -> bool:
-    """Whether ``interleaved`` runs ``m`` micro-batches in groups of ``group``: Megatron-Core's rule for
-    ``microbatch_group_size_per_vp_stage`` (``pp <= N <= m``, and ``m % N`` zero or at least ``pp``, else
-    "dependency bubbles"), or one group of all ``m < pp``.  Smaller groups deadlock this warm-up (the first rank
-    would wait on forwards the last one runs only after its first backward)."""
-    if group == 0:
-        return True
-    if m < pp:
-        return group == m
-    return pp <= group <= m and (m % group == 0 or m % group >= pp)
-
-
-def _groups(schedule: str, pp: int, m: int, fixed: dict[str, Any], fw: Framework) -> list[int]:
-    """``Layout.group`` values: 0 (the schedule's rounds), and, for ``interleaved`` where the framework tunes
-    them (``Framework.interleaved_groups``), every other group size that runs (``group_runs``)."""
-    if "group" in fixed:
-        return [fixed["group"]] if fixed["group"] == 0 or (schedule == "interleaved"
-                                                           and group_runs(fixed["group"], pp, m)) else []
-    if schedule != "interleaved" or pp == 1 or fw.interleaved_groups != "tunable":
-        return [0]
-    default = m // max(1, m // pp)
-    # whole multiples of pp, and all m in one group: the sizes that change how many micro-batches are in flight
-    sizes = sorted({*range(pp, m + 1, pp), m})
-    return [0] + [g for g in sizes if g != default and group_runs(g, pp, m)]
 
 
 def shards_parameters_on_tp(graph: OpGraph, strategies: dict[str, Strategy]) -> bool:

@@ -7,6 +7,7 @@ from torch import nn
 
 from autopar import modelfile
 from autopar.errors import AutoparError
+from autopar.inter_op.expert_parallel import expert_parallel_refuses
 from autopar.plan_file import Plan
 from autopar.runtime.expert_parallel import planned_experts
 from autopar.runtime.tensor_parallel import StyleSpec, tp_style_specs
@@ -33,10 +34,9 @@ def check_expert_parallel(plan: Plan, model: nn.Module) -> None:
     """What ``autopar.runtime.expert_parallel`` runs: ep dividing dp, no context or sequence parallelism,
     experts modules taking their slots ``[batch, experts, ...]`` first, placed as it can run them."""
     lay, ep = plan.layout, plan.layout["ep"]
-    if lay["dp"] % ep:
-        raise AutoparError(f"expert parallelism needs ep ({ep}) to divide dp ({lay['dp']})")
-    if lay.get("cp", 1) > 1 or (lay.get("sp") and lay["tp"] > 1):
-        raise AutoparError("expert parallelism runs without context and sequence parallelism; plan with --fix ep=1")
+    why = expert_parallel_refuses(ep, lay["dp"], lay.get("cp", 1), lay["tp"], bool(lay.get("sp")))
+    if why:
+        raise AutoparError(f"{why}; plan with --fix ep=1")
     experts = planned_experts(plan)
     if not experts:
         raise AutoparError(f"the plan sets ep={ep} but places no parameter on ep")

@@ -1,0 +1,127 @@
+"""Pipeline parallelism's rules: which schedules, chunk counts and micro-batch groups run, as one source for the
+search's space (``search.layouts``) and for the errors of pinned values (``search.check_fixed``).
+
+- GPipe, and 1F1B with at least as many micro-batches as stages (torch's ``Schedule1F1B`` requires it);
+- interleaved 1F1B with ``v`` in {2, 4, 8} (any ``v`` when pinned) wherever ``ScheduleInterleaved1F1B`` accepts it
+  (``m`` a multiple of ``max(1, m // pp)``) and every stage holds ``v`` chunks (the layers need not divide
+  ``pp * v``; the end stages may hold one layer fewer), in torch's rounds or, where the framework tunes them, in
+  groups of ``N`` micro-batches (``group_runs``);
+- the zero-bubble schedules: ``interleaved_zb`` (``v`` in {1, 2, 4, 8}, the same rule), ``zbv`` and ``dualpipev``
+  (two chunks per rank in a V: ``v = 2``, at least ``2 pp`` layers; ``dualpipev`` also ``m >= 2 pp``); they split
+  the backward into two autograd passes, which per-op checkpointing refuses, and run each weight step after ZeRO-3
+  resharded its block (``schedule_refuses``);
+- with one stage there is no pipeline: the schedules coincide.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from autopar.errors import AutoparError
+from autopar.framework import Framework
+from autopar.solvers.pipeline import MULTI_CHUNK, SPLIT_BACKWARD, V_SHAPED, splits_backward
+
+INTERLEAVE_V = (2, 4, 8)
+
+
+def interleaving_runs(pp: int, m: int, layers: int, v: int) -> bool:
+    """Whether torch's ``ScheduleInterleaved1F1B`` runs ``m`` micro-batches over ``pp`` ranks of ``v`` chunks,
+    with ``v`` chunks per stage (the first and last stage may give one up to the embedding and head)."""
+    rounds = max(1, m // pp)
+    return v >= 2 and m % rounds == 0 and layers >= pp * v - 2
+
+
+def schedule_options(pp: int, m: int, layers: int, fixed: dict[str, Any], fw: Framework) -> list[tuple[str, int]]:
+    """The (schedule, v) pairs the search offers for ``pp`` stages, ``m`` micro-batches and ``layers`` layers: those
+    torch runs (see the module docstring), among the framework's own schedules unless one is pinned."""
+    if pp == 1:
+        options = [("1f1b", 1), ("gpipe", 1)]
+    else:
+        options = [("gpipe", 1)] + ([("1f1b", 1)] if m >= pp else [])
+        vs = [fixed["v"]] if fixed.get("v", 1) > 1 else list(INTERLEAVE_V)
+        options += [("interleaved", v) for v in vs if interleaving_runs(pp, m, layers, v)]
+        zb_vs = [fixed["v"]] if "v" in fixed else [1, *INTERLEAVE_V]
+        options += [("interleaved_zb", v) for v in zb_vs
+                    if m % max(1, m // pp) == 0 and (v == 1 or interleaving_runs(pp, m, layers, v))]
+        if layers >= 2 * pp:
+            options += [("zbv", 2)] + ([("dualpipev", 2)] if m >= 2 * pp else [])
+        if "schedule" not in fixed:  # the framework's own schedules, unless one is pinned
+            options = [o for o in options if o[0] in fw.schedules]
+    if "schedule" in fixed:
+        options = [o for o in options if o[0] == fixed["schedule"]]
+    if "v" in fixed and pp > 1:
+        options = [o for o in options if o[1] == fixed["v"]]
+    if pp == 1:
+        options = options[:1] if "schedule" not in fixed else options  # one stage: the schedules coincide
+    return options
+
+
+def group_runs(group: int, pp: int, m: int) -> bool:
+    """Whether ``interleaved`` runs ``m`` micro-batches in groups of ``group``: Megatron-Core's rule for
+    ``microbatch_group_size_per_vp_stage`` (``pp <= N <= m``, and ``m % N`` zero or at least ``pp``, else
+    "dependency bubbles"), or one group of all ``m < pp``.  Smaller groups deadlock this warm-up (the first rank
+    would wait on forwards the last one runs only after its first backward)."""
+    if group == 0:
+        return True
+    if m < pp:
+        return group == m
+    return pp <= group <= m and (m % group == 0 or m % group >= pp)
+
+
+def group_options(schedule: str, pp: int, m: int, fixed: dict[str, Any], fw: Framework) -> list[int]:
+    """``Layout.group`` values: 0 (the schedule's rounds), and, for ``interleaved`` where the framework tunes
+    them (``Framework.interleaved_groups``), every other group size that runs (``group_runs``)."""
+    if "group" in fixed:
+        return [fixed["group"]] if fixed["group"] == 0 or (schedule == "interleaved"
+                                                           and group_runs(fixed["group"], pp, m)) else []
+    if schedule != "interleaved" or pp == 1 or fw.interleaved_groups != "tunable":
+        return [0]
+    default = m // max(1, m // pp)
+    # whole multiples of pp, and all m in one group: the sizes that change how many micro-batches are in flight
+    sizes = sorted({*range(pp, m + 1, pp), m})
+    return [0] + [g for g in sizes if g != default and group_runs(g, pp, m)]
+
+
+def schedule_refuses(schedule: str, pp: int, recompute: str | None = None, zero: int | None = None) -> bool:
+    """Whether ``schedule`` on ``pp`` stages cannot run with this recomputation or ZeRO level: a split backward's
+    second autograd pass is refused by per-op checkpointing's selective-checkpoint regions, and its weight step
+    would not find the weights of blocks ZeRO-3 resharded after their forward."""
+    split = splits_backward(schedule, pp)
+    return split and (recompute == "op" or zero == 3)
+
+
+def check_fixed_pipeline(layers: int, global_batch: int, fixed: dict[str, Any]) -> None:
+    """A one-line ``AutoparError`` for pinned pipeline values that cannot run together (``layers``: the model's)."""
+    schedule = fixed.get("schedule")
+    if fixed.get("group", 0) and (schedule or "interleaved") != "interleaved":
+        raise AutoparError("group (micro-batches per round) needs schedule=interleaved")
+    if fixed.get("v", 1) > 1 and (schedule or "interleaved") not in MULTI_CHUNK:
+        raise AutoparError(f"v > 1 needs a schedule with several chunks per rank ({', '.join(sorted(MULTI_CHUNK))})")
+    if schedule in V_SHAPED and fixed.get("v", 2) != 2:
+        raise AutoparError(f"schedule={schedule} holds exactly 2 chunks per rank (v=2)")
+    if schedule in SPLIT_BACKWARD and fixed.get("recompute") == "op":
+        raise AutoparError(f"schedule={schedule} splits the backward into two autograd passes, which per-op "
+                           "checkpointing (recompute=op) refuses; use recompute=full, selective or none")
+    if schedule in SPLIT_BACKWARD and fixed.get("zero") == 3:
+        raise AutoparError(f"schedule={schedule} runs each weight step after its blocks were resharded by ZeRO-3, "
+                           "and torch's weight step then misses their weights; use zero 0-2")
+    if schedule in V_SHAPED and "pp" in fixed and layers < 2 * fixed["pp"]:
+        raise AutoparError(f"schedule={schedule} puts 2 chunks on each of pp={fixed['pp']} ranks: it needs at "
+                           f"least {2 * fixed['pp']} layers, the model has {layers}")
+    if schedule in MULTI_CHUNK and fixed.get("pp", 2) > 1 and all(k in fixed for k in ("dp", "mbs")):
+        pp, v = fixed.get("pp", 1), fixed.get("v", 2 if schedule in V_SHAPED else None)
+        m = global_batch // (fixed["dp"] * fixed["mbs"])
+        torch_name = {"interleaved": "ScheduleInterleaved1F1B", "interleaved_zb": "ScheduleInterleavedZeroBubble"}
+        if "pp" in fixed and schedule in torch_name and m % max(1, m // pp):
+            raise AutoparError(f"{m} micro-batches over pp={pp} with schedule={schedule} need m to be a multiple "
+                               f"of max(1, m // pp) = {max(1, m // pp)} (torch's {torch_name[schedule]})")
+        if "pp" in fixed and schedule == "dualpipev" and m < 2 * pp:
+            raise AutoparError(f"schedule=dualpipev needs at least 2 * pp = {2 * pp} micro-batches, the layout "
+                               f"has {m} (torch's ScheduleDualPipeV)")
+        if "pp" in fixed and v and schedule not in V_SHAPED and layers < pp * v - 2:
+            raise AutoparError(f"interleaving v={v} chunks on pp={pp} stages needs at least {pp * v - 2} layers, "
+                               f"the model has {layers}")
+
+
+__all__ = ["INTERLEAVE_V", "check_fixed_pipeline", "group_options", "group_runs", "interleaving_runs",
+           "schedule_options", "schedule_refuses"]
