@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from autopar.errors import AutoparError
-from autopar.inter_op.estimate import backward_run_s
+from autopar.inter_op.pipelining import backward_run_s
 from autopar.plan_file import Plan
 from autopar.solvers.pipeline import simulate_pipeline
 

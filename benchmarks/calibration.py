@@ -28,8 +28,8 @@ from rich.table import Table
 
 from autopar.errors import AutoparError
 from autopar.frontend import TracedModel, trace_model
-from autopar.inter_op.estimate import layer_recompute
 from autopar.inter_op.layout import Layout
+from autopar.inter_op.recompute import layer_recompute
 from autopar.inter_op.search import UnitCostCache, search
 from autopar.inter_op.unit_costs import unit_sequence
 

@@ -338,8 +338,8 @@ def test_top_k_counts_layouts_not_the_intra_op_variants_of_one():
 def test_the_bubble_bound_never_exceeds_the_simulated_bubble():
     import random
 
-    from autopar.inter_op.estimate import _bubble_bound_s, _bubble_s
     from autopar.inter_op.layout import Layout
+    from autopar.inter_op.pipelining import bubble_bound_s, bubble_time_s
 
     rng = random.Random(0)
     for _ in range(60):
@@ -351,7 +351,7 @@ def test_the_bubble_bound_never_exceeds_the_simulated_bubble():
         times = [x["forward_s"] + x["backward_s"] + x["p2p_s"] for x in parts]
         lay = Layout(dp=1, tp=1, pp=p, mbs=1, num_microbatches=m, schedule=schedule, v=v, recompute="none",
                      sp=False, zero=0)
-        assert _bubble_bound_s(parts, times, lay) <= _bubble_s(parts, times, lay) + 1e-9
+        assert bubble_bound_s(parts, times, lay) <= bubble_time_s(parts, times, lay) + 1e-9
 
 
 def test_uniform_splits_deal_layers_or_every_partition_unit(gpt):

@@ -18,7 +18,7 @@ from autopar.cli import main
 from autopar.cluster import load_cluster
 from autopar.errors import AutoparError
 from autopar.framework import load_framework
-from autopar.inter_op.estimate import _gathered_weight_bytes
+from autopar.inter_op.data_parallel import gathered_weight_bytes
 from autopar.inter_op.unit_costs import UnitCost
 from autopar.intra_op.fp8 import cast_cost, fp8_eligible
 from autopar.kernels import gemm_s
@@ -118,9 +118,9 @@ def test_zero3_gathers_fp8_weights_where_the_framework_does(tmp_path):
     fp8 = PrecisionPolicy(training="fp8")
     gathers = PassContext(framework=load_framework("torch"), precision=fp8)
     whole = PassContext(framework=load_framework("torchtitan"), precision=fp8)
-    assert _gathered_weight_bytes(unit, gathers) == 1000 + 2 * 24
-    assert _gathered_weight_bytes(unit, whole) == 2 * 1024
-    assert _gathered_weight_bytes(unit, dataclasses.replace(gathers, precision=PrecisionPolicy())) == 2 * 1024
+    assert gathered_weight_bytes(unit, gathers) == 1000 + 2 * 24
+    assert gathered_weight_bytes(unit, whole) == 2 * 1024
+    assert gathered_weight_bytes(unit, dataclasses.replace(gathers, precision=PrecisionPolicy())) == 2 * 1024
 
 
 def test_verify_refuses_an_fp8_plan_in_one_line(tmp_path, capsys):

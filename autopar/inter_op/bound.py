@@ -13,7 +13,7 @@ memory limit.  Every term here is a value that term can never go below, whatever
 - **optimizer step, gradient accumulation, tp gradient sync**: linear in a stage's parameters, so at least their
   value at the mean stage;
 - **dp / ZeRO 0-2**: the reductions and gathers the framework runs after the compute
-  (``estimate.dp_sync_floor_s``), at the mean stage's parameters;
+  (``data_parallel.dp_sync_floor_s``), at the mean stage's parameters;
 - **memory**: a stage holds its state and ``in_flight`` micro-batches of its activations, so the fullest stage
   holds at least the mean of the state plus the fewest in flight times the activations.
 
@@ -26,17 +26,17 @@ import functools
 from dataclasses import dataclass
 
 from autopar.cluster import Cluster
-from autopar.inter_op.estimate import (
+from autopar.inter_op.data_parallel import (
     ADAM_BYTES_PER_PARAM,
-    Links,
     dp_sync_floor_s,
     grad_accumulation_s,
-    layer_recompute,
-    simulated_bubble,
     state_and_held_bytes,
-    tied_params,
 )
+from autopar.inter_op.estimate import tied_params
 from autopar.inter_op.layout import Layout
+from autopar.inter_op.links import Links
+from autopar.inter_op.pipelining import simulated_bubble
+from autopar.inter_op.recompute import layer_recompute
 from autopar.inter_op.unit_costs import POST, PRE, UnitCost
 from autopar.kernels import memory_s
 from autopar.passes.context import PassContext
@@ -81,7 +81,7 @@ def unit_totals(costs: dict[str, UnitCost], counts: dict[str, int], layout: Layo
 
 def time_bound_s(t: UnitTotals, layout: Layout, cluster: Cluster, ctx: PassContext, links: Links) -> float:
     """A lower bound of ``estimate_layout``'s iteration time for ``layout`` on units totalling ``t``; ``links``: the
-    layout's (``estimate.layout_links``)."""
+    layout's (``links.layout_links``)."""
     p, m, v = layout.pp, layout.num_microbatches, layout.v
     again = 1 + split_fraction(layout.schedule, p, m, v)  # the weight steps recompute again
     per_stage = (t.work_s + again * t.recompute_s) / p

@@ -45,24 +45,37 @@ which only a framework with TP comm overlap (``Framework.tp_comm_overlap``) hide
 
 The iteration time is ``m * t_max + bubble + exposed dp communication + optimizer step``, and the
 breakdown adds up to it.
+
+Each technique's rules and terms live in its module, which this one folds together: ``pipelining`` (schedules,
+bubble, transfers), ``data_parallel`` (ZeRO state, gradient reduction, accumulation, optimizer step),
+``recompute``, ``context_parallel``, ``expert_parallel``; ``links`` gives every axis its link, and ``bound``
+the search's lower bounds of what this module estimates.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
-import math
 import operator
 from dataclasses import dataclass, field
 from typing import Any
 
-from autopar.cluster import AxisLink, Cluster, axis_link
-from autopar.collectives import all_gather_s, all_reduce_s, reduce_scatter_s, send_recv_s
-from autopar.framework import Framework
+from autopar.cluster import Cluster
+from autopar.collectives import all_gather_s, reduce_scatter_s
 from autopar.inter_op.context_parallel import context_parallel_share
+from autopar.inter_op.data_parallel import (
+    ADAM_BYTES_PER_PARAM,
+    dp_sync_exposed,
+    gathered_weight_bytes,
+    grad_accumulation_s,
+    state_and_held_bytes,
+    zero3_collectives,
+)
 from autopar.inter_op.expert_parallel import expert_exchange_s, expert_parallel_share
 from autopar.inter_op.layout import Layout
+from autopar.inter_op.links import Links, cached_axis_link, layout_links
+from autopar.inter_op.pipelining import bubble_bound_s, bubble_time_s, p2p_s
+from autopar.inter_op.recompute import layer_recompute, recompute_regathers
 from autopar.inter_op.unit_costs import POST, PRE, UnitCost, unit_sequence
 from autopar.interference import compute_rate, overlapped_s
 from autopar.ir import OpGraph
@@ -72,15 +85,12 @@ from autopar.passes.flops import total_flops
 from autopar.power import NO_POWER, PowerMix
 from autopar.solvers.pipeline import (
     V_SHAPED,
-    bubble_s,
     in_flight_microbatches,
-    simulate_pipeline,
     split_fraction,
     splits_backward,
 )
 from autopar.solvers.stage_dp import StageSplit, UnitLoad, split_stages, split_uniform_stages, stage_memory_bytes
 
-ADAM_BYTES_PER_PARAM = 28  # read master, m, v (4 each), grad (2); write master, m, v (4 each), weights (2)
 FLOPS_CONVENTION = {
     "model": "every matrix product of forward and backward (backward = 2x forward), attention scores in full "
              "(no causal discount), no recomputation: the MFU convention of Korthikanti et al. 2022 and PaLM",
@@ -176,76 +186,6 @@ class _UnitLoad:
                             for f in dataclasses.fields(self)})
 
 
-@functools.lru_cache(maxsize=4096)
-def _axis_link(cluster: Cluster, size: int, stride: int) -> AxisLink:
-    return axis_link(cluster, size, stride)
-
-
-def _zero3_collectives(u: UnitCost, ctx: PassContext) -> tuple[int, float]:
-    """How many all-gathers (and reduce-scatters) ZeRO-3 issues per pass over the unit, and the elements
-    one device holds gathered at once (the whole unit for a block, else its largest module)."""
-    unit = ctx.framework.zero3_unit
-    if unit == "block":
-        return 1, u.params_local
-    count = u.param_modules if unit == "module" else u.param_tensors
-    return max(1, count), u.largest_module_params
-
-
-@dataclass(frozen=True, slots=True)
-class LayerRecompute:
-    """What a recomputation mode does to one layer, per micro-batch."""
-
-    time_s: float  # forward re-run in backward (with its tensor-parallel collectives for ``full``)
-    flops: float  # hardware FLOPs of that re-run
-    saved_bytes: float  # activations kept from forward to backward
-    transient_bytes: float  # alive only while the layer's recomputation and backward run
-
-
-def layer_recompute(u: UnitCost, mode: str, fw: Framework) -> LayerRecompute:
-    """``mode`` (none/selective/op/full) on layer ``u``, as ``fw`` runs it."""
-    # transient: what the recomputation re-creates beside what the layer kept (its checkpointed input, the
-    # products per-op checkpointing saves), as for ``selective``
-    if mode == "full":
-        return LayerRecompute(u.full_recompute_s + u.tp_fwd_s, u.full_recompute_flops, u.input_bytes,
-                              max(0.0, u.activation_bytes - u.input_bytes))
-    if mode == "selective" and fw.selective_recompute == "attention_module":
-        return LayerRecompute(u.attention_module_recompute_s, u.attention_module_recompute_flops,
-                              u.activation_bytes - u.attention_module_saved_bytes, u.attention_module_saved_bytes)
-    if mode == "selective":
-        return LayerRecompute(u.attention_fwd_s, u.attention_fwd_flops, u.activation_bytes - u.attention_saved_bytes,
-                              0.0)
-    if mode == "op":
-        kept = min(u.op_saved_bytes, u.activation_bytes)
-        return LayerRecompute(u.op_recompute_s, u.op_recompute_flops, kept, u.activation_bytes - kept)
-    return LayerRecompute(0.0, 0.0, u.activation_bytes, 0.0)
-
-
-def _recompute_regathers(mode: str, fw: Framework) -> bool:
-    """Whether recomputation ``mode`` re-runs context parallelism's key/value all-gather: full recomputation
-    and a checkpointed attention module re-run everything in it, and per-op checkpointing re-runs every op
-    but the products and attention (``autopar.runtime.recompute``), the all-gather among them."""
-    return mode in ("full", "op") or (mode == "selective" and fw.selective_recompute == "attention_module")
-
-
-@dataclass(frozen=True, slots=True)
-class Links:
-    """The links of a layout's mesh axes (``autopar.cluster.axis_link``)."""
-
-    dp: AxisLink  # dp x cp: the replicas of the dense weights
-    cp: AxisLink
-    tp: AxisLink
-    ep: AxisLink  # an expert-parallel group: the innermost ``ep`` ranks of dp
-    expert_dp: AxisLink  # the ``dp / ep`` replicas of the same experts
-
-
-def layout_links(cluster: Cluster, layout: Layout) -> Links:
-    """The links of ``layout``'s mesh axes: (pp, dp, cp, tp), where dp x cp is contiguous; the ep ranks are the
-    innermost ``ep`` of dp (pp, dp / ep, ep, cp, tp), and cp > 1 never comes with ep > 1."""
-    return Links(_axis_link(cluster, layout.replicas, layout.tp), _axis_link(cluster, layout.cp, layout.tp),
-                  _axis_link(cluster, layout.tp, 1), _axis_link(cluster, layout.ep, layout.tp),
-                  _axis_link(cluster, layout.expert_replicas, layout.tp * layout.ep))
-
-
 @dataclass(slots=True)
 class SharedWork:
     """What ``estimate_layout`` computes alike for many layouts of one search, kept across them: each set of unit
@@ -313,7 +253,7 @@ def _unit_load(u: UnitCost, is_layer: bool, layout: Layout, links: Links, cluste
     extra = max(u.transient_bytes, rc.transient_bytes, u.forward_transient_bytes)
     cp_fwd = all_gather_s(u.attention_kv_bytes, links.cp)
     cp = cp_fwd + reduce_scatter_s(u.attention_kv_bytes, links.cp)
-    if _recompute_regathers(mode, fw):
+    if recompute_regathers(mode, fw):
         recompute += cp_fwd
     ep_fwd = 0.0
     if layout.ep > 1 and u.expert_fqns:
@@ -329,13 +269,13 @@ def _unit_load(u: UnitCost, is_layer: bool, layout: Layout, links: Links, cluste
              + state_and_held_bytes(experts, layout.expert_replicas, layout, ctx))
     zero3 = gathered_bytes = 0.0
     if z >= 3 and dp > 1 and u.params_local > 0:
-        count, gathered = _zero3_collectives(u, ctx)
+        count, gathered = zero3_collectives(u, ctx)
         copies = fw.list_collectives
         gather = scatter = 0.0
         expert_share = experts / u.params_local
         for share, link in ((1 - expert_share, links.dp), (expert_share, links.expert_dp)):
             if share > 0:  # the experts (wrapped on their own) over the ranks holding the same ones
-                gather += count * all_gather_s(share * _gathered_weight_bytes(u, ctx) / count, link, copies)
+                gather += count * all_gather_s(share * gathered_weight_bytes(u, ctx) / count, link, copies)
                 scatter += count * reduce_scatter_s(share * u.params_local * fw.grad_reduce_bytes / count, link,
                                                     copies)
         gathers = 1 + (1 if fw.zero3_reshard_after_forward else 0)
@@ -361,19 +301,6 @@ def _unit_load(u: UnitCost, is_layer: bool, layout: Layout, links: Links, cluste
                      ep_fwd, u.power)
 
 
-def state_and_held_bytes(params: float, replicas: int, layout: Layout, ctx: PassContext) -> float:
-    """State and step-time copies of ``params`` elements sharded (by ZeRO) over ``replicas`` ranks."""
-    return ctx.state_bytes(params, replicas, layout.zero) + ctx.held_bytes(params, replicas, layout.zero, layout.pp,
-                                                                           layout.num_microbatches)
-
-
-def _gathered_weight_bytes(u: UnitCost, ctx: PassContext) -> float:
-    """Bytes of ``u``'s weights one ZeRO-3 all-gather moves: 16-bit, or one byte for the FP8 Linears' weights
-    where the framework gathers them cast (``Framework.fp8_param_gather``)."""
-    fp8 = u.fp8_params if ctx.precision.training == "fp8" and ctx.framework.fp8_param_gather else 0.0
-    return (u.params_local - fp8) * ctx.precision.weight_bytes + fp8
-
-
 @dataclass(frozen=True, slots=True)
 class ModelFlops:
     """FLOPs of one forward+backward pass per sample, computed once per model."""
@@ -385,73 +312,6 @@ class ModelFlops:
     def of(cls, graph: OpGraph) -> ModelFlops:
         # per-sample nodes scale with the batch; the rest (tiny) is counted once per sample here
         return cls(total_flops(graph, 1, "model"), total_flops(graph, 1, "hardware"))
-
-
-def _bucketed(collective, nbytes: float, link: AxisLink, bucket_bytes: float) -> tuple[float, float]:
-    """Total time of ``nbytes`` reduced in buckets, and the time of the last bucket alone."""
-    if nbytes <= 0 or link.size <= 1:
-        return 0.0, 0.0
-    buckets = max(1, math.ceil(nbytes / bucket_bytes))
-    one = collective(nbytes / buckets, link)
-    return buckets * one, one
-
-
-def _dp_sync_exposed(groups: list[tuple[float, AxisLink]], bwd_window_s: float, fwd_window_s: float,
-                     layout: Layout, cluster: Cluster, ctx: PassContext, mix: PowerMix = NO_POWER) -> float:
-    """ZeRO 0-2: the gradient reduction (and weight gather) that compute does not hide, and what it costs the
-    compute it runs beside.  ``groups``: local parameters and the link of the ranks holding them (the dense
-    weights over dp x cp, expert-parallel experts over dp / ep), reduced one after the other on one stream;
-    ``bwd_window_s`` and ``fwd_window_s``: one micro-batch's backward and forward, whose kernels ``mix`` holds
-    (``autopar.power``)."""
-    if layout.zero >= 3:
-        return 0.0
-    fw = ctx.framework
-    reduce = all_reduce_s if layout.zero == 0 or fw.sharded_grad_reduce == "all_reduce" else reduce_scatter_s
-    total = last = gather = 0.0
-    link_used = None
-    for local_params, link in groups:
-        if link.size <= 1 or local_params <= 0:
-            continue
-        t, one = _bucketed(reduce, local_params * fw.grad_reduce_bytes, link, fw.grad_bucket_bytes)
-        total, last = total + t, one  # the last bucket reduced is the last group's
-        link_used = link_used or link
-        if layout.zero >= 1:
-            gather += _bucketed(all_gather_s, local_params * ctx.precision.weight_bytes, link, fw.grad_bucket_bytes)[0]
-    if total <= 0:
-        return 0.0
-
-    def beside(comm: float, window: float) -> float:
-        return overlapped_s(comm, window, compute_rate(cluster, link_used, mix))
-
-    exposed = max(beside(total, bwd_window_s), last) if fw.overlap_grad_reduce else total
-    exposed *= _reductions_per_step(layout)
-    if layout.zero >= 1:
-        exposed += beside(gather, fwd_window_s) if fw.overlap_param_gather else gather
-    return exposed
-
-
-def dp_sync_floor_s(dense_params: float, expert_params: float, layout: Layout, links: Links,
-                    ctx: PassContext) -> float:
-    """A lower bound of the most ``_dp_sync_exposed`` takes on any stage, where the busiest stage holds at least
-    ``dense_params`` and ``expert_params`` local parameters: the reductions and gathers the framework runs after
-    the compute (an overlapped one may hide whole).  Each group's part grows with its parameters, so the larger
-    of the two is below the stage's whole."""
-    if layout.zero >= 3:
-        return 0.0
-    fw = ctx.framework
-    reduce = all_reduce_s if layout.zero == 0 or fw.sharded_grad_reduce == "all_reduce" else reduce_scatter_s
-    floor = 0.0
-    for params, link in ((dense_params, links.dp), (expert_params, links.expert_dp)):
-        if link.size <= 1 or params <= 0:
-            continue
-        t = 0.0
-        if not fw.overlap_grad_reduce:
-            t += _bucketed(reduce, params * fw.grad_reduce_bytes, link, fw.grad_bucket_bytes)[0] \
-                * _reductions_per_step(layout)
-        if layout.zero >= 1 and not fw.overlap_param_gather:
-            t += _bucketed(all_gather_s, params * ctx.precision.weight_bytes, link, fw.grad_bucket_bytes)[0]
-        floor = max(floor, t)
-    return floor
 
 
 @dataclass(frozen=True, slots=True)
@@ -512,87 +372,6 @@ class StageCost:
         return parts
 
 
-def simulated_bubble(layout: Layout) -> bool:
-    """Whether the bubble comes from simulating the schedule rather than the closed form."""
-    return splits_backward(layout.schedule, layout.pp) or (layout.pp > 1 and layout.v > 1
-                                                           and (layout.num_microbatches < layout.pp
-                                                                or layout.group > 0))
-
-
-def _bubble_s(parts: list[dict[str, float]], stage_times: list[float], layout: Layout, exact: bool = False) -> float:
-    """The pipeline's time beyond ``m`` slots of its slowest stage.  With interleaving and fewer micro-batches
-    than stages the closed form is only a bound (the pipeline never fills, and the waits depend on every
-    stage's times), so the schedule is simulated op by op; so are the zero-bubble schedules, whose weight
-    steps fill the bubble as far as the schedule lets them (``p x m x v`` ops and more: the search prices a
-    layout's bubble only once the rest of it, and a lower bound of the bubble, beat its cut-off)."""
-    m, v = layout.num_microbatches, layout.v
-    if not simulated_bubble(layout) and not (exact and layout.pp > 1):
-        return bubble_s(stage_times, v, m)
-    forward, backward, weight, rerun = _op_times(parts)
-    return _makespan_s(layout.schedule, forward, backward, weight, rerun, m, v, layout.group) - m * max(stage_times)
-
-
-def _op_times(parts: list[dict[str, float]]) -> tuple[tuple[float, ...], ...]:
-    """Per stage, one micro-batch's forward, backward as a split one runs it (recomputation included, twice
-    when split), weight step and what the weight step recomputes again, through all its chunks; each
-    transfer split between the forward and the backward."""
-    half = [part["p2p_s"] / 2 for part in parts]
-    return (tuple(part["forward_s"] + h for part, h in zip(parts, half)),
-            tuple(backward_run_s(part) + h for part, h in zip(parts, half)),
-            tuple(part.get("weight_s", 0.0) for part in parts), tuple(part.get("rerun_s", 0.0) for part in parts))
-
-
-def backward_run_s(part: dict[str, float]) -> float:
-    """One micro-batch's backward through a stage (``StageEstimate.parts_s``), as a split backward runs it
-    (its recomputation twice) where the schedule splits, else as one pass."""
-    if "rerun_s" in part:
-        return part["backward_s"] + 2 * part["rerun_s"]
-    return part["recompute_s"] + part["backward_s"]
-
-
-def _bubble_bound_s(parts: list[dict[str, float]], stage_times: list[float], layout: Layout) -> float:
-    """A lower bound of a simulated schedule's bubble (its closed form, for the others): a rank cannot start
-    before the forwards of the chunks ahead of its first one, and then has ``m`` micro-batches of work."""
-    p, m, v = layout.pp, layout.num_microbatches, layout.v
-    if not simulated_bubble(layout):
-        return bubble_s(stage_times, v, m)
-    forward = _op_times(parts)[0]
-    start, latest = 0.0, 0.0
-    for k in range(p):  # chunk k runs on rank k in both the looped and the V orders
-        latest = max(latest, start + m * stage_times[k])
-        start += forward[k] / v
-    return latest - m * max(stage_times)
-
-
-@functools.lru_cache(maxsize=1024)
-def _makespan_s(schedule: str, forward: tuple[float, ...], backward: tuple[float, ...], weight: tuple[float, ...],
-                rerun: tuple[float, ...], m: int, v: int, group: int = 0) -> float:
-    runs = simulate_pipeline(schedule, forward, backward, m, v, weight, rerun, group)
-    return max(end for ops in runs for _, _, end in ops)
-
-
-def _reductions_per_step(layout: Layout) -> int:
-    """How often ZeRO 0-2 reduce the gradients in one step.  ZeRO-2 keeps only its shard of the gradients
-    between micro-batches, so every micro-batch reduce-scatters what its backward made (DeepSpeed stage 2
-    reduces every micro-step; FSDP2 at ``set_requires_gradient_sync(True)``).  Each of them waits out its
-    own tail: FSDP2's post-backward callback makes the compute stream wait for the last reduce-scatter
-    (``_fsdp_state._root_post_backward_final_callback``), so nothing of it hides under the next forward.
-    Under pipelining torch's ``PipelineStage`` defers the sync to the last micro-batch (the gradients
-    accumulate whole, as ``PassContext.held_bytes`` counts), and levels 0-1 reduce once by definition."""
-    return layout.num_microbatches if layout.zero == 2 and layout.pp == 1 else 1
-
-
-def _p2p_s(boundary_bytes: float, layout: Layout, pp_link: AxisLink, tp_link: AxisLink, ctx: PassContext) -> float:
-    """One transfer of a stage-boundary tensor between neighbouring stages: the mean of an activation's and
-    its gradient's, which the framework may send split over the tp ranks (``pp_scatter_gather``)."""
-    fw = ctx.framework
-    whole = send_recv_s(boundary_bytes, pp_link)
-    if not (fw.pp_scatter_gather and layout.tp > 1 and not layout.sp and pp_link.crosses_nodes):
-        return whole
-    split = send_recv_s(boundary_bytes / layout.tp, pp_link) + all_gather_s(boundary_bytes, tp_link)
-    return split if fw.pp_scatter_gather_grads else (split + whole) / 2
-
-
 def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, global_batch: int,
                     cluster: Cluster, ctx: PassContext, memory_budget_bytes: float,
                     flops: ModelFlops | None = None, allow_spill: bool = True,
@@ -611,7 +390,7 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
     costs = shared.shares(costs, layout, cluster)
     links = shared.links(cluster, layout)
     dp_link, tp_link = links.dp, links.tp
-    pp_link = _axis_link(cluster, p, layout.replicas * layout.tp)
+    pp_link = cached_axis_link(cluster, p, layout.replicas * layout.tp)
     by_key = shared.unit_loads(costs, keys, layout, links, cluster, ctx)
     if layout.schedule in V_SHAPED and p > 1:  # the first rank holds both ends of the V
         by_key = {**by_key, PRE: by_key[PRE].merged(by_key[POST]), POST: _EMPTY_LOAD}
@@ -645,7 +424,7 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
         boundary = max(costs[keys[a]].input_bytes if k > 0 else 0.0,
                        costs[keys[b]].input_bytes if b < len(keys) else 0.0)
         # one transfer each way per neighbour and micro-batch, for every chunk with interleaving
-        p2p = neighbours * _p2p_s(boundary, layout, pp_link, tp_link, ctx) * v if p > 1 else 0.0
+        p2p = neighbours * p2p_s(boundary, layout, pp_link, tp_link, ctx) * v if p > 1 else 0.0
         busy = sum(x.compute_s for x in units)
         mix = sum((x.power for x in units), PowerMix())
         p2p_cost = p2p
@@ -659,7 +438,7 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
                              expert_local)
         stage_times.append(stage.time_s)
         groups = [(local - expert_local, dp_link), (expert_local, links.expert_dp)]
-        dp_exposed = max(dp_exposed, _dp_sync_exposed(groups, stage.bwd_s, sum(x.fwd_s for x in units), layout,
+        dp_exposed = max(dp_exposed, dp_sync_exposed(groups, stage.bwd_s, sum(x.fwd_s for x in units), layout,
                                                       cluster, ctx, mix))
         per_stage.append(stage)
     bottleneck = max(range(p), key=lambda k: stage_times[k])
@@ -678,10 +457,10 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
         "dp_comm_exposed_s": m * bn.zero3_s + dp_exposed,
     }
     parts = [s.parts(layout) for s in per_stage]
-    if prune_above_s is not None and sum(breakdown.values()) + _bubble_bound_s(parts, stage_times, layout) \
+    if prune_above_s is not None and sum(breakdown.values()) + bubble_bound_s(parts, stage_times, layout) \
             > prune_above_s:
         return None  # slower than the cut-off before its full bubble (which a simulated schedule makes costly)
-    breakdown["pp_bubble_s"] = _bubble_s(parts, stage_times, layout, exact_bubble)
+    breakdown["pp_bubble_s"] = bubble_time_s(parts, stage_times, layout, exact_bubble)
     stages = []
     for k in range(p):
         a, b = split.boundaries[k], split.boundaries[k + 1]
@@ -766,21 +545,6 @@ def ep_bytes(costs: dict[str, UnitCost], keys: list[str], layout: Layout) -> dic
                                                              + costs[key].expert_combine_bytes)
                 for key in keys if costs[key].expert_fqns)
     return {"all_to_all": total} if total else {}
-
-
-def grad_accumulation_s(local_params: float, layout: Layout, cluster: Cluster, ctx: PassContext,
-                         replicas: int) -> float:
-    """Adding every micro-batch's gradients after the first into the gradient buffer: autograd's
-    ``AccumulateGrad`` reads the buffer and the new gradient and writes the sum (3 passes over the gradient
-    bytes one device holds; ZeRO-2/3 accumulate their shard, except under pipelining in FSDP2, whose
-    ``PipelineStage`` defers the reduction and accumulates the gradients whole, as ``held_bytes`` counts).
-    Megatron fuses it into the weight-gradient GEMM (``Framework.grad_accumulation_fused``)."""
-    fw = ctx.framework
-    if layout.num_microbatches <= 1 or fw.grad_accumulation_fused:
-        return 0.0
-    whole = layout.pp > 1 and fw.state_layout == "fsdp2"
-    shard = replicas if layout.zero >= 2 and replicas > 1 and not whole else 1
-    return (layout.num_microbatches - 1) * memory_s(cluster, 3 * local_params * fw.main_grad_bytes / shard)
 
 
 def _chunks_fit(split: StageSplit, p: int, v: int, num_units: int, v_shaped: bool = False) -> bool:

@@ -15,11 +15,23 @@ search's space (``search.layouts``) and for the errors of pinned values (``searc
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
+from autopar.cluster import AxisLink
+from autopar.collectives import all_gather_s, send_recv_s
 from autopar.errors import AutoparError
 from autopar.framework import Framework
-from autopar.solvers.pipeline import MULTI_CHUNK, SPLIT_BACKWARD, V_SHAPED, splits_backward
+from autopar.inter_op.layout import Layout
+from autopar.passes.context import PassContext
+from autopar.solvers.pipeline import (
+    MULTI_CHUNK,
+    SPLIT_BACKWARD,
+    V_SHAPED,
+    bubble_s,
+    simulate_pipeline,
+    splits_backward,
+)
 
 INTERLEAVE_V = (2, 4, 8)
 
@@ -122,6 +134,80 @@ def check_fixed_pipeline(layers: int, global_batch: int, fixed: dict[str, Any]) 
             raise AutoparError(f"interleaving v={v} chunks on pp={pp} stages needs at least {pp * v - 2} layers, "
                                f"the model has {layers}")
 
+# ---- what a pipeline costs beyond its slowest stage's slots
 
-__all__ = ["INTERLEAVE_V", "check_fixed_pipeline", "group_options", "group_runs", "interleaving_runs",
-           "schedule_options", "schedule_refuses"]
+
+def simulated_bubble(layout: Layout) -> bool:
+    """Whether the bubble comes from simulating the schedule rather than the closed form."""
+    return splits_backward(layout.schedule, layout.pp) or (layout.pp > 1 and layout.v > 1
+                                                           and (layout.num_microbatches < layout.pp
+                                                                or layout.group > 0))
+
+
+def bubble_time_s(parts: list[dict[str, float]], stage_times: list[float], layout: Layout,
+                  exact: bool = False) -> float:
+    """The pipeline's time beyond ``m`` slots of its slowest stage.  With interleaving and fewer micro-batches
+    than stages the closed form is only a bound (the pipeline never fills, and the waits depend on every
+    stage's times), so the schedule is simulated op by op; so are the zero-bubble schedules, whose weight
+    steps fill the bubble as far as the schedule lets them (``p x m x v`` ops and more: the search prices a
+    layout's bubble only once the rest of it, and a lower bound of the bubble, beat its cut-off)."""
+    m, v = layout.num_microbatches, layout.v
+    if not simulated_bubble(layout) and not (exact and layout.pp > 1):
+        return bubble_s(stage_times, v, m)
+    forward, backward, weight, rerun = op_times(parts)
+    return makespan_s(layout.schedule, forward, backward, weight, rerun, m, v, layout.group) - m * max(stage_times)
+
+
+def op_times(parts: list[dict[str, float]]) -> tuple[tuple[float, ...], ...]:
+    """Per stage, one micro-batch's forward, backward as a split one runs it (recomputation included, twice
+    when split), weight step and what the weight step recomputes again, through all its chunks; each
+    transfer split between the forward and the backward."""
+    half = [part["p2p_s"] / 2 for part in parts]
+    return (tuple(part["forward_s"] + h for part, h in zip(parts, half)),
+            tuple(backward_run_s(part) + h for part, h in zip(parts, half)),
+            tuple(part.get("weight_s", 0.0) for part in parts), tuple(part.get("rerun_s", 0.0) for part in parts))
+
+
+def backward_run_s(part: dict[str, float]) -> float:
+    """One micro-batch's backward through a stage (``StageEstimate.parts_s``), as a split backward runs it
+    (its recomputation twice) where the schedule splits, else as one pass."""
+    if "rerun_s" in part:
+        return part["backward_s"] + 2 * part["rerun_s"]
+    return part["recompute_s"] + part["backward_s"]
+
+
+def bubble_bound_s(parts: list[dict[str, float]], stage_times: list[float], layout: Layout) -> float:
+    """A lower bound of a simulated schedule's bubble (its closed form, for the others): a rank cannot start
+    before the forwards of the chunks ahead of its first one, and then has ``m`` micro-batches of work."""
+    p, m, v = layout.pp, layout.num_microbatches, layout.v
+    if not simulated_bubble(layout):
+        return bubble_s(stage_times, v, m)
+    forward = op_times(parts)[0]
+    start, latest = 0.0, 0.0
+    for k in range(p):  # chunk k runs on rank k in both the looped and the V orders
+        latest = max(latest, start + m * stage_times[k])
+        start += forward[k] / v
+    return latest - m * max(stage_times)
+
+
+@functools.lru_cache(maxsize=1024)
+def makespan_s(schedule: str, forward: tuple[float, ...], backward: tuple[float, ...], weight: tuple[float, ...],
+                rerun: tuple[float, ...], m: int, v: int, group: int = 0) -> float:
+    runs = simulate_pipeline(schedule, forward, backward, m, v, weight, rerun, group)
+    return max(end for ops in runs for _, _, end in ops)
+
+
+def p2p_s(boundary_bytes: float, layout: Layout, pp_link: AxisLink, tp_link: AxisLink, ctx: PassContext) -> float:
+    """One transfer of a stage-boundary tensor between neighbouring stages: the mean of an activation's and
+    its gradient's, which the framework may send split over the tp ranks (``pp_scatter_gather``)."""
+    fw = ctx.framework
+    whole = send_recv_s(boundary_bytes, pp_link)
+    if not (fw.pp_scatter_gather and layout.tp > 1 and not layout.sp and pp_link.crosses_nodes):
+        return whole
+    split = send_recv_s(boundary_bytes / layout.tp, pp_link) + all_gather_s(boundary_bytes, tp_link)
+    return split if fw.pp_scatter_gather_grads else (split + whole) / 2
+
+
+__all__ = ["INTERLEAVE_V", "backward_run_s", "bubble_bound_s", "bubble_time_s", "check_fixed_pipeline",
+           "group_options", "group_runs", "interleaving_runs", "makespan_s", "op_times", "p2p_s", "schedule_options",
+           "schedule_refuses", "simulated_bubble"]

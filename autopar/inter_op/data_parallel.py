@@ -1,0 +1,146 @@
+"""Data parallelism and ZeRO: the state a device holds at each level, the gradient reduction and weight gathers that
+compute does not hide, gradient accumulation and the optimizer step.
+
+Levels 0-2 reduce gradients once per iteration in buckets (every micro-batch at level 2 without pipelining),
+overlapped with the last micro-batch's backward where the framework does that (``overlap_grad_reduce``), else
+after it; levels 1-2 then all-gather the updated weights, under the next forward if ``overlap_param_gather``.
+Level 3 all-gathers each unit's weights in forward (and again in backward when it reshards) and reduce-scatters
+its gradients every micro-batch, as one collective per block, per module or per parameter (``zero3_unit``);
+that part is priced with each unit (``estimate._unit_load``).
+"""
+
+from __future__ import annotations
+
+import math
+
+from autopar.cluster import AxisLink, Cluster
+from autopar.collectives import all_gather_s, all_reduce_s, reduce_scatter_s
+from autopar.inter_op.layout import Layout
+from autopar.inter_op.links import Links
+from autopar.inter_op.unit_costs import UnitCost
+from autopar.interference import compute_rate, overlapped_s
+from autopar.kernels import memory_s
+from autopar.passes.context import PassContext
+from autopar.power import NO_POWER, PowerMix
+
+ADAM_BYTES_PER_PARAM = 28  # read master, m, v (4 each), grad (2); write master, m, v (4 each), weights (2)
+
+
+def zero3_collectives(u: UnitCost, ctx: PassContext) -> tuple[int, float]:
+    """How many all-gathers (and reduce-scatters) ZeRO-3 issues per pass over the unit, and the elements
+    one device holds gathered at once (the whole unit for a block, else its largest module)."""
+    unit = ctx.framework.zero3_unit
+    if unit == "block":
+        return 1, u.params_local
+    count = u.param_modules if unit == "module" else u.param_tensors
+    return max(1, count), u.largest_module_params
+
+
+def state_and_held_bytes(params: float, replicas: int, layout: Layout, ctx: PassContext) -> float:
+    """State and step-time copies of ``params`` elements sharded (by ZeRO) over ``replicas`` ranks."""
+    return ctx.state_bytes(params, replicas, layout.zero) + ctx.held_bytes(params, replicas, layout.zero, layout.pp,
+                                                                           layout.num_microbatches)
+
+
+def gathered_weight_bytes(u: UnitCost, ctx: PassContext) -> float:
+    """Bytes of ``u``'s weights one ZeRO-3 all-gather moves: 16-bit, or one byte for the FP8 Linears' weights
+    where the framework gathers them cast (``Framework.fp8_param_gather``)."""
+    fp8 = u.fp8_params if ctx.precision.training == "fp8" and ctx.framework.fp8_param_gather else 0.0
+    return (u.params_local - fp8) * ctx.precision.weight_bytes + fp8
+
+
+def bucketed(collective, nbytes: float, link: AxisLink, bucket_bytes: float) -> tuple[float, float]:
+    """Total time of ``nbytes`` reduced in buckets, and the time of the last bucket alone."""
+    if nbytes <= 0 or link.size <= 1:
+        return 0.0, 0.0
+    buckets = max(1, math.ceil(nbytes / bucket_bytes))
+    one = collective(nbytes / buckets, link)
+    return buckets * one, one
+
+
+def dp_sync_exposed(groups: list[tuple[float, AxisLink]], bwd_window_s: float, fwd_window_s: float,
+                     layout: Layout, cluster: Cluster, ctx: PassContext, mix: PowerMix = NO_POWER) -> float:
+    """ZeRO 0-2: the gradient reduction (and weight gather) that compute does not hide, and what it costs the
+    compute it runs beside.  ``groups``: local parameters and the link of the ranks holding them (the dense
+    weights over dp x cp, expert-parallel experts over dp / ep), reduced one after the other on one stream;
+    ``bwd_window_s`` and ``fwd_window_s``: one micro-batch's backward and forward, whose kernels ``mix`` holds
+    (``autopar.power``)."""
+    if layout.zero >= 3:
+        return 0.0
+    fw = ctx.framework
+    reduce = all_reduce_s if layout.zero == 0 or fw.sharded_grad_reduce == "all_reduce" else reduce_scatter_s
+    total = last = gather = 0.0
+    link_used = None
+    for local_params, link in groups:
+        if link.size <= 1 or local_params <= 0:
+            continue
+        t, one = bucketed(reduce, local_params * fw.grad_reduce_bytes, link, fw.grad_bucket_bytes)
+        total, last = total + t, one  # the last bucket reduced is the last group's
+        link_used = link_used or link
+        if layout.zero >= 1:
+            gather += bucketed(all_gather_s, local_params * ctx.precision.weight_bytes, link, fw.grad_bucket_bytes)[0]
+    if total <= 0:
+        return 0.0
+
+    def beside(comm: float, window: float) -> float:
+        return overlapped_s(comm, window, compute_rate(cluster, link_used, mix))
+
+    exposed = max(beside(total, bwd_window_s), last) if fw.overlap_grad_reduce else total
+    exposed *= reductions_per_step(layout)
+    if layout.zero >= 1:
+        exposed += beside(gather, fwd_window_s) if fw.overlap_param_gather else gather
+    return exposed
+
+
+def dp_sync_floor_s(dense_params: float, expert_params: float, layout: Layout, links: Links,
+                    ctx: PassContext) -> float:
+    """A lower bound of the most ``dp_sync_exposed`` takes on any stage, where the busiest stage holds at least
+    ``dense_params`` and ``expert_params`` local parameters: the reductions and gathers the framework runs after
+    the compute (an overlapped one may hide whole).  Each group's part grows with its parameters, so the larger
+    of the two is below the stage's whole."""
+    if layout.zero >= 3:
+        return 0.0
+    fw = ctx.framework
+    reduce = all_reduce_s if layout.zero == 0 or fw.sharded_grad_reduce == "all_reduce" else reduce_scatter_s
+    floor = 0.0
+    for params, link in ((dense_params, links.dp), (expert_params, links.expert_dp)):
+        if link.size <= 1 or params <= 0:
+            continue
+        t = 0.0
+        if not fw.overlap_grad_reduce:
+            t += bucketed(reduce, params * fw.grad_reduce_bytes, link, fw.grad_bucket_bytes)[0] \
+                * reductions_per_step(layout)
+        if layout.zero >= 1 and not fw.overlap_param_gather:
+            t += bucketed(all_gather_s, params * ctx.precision.weight_bytes, link, fw.grad_bucket_bytes)[0]
+        floor = max(floor, t)
+    return floor
+
+
+def reductions_per_step(layout: Layout) -> int:
+    """How often ZeRO 0-2 reduce the gradients in one step.  ZeRO-2 keeps only its shard of the gradients
+    between micro-batches, so every micro-batch reduce-scatters what its backward made (DeepSpeed stage 2
+    reduces every micro-step; FSDP2 at ``set_requires_gradient_sync(True)``).  Each of them waits out its
+    own tail: FSDP2's post-backward callback makes the compute stream wait for the last reduce-scatter
+    (``_fsdp_state._root_post_backward_final_callback``), so nothing of it hides under the next forward.
+    Under pipelining torch's ``PipelineStage`` defers the sync to the last micro-batch (the gradients
+    accumulate whole, as ``PassContext.held_bytes`` counts), and levels 0-1 reduce once by definition."""
+    return layout.num_microbatches if layout.zero == 2 and layout.pp == 1 else 1
+
+
+def grad_accumulation_s(local_params: float, layout: Layout, cluster: Cluster, ctx: PassContext,
+                         replicas: int) -> float:
+    """Adding every micro-batch's gradients after the first into the gradient buffer: autograd's
+    ``AccumulateGrad`` reads the buffer and the new gradient and writes the sum (3 passes over the gradient
+    bytes one device holds; ZeRO-2/3 accumulate their shard, except under pipelining in FSDP2, whose
+    ``PipelineStage`` defers the reduction and accumulates the gradients whole, as ``held_bytes`` counts).
+    Megatron fuses it into the weight-gradient GEMM (``Framework.grad_accumulation_fused``)."""
+    fw = ctx.framework
+    if layout.num_microbatches <= 1 or fw.grad_accumulation_fused:
+        return 0.0
+    whole = layout.pp > 1 and fw.state_layout == "fsdp2"
+    shard = replicas if layout.zero >= 2 and replicas > 1 and not whole else 1
+    return (layout.num_microbatches - 1) * memory_s(cluster, 3 * local_params * fw.main_grad_bytes / shard)
+
+
+__all__ = ["ADAM_BYTES_PER_PARAM", "bucketed", "dp_sync_exposed", "dp_sync_floor_s", "gathered_weight_bytes",
+           "grad_accumulation_s", "reductions_per_step", "state_and_held_bytes", "zero3_collectives"]

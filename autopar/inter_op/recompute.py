@@ -1,0 +1,47 @@
+"""Recomputation (activation checkpointing): what each mode re-runs and keeps, per layer, as a framework runs it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.framework import Framework
+from autopar.inter_op.unit_costs import UnitCost
+
+
+@dataclass(frozen=True, slots=True)
+class LayerRecompute:
+    """What a recomputation mode does to one layer, per micro-batch."""
+
+    time_s: float  # forward re-run in backward (with its tensor-parallel collectives for ``full``)
+    flops: float  # hardware FLOPs of that re-run
+    saved_bytes: float  # activations kept from forward to backward
+    transient_bytes: float  # alive only while the layer's recomputation and backward run
+
+
+def layer_recompute(u: UnitCost, mode: str, fw: Framework) -> LayerRecompute:
+    """``mode`` (none/selective/op/full) on layer ``u``, as ``fw`` runs it."""
+    # transient: what the recomputation re-creates beside what the layer kept (its checkpointed input, the
+    # products per-op checkpointing saves), as for ``selective``
+    if mode == "full":
+        return LayerRecompute(u.full_recompute_s + u.tp_fwd_s, u.full_recompute_flops, u.input_bytes,
+                              max(0.0, u.activation_bytes - u.input_bytes))
+    if mode == "selective" and fw.selective_recompute == "attention_module":
+        return LayerRecompute(u.attention_module_recompute_s, u.attention_module_recompute_flops,
+                              u.activation_bytes - u.attention_module_saved_bytes, u.attention_module_saved_bytes)
+    if mode == "selective":
+        return LayerRecompute(u.attention_fwd_s, u.attention_fwd_flops, u.activation_bytes - u.attention_saved_bytes,
+                              0.0)
+    if mode == "op":
+        kept = min(u.op_saved_bytes, u.activation_bytes)
+        return LayerRecompute(u.op_recompute_s, u.op_recompute_flops, kept, u.activation_bytes - kept)
+    return LayerRecompute(0.0, 0.0, u.activation_bytes, 0.0)
+
+
+def recompute_regathers(mode: str, fw: Framework) -> bool:
+    """Whether recomputation ``mode`` re-runs context parallelism's key/value all-gather: full recomputation
+    and a checkpointed attention module re-run everything in it, and per-op checkpointing re-runs every op
+    but the products and attention (``autopar.runtime.recompute``), the all-gather among them."""
+    return mode in ("full", "op") or (mode == "selective" and fw.selective_recompute == "attention_module")
+
+
+__all__ = ["LayerRecompute", "layer_recompute", "recompute_regathers"]
