@@ -15,6 +15,7 @@ import math
 
 from autopar.cluster import AxisLink, Cluster
 from autopar.collectives import all_gather_s, all_reduce_s, reduce_scatter_s
+from autopar.framework import Framework
 from autopar.inter_op.layout import Layout
 from autopar.inter_op.links import Links
 from autopar.inter_op.unit_costs import UnitCost
@@ -22,6 +23,13 @@ from autopar.interference import compute_rate, overlapped_s
 from autopar.kernels import memory_s
 from autopar.passes.context import PassContext
 from autopar.power import NO_POWER, PowerMix
+
+
+def zero_options(dp: int, pp: int, fw: Framework) -> list[int]:
+    """The ZeRO levels the search offers: those the framework implements (with or without pipeline stages), and
+    only level 0 without data parallelism (nothing to shard over)."""
+    return [z for z in (0, 1, 2, 3) if fw.zero_allowed(z, pp)] if dp > 1 else [0]
+
 
 ADAM_BYTES_PER_PARAM = 28  # read master, m, v (4 each), grad (2); write master, m, v (4 each), weights (2)
 
@@ -142,5 +150,15 @@ def grad_accumulation_s(local_params: float, layout: Layout, cluster: Cluster, c
     return (layout.num_microbatches - 1) * memory_s(cluster, 3 * local_params * fw.main_grad_bytes / shard)
 
 
-__all__ = ["ADAM_BYTES_PER_PARAM", "bucketed", "dp_sync_exposed", "dp_sync_floor_s", "gathered_weight_bytes",
-           "grad_accumulation_s", "reductions_per_step", "state_and_held_bytes", "zero3_collectives"]
+__all__ = [
+    "ADAM_BYTES_PER_PARAM",
+    "bucketed",
+    "dp_sync_exposed",
+    "dp_sync_floor_s",
+    "gathered_weight_bytes",
+    "grad_accumulation_s",
+    "reductions_per_step",
+    "state_and_held_bytes",
+    "zero3_collectives",
+    "zero_options",
+]

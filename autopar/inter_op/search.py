@@ -42,6 +42,7 @@ from autopar.errors import AutoparError
 from autopar.framework import DEFAULT_FRAMEWORK, Framework, load_framework
 from autopar.inter_op.bound import UnitTotals, memory_bound_bytes, time_bound_s, unit_totals
 from autopar.inter_op.context_parallel import context_parallel_options, context_parallel_refuses
+from autopar.inter_op.data_parallel import zero_options
 from autopar.inter_op.estimate import Estimate, ModelFlops, SharedWork, estimate_layout
 from autopar.inter_op.expert_parallel import check_fixed_expert_parallel, expert_parallel_refuses
 from autopar.inter_op.layout import RECOMPUTE, Layout
@@ -347,8 +348,7 @@ def _layouts_at(rest: int, tp: int, cp: int, layers: int, global_batch: int, fix
                     for recompute in allowed("recompute", list(RECOMPUTE)):
                         if schedule_refuses(schedule, pp, recompute=recompute):
                             continue
-                        zeros = [z for z in (0, 1, 2, 3) if fw.zero_allowed(z, pp)] if dp > 1 else [0]
-                        for zero in allowed("zero", zeros):
+                        for zero in allowed("zero", zero_options(dp, pp, fw)):
                             if schedule_refuses(schedule, pp, zero=zero):
                                 continue
                             yield Layout(dp=dp, tp=tp, pp=pp, mbs=mbs, num_microbatches=m, schedule=schedule,
