@@ -32,6 +32,7 @@ collectives issue (they gather into a flat buffer and copy every rank's part out
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Literal
 
 from autopar.cluster import PROTOCOLS, AxisLink
@@ -102,6 +103,25 @@ def send_recv_s(nbytes: float, link: AxisLink) -> float:
             nbytes / link.nic_bandwidth_bytes_per_s
     return link.launch_s + link.base_latency_s[SIMPLE] + link.intra_latency_s[SIMPLE] + \
         nbytes / link.intra_bandwidth_bytes_per_s
+
+
+def bucketed_s(collective: Callable[[float, AxisLink], float], nbytes: float, link: AxisLink,
+               bucket_bytes: float) -> tuple[float, float]:
+    """``nbytes`` sent as buckets of at most ``bucket_bytes``, one collective each (DDP's and ZeRO's gradient
+    buckets): the total time, and the time of the last bucket alone."""
+    if nbytes <= 0 or link.size <= 1:
+        return 0.0, 0.0
+    buckets = max(1, math.ceil(nbytes / bucket_bytes))
+    one = collective(nbytes / buckets, link)
+    return buckets * one, one
+
+
+def bucket_share_s(collective: Callable[[float, AxisLink], float], nbytes: float, link: AxisLink,
+                   bucket_bytes: float) -> float:
+    """One tensor's share of a bucketed collective (``bucketed_s``): its bytes, plus the bucket's latency pro rata
+    (what the intra-op ILP charges each parameter, not knowing which others share its bucket)."""
+    latency = collective(1.0, link)
+    return collective(nbytes, link) - latency + latency * min(1.0, nbytes / bucket_bytes)
 
 
 COLLECTIVES = {

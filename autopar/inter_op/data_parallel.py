@@ -11,10 +11,8 @@ that part is priced with each unit (``estimate._unit_load``).
 
 from __future__ import annotations
 
-import math
-
 from autopar.cluster import AxisLink, Cluster
-from autopar.collectives import all_gather_s, all_reduce_s, reduce_scatter_s
+from autopar.collectives import all_gather_s, all_reduce_s, bucketed_s, reduce_scatter_s
 from autopar.framework import Framework
 from autopar.inter_op.layout import Layout
 from autopar.inter_op.links import Links
@@ -57,15 +55,6 @@ def gathered_weight_bytes(u: UnitCost, ctx: PassContext) -> float:
     return (u.params_local - fp8) * ctx.precision.weight_bytes + fp8
 
 
-def bucketed(collective, nbytes: float, link: AxisLink, bucket_bytes: float) -> tuple[float, float]:
-    """Total time of ``nbytes`` reduced in buckets, and the time of the last bucket alone."""
-    if nbytes <= 0 or link.size <= 1:
-        return 0.0, 0.0
-    buckets = max(1, math.ceil(nbytes / bucket_bytes))
-    one = collective(nbytes / buckets, link)
-    return buckets * one, one
-
-
 def dp_sync_exposed(groups: list[tuple[float, AxisLink]], bwd_window_s: float, fwd_window_s: float,
                      layout: Layout, cluster: Cluster, ctx: PassContext, mix: PowerMix = NO_POWER) -> float:
     """ZeRO 0-2: the gradient reduction (and weight gather) that compute does not hide, and what it costs the
@@ -82,11 +71,11 @@ def dp_sync_exposed(groups: list[tuple[float, AxisLink]], bwd_window_s: float, f
     for local_params, link in groups:
         if link.size <= 1 or local_params <= 0:
             continue
-        t, one = bucketed(reduce, local_params * fw.grad_reduce_bytes, link, fw.grad_bucket_bytes)
+        t, one = bucketed_s(reduce, local_params * fw.grad_reduce_bytes, link, fw.grad_bucket_bytes)
         total, last = total + t, one  # the last bucket reduced is the last group's
         link_used = link_used or link
         if layout.zero >= 1:
-            gather += bucketed(all_gather_s, local_params * ctx.precision.weight_bytes, link, fw.grad_bucket_bytes)[0]
+            gather += bucketed_s(all_gather_s, local_params * ctx.precision.weight_bytes, link, fw.grad_bucket_bytes)[0]
     if total <= 0:
         return 0.0
 
@@ -116,10 +105,10 @@ def dp_sync_floor_s(dense_params: float, expert_params: float, layout: Layout, l
             continue
         t = 0.0
         if not fw.overlap_grad_reduce:
-            t += bucketed(reduce, params * fw.grad_reduce_bytes, link, fw.grad_bucket_bytes)[0] \
+            t += bucketed_s(reduce, params * fw.grad_reduce_bytes, link, fw.grad_bucket_bytes)[0] \
                 * reductions_per_step(layout)
         if layout.zero >= 1 and not fw.overlap_param_gather:
-            t += bucketed(all_gather_s, params * ctx.precision.weight_bytes, link, fw.grad_bucket_bytes)[0]
+            t += bucketed_s(all_gather_s, params * ctx.precision.weight_bytes, link, fw.grad_bucket_bytes)[0]
         floor = max(floor, t)
     return floor
 
@@ -152,7 +141,6 @@ def grad_accumulation_s(local_params: float, layout: Layout, cluster: Cluster, c
 
 __all__ = [
     "ADAM_BYTES_PER_PARAM",
-    "bucketed",
     "dp_sync_exposed",
     "dp_sync_floor_s",
     "gathered_weight_bytes",

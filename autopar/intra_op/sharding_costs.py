@@ -27,12 +27,11 @@ All costs are per device, in seconds or bytes, for one micro-batch unless stated
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
-from autopar.cluster import AxisLink, Cluster, MeshSpec
-from autopar.collectives import all_gather_s, all_reduce_s, collective_s, reduce_scatter_s
+from autopar.cluster import Cluster, MeshSpec
+from autopar.collectives import all_gather_s, all_reduce_s, bucket_share_s, collective_s, reduce_scatter_s
 from autopar.intra_op.fp8 import cast_cost, fp8_eligible, layer_linear_weight
 from autopar.intra_op.strategies import PARTIAL, R, Strategy, shard_dim, tensor_refs
 from autopar.ir import Node, OpGraph, TensorInfo
@@ -213,13 +212,6 @@ class ParamCost:
     sync: tuple[AxisCollective, ...] = ()  # the collectives of that synchronization (whole, not bucketed)
 
 
-def _bucketed_s(collective: Callable[[float, AxisLink], float], nbytes: float, link: AxisLink,
-                bucket_bytes: float) -> float:
-    """A parameter's share of a bucketed collective: its bytes, plus the bucket's latency pro rata."""
-    latency = collective(1.0, link)
-    return collective(nbytes, link) - latency + latency * min(1.0, nbytes / bucket_bytes)
-
-
 def param_cost(t: TensorInfo, required: Placements, consumer: Strategy, mesh: MeshSpec, zero: int,
                ctx: PassContext) -> ParamCost:
     """Costs and memory of one parameter consumed with ``required`` placements."""
@@ -243,12 +235,12 @@ def param_cost(t: TensorInfo, required: Placements, consumer: Strategy, mesh: Me
         others = shard_factor(tuple(p if b != a else None for b, p in enumerate(required)), mesh)
         group_bytes = numel / others * ctx.framework.grad_reduce_bytes
         sync = reduce_scatter_s if a == dp and zero >= 3 else all_reduce_s  # ZeRO-1/2: RS + AG, AR's volume
-        per_iter += _bucketed_s(sync, group_bytes, link, ctx.grad_bucket_bytes)
+        per_iter += bucket_share_s(sync, group_bytes, link, ctx.grad_bucket_bytes)
         sync_collectives.append((a, "reduce_scatter" if sync is reduce_scatter_s else "all_reduce", group_bytes))
     if replicated_on_dp and zero >= 3:
         others = shard_factor(tuple(p if b != dp else None for b, p in enumerate(required)), mesh)
         gathered = numel / others * pol.weight_bytes
-        per_mb += 2 * _bucketed_s(all_gather_s, gathered, mesh.links[dp], ctx.grad_bucket_bytes)
+        per_mb += 2 * bucket_share_s(all_gather_s, gathered, mesh.links[dp], ctx.grad_bucket_bytes)
     return ParamCost(per_mb, per_iter, state, tuple(sync_collectives))
 
 
