@@ -7,9 +7,12 @@ waited for each.  A ``Framework`` says which, and the estimate (``autopar.inter_
 it does.  Presets live in ``autopar/frameworks/`` with the source of every value; ``torch`` is what
 autopar's own runtime and generated scripts run, and the default.
 
-TOML format (every key of ``Framework`` but ``name``; ``base`` starts from a preset)::
+TOML format (every key of ``Framework`` but ``name``, in the table of its technique, ``TECHNIQUE_KEYS``; ``base``
+starts from a preset)::
 
     base = "torch"
+
+    [data_parallel]
     grad_reduce_bytes = 2
 """
 
@@ -196,6 +199,26 @@ class Framework:
 
 _FIELDS = {f.name for f in fields(Framework)}
 
+#: A profile's keys by the technique they describe: the TOML tables a profile groups them in (keys may also stand
+#: at the top level, as older files have them).  ``name`` and ``description`` stand at the top.
+TECHNIQUE_KEYS: dict[str, tuple[str, ...]] = {
+    "data_parallel": ("grad_reduce_bytes", "grad_bucket_bytes", "sharded_grad_reduce", "overlap_grad_reduce",
+                      "overlap_param_gather", "main_grad_bytes", "state_layout", "zero_levels", "zero_levels_with_pp",
+                      "grad_accumulation_fused"),
+    "zero3": ("zero3_unit", "zero3_prefetch", "zero3_reshard_after_forward", "zero3_copy_bytes_per_param",
+              "list_collectives"),
+    "tensor_parallel": ("tp_layout", "tp_splits_batch", "tp_comm_overlap", "tp_overlap_comm_sms",
+                        "sequence_parallel", "sp_saves_sharded_input"),
+    "pipeline": ("schedules", "pipeline_split", "pp_p2p_overlap", "pp_scatter_gather", "pp_scatter_gather_grads",
+                 "interleaved_groups"),
+    "context_parallelism": ("context_parallel",),
+    "recompute": ("recompute_early_stop", "selective_recompute"),
+    "loss": ("fused_cross_entropy",),
+    "fp8": ("fp8_scaling", "fp8_param_gather"),
+    "host": ("host_op_s",),
+}
+assert {k for keys in TECHNIQUE_KEYS.values() for k in keys} == _FIELDS - {"name", "description"}
+
 
 @functools.lru_cache(maxsize=64)
 def load_framework(spec: str) -> Framework:
@@ -203,7 +226,7 @@ def load_framework(spec: str) -> Framework:
     values, origin = load_spec(spec, what="framework", folder="frameworks", presets=FRAMEWORKS, fields=_FIELDS,
                                base_values=lambda b: load_framework(b).to_dict(), error=FrameworkSpecError,
                                defaults={"fp8_scaling": "none", "fp8_param_gather": False, "tp_overlap_comm_sms": 0,
-                                         "interleaved_groups": "rounds"})
+                                         "interleaved_groups": "rounds"}, sections=TECHNIQUE_KEYS)
     for key in ("schedules", "zero_levels", "zero_levels_with_pp"):
         if isinstance(values.get(key), list):
             values[key] = tuple(values[key])
@@ -217,4 +240,4 @@ def load_framework(spec: str) -> Framework:
 
 DEFAULT_FRAMEWORK = "torch"
 
-__all__ = ["DEFAULT_FRAMEWORK", "FRAMEWORKS", "Framework", "FrameworkSpecError", "load_framework"]
+__all__ = ["DEFAULT_FRAMEWORK", "FRAMEWORKS", "TECHNIQUE_KEYS", "Framework", "FrameworkSpecError", "load_framework"]
