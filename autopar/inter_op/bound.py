@@ -22,25 +22,18 @@ memory limit.  Every term here is a value that term can never go below, whatever
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 from autopar.cluster import Cluster
-from autopar.inter_op.data_parallel import (
-    ADAM_BYTES_PER_PARAM,
-    dp_sync_floor_s,
-    grad_accumulation_s,
-    state_and_held_bytes,
-)
+from autopar.inter_op.data_parallel import iteration_floor_s, state_and_held_bytes
 from autopar.inter_op.estimate import tied_params
 from autopar.inter_op.layout import Layout
 from autopar.inter_op.links import Links
-from autopar.inter_op.pipelining import simulated_bubble
+from autopar.inter_op.pipelining import fewest_in_flight, pipeline_slots
 from autopar.inter_op.recompute import layer_recompute
 from autopar.inter_op.unit_costs import POST, PRE, UnitCost
-from autopar.kernels import memory_s
 from autopar.passes.context import PassContext
-from autopar.solvers.pipeline import in_flight_microbatches, split_fraction
+from autopar.solvers.pipeline import split_fraction
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,22 +74,12 @@ def unit_totals(costs: dict[str, UnitCost], counts: dict[str, int], layout: Layo
 
 def time_bound_s(t: UnitTotals, layout: Layout, cluster: Cluster, ctx: PassContext, links: Links) -> float:
     """A lower bound of ``estimate_layout``'s iteration time for ``layout`` on units totalling ``t``; ``links``: the
-    layout's (``links.layout_links``)."""
+    layout's (``links.layout_links``).  Each technique's module gives its term."""
     p, m, v = layout.pp, layout.num_microbatches, layout.v
     again = 1 + split_fraction(layout.schedule, p, m, v)  # the weight steps recompute again
     per_stage = (t.work_s + again * t.recompute_s) / p
-    slots = float(m) if p == 1 or simulated_bubble(layout) else m + (p - 1) / v
-    dense, experts = t.dense_params / p, t.expert_params / p
-    if layout.zero >= 1:
-        optimizer_params = dense / layout.replicas + experts / layout.expert_replicas
-    else:
-        optimizer_params = dense + experts
-    return (slots * per_stage
-            + memory_s(cluster, optimizer_params * ADAM_BYTES_PER_PARAM)
-            + grad_accumulation_s(dense, layout, cluster, ctx, layout.replicas)
-            + grad_accumulation_s(experts, layout, cluster, ctx, layout.expert_replicas)
-            + t.tp_sync_s / p
-            + dp_sync_floor_s(dense, experts, layout, links, ctx))
+    return (pipeline_slots(layout) * per_stage + t.tp_sync_s / p
+            + iteration_floor_s(t.dense_params / p, t.expert_params / p, layout, links, cluster, ctx))
 
 
 def memory_bound_bytes(t: UnitTotals, layout: Layout, ctx: PassContext) -> float:
@@ -112,10 +95,4 @@ def memory_bound_bytes(t: UnitTotals, layout: Layout, ctx: PassContext) -> float
     return (state + fewest_in_flight(layout.schedule, p, m, layout.v, layout.group) * t.activation_bytes) / p
 
 
-@functools.lru_cache(maxsize=4096)
-def fewest_in_flight(schedule: str, p: int, m: int, v: int, group: int) -> float:
-    """The fewest micro-batches' worth of activations any of the ``p`` ranks holds at once (``residue`` 0)."""
-    return min(in_flight_microbatches(schedule, k, p, m, v, 0.0, group) for k in range(p))
-
-
-__all__ = ["UnitTotals", "fewest_in_flight", "memory_bound_bytes", "time_bound_s", "unit_totals"]
+__all__ = ["UnitTotals", "memory_bound_bytes", "time_bound_s", "unit_totals"]

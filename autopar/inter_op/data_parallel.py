@@ -138,6 +138,25 @@ def grad_accumulation_s(local_params: float, layout: Layout, cluster: Cluster, c
     shard = replicas if layout.zero >= 2 and replicas > 1 and not whole else 1
     return (layout.num_microbatches - 1) * memory_s(cluster, 3 * local_params * fw.main_grad_bytes / shard)
 
+def optimizer_params(local_params: float, expert_params: float, layout: Layout) -> float:
+    """Parameters whose optimizer state one device updates, of ``local_params`` of which ``expert_params`` are
+    expert-parallel experts: its ZeRO shard (the dense ones over dp x cp, the experts over dp / ep)."""
+    if layout.zero < 1:
+        return local_params
+    return (local_params - expert_params) / layout.replicas + expert_params / layout.expert_replicas
+
+
+def iteration_floor_s(dense_params: float, expert_params: float, layout: Layout, links: Links, cluster: Cluster,
+                      ctx: PassContext) -> float:
+    """ZeRO's bound term: the optimizer step, the gradient accumulation and the unhidden dp traffic of a stage
+    holding ``dense_params`` and ``expert_params`` local parameters (the mean stage's: each grows with them)."""
+    updated = (dense_params / layout.replicas + expert_params / layout.expert_replicas if layout.zero >= 1
+               else dense_params + expert_params)  # ``optimizer_params``, without rounding dense + experts - experts
+    return (memory_s(cluster, updated * ADAM_BYTES_PER_PARAM)
+            + grad_accumulation_s(dense_params, layout, cluster, ctx, layout.replicas)
+            + grad_accumulation_s(expert_params, layout, cluster, ctx, layout.expert_replicas)
+            + dp_sync_floor_s(dense_params, expert_params, layout, links, ctx))
+
 
 __all__ = [
     "ADAM_BYTES_PER_PARAM",

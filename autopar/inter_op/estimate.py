@@ -68,6 +68,7 @@ from autopar.inter_op.data_parallel import (
     dp_sync_exposed,
     gathered_weight_bytes,
     grad_accumulation_s,
+    optimizer_params,
     state_and_held_bytes,
     zero3_collectives,
 )
@@ -353,11 +354,6 @@ class StageCost:
                    rerun_s=sum(x.rerun_s for x in units), accumulate_s=accumulate_s, tp_sync_s=tp_sync_s,
                    local_params=local_params, expert_params=expert_params)
 
-    def optimizer_params(self, layout: Layout) -> float:
-        """Parameters whose optimizer state one device of the stage updates (its ZeRO shard)."""
-        if layout.zero < 1:
-            return self.local_params
-        return (self.local_params - self.expert_params) / layout.replicas + self.expert_params / layout.expert_replicas
 
     def parts(self, layout: Layout) -> dict[str, float]:
         """``StageEstimate.parts_s``: one micro-batch of ``time_s`` by what the stage does."""
@@ -444,7 +440,7 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
     bottleneck = max(range(p), key=lambda k: stage_times[k])
     bn = per_stage[bottleneck]
     accumulation_s = max(s.accumulate_s for s in per_stage)
-    local_opt = max(s.optimizer_params(layout) for s in per_stage)
+    local_opt = max(optimizer_params(s.local_params, s.expert_params, layout) for s in per_stage)
     optimizer_s = memory_s(cluster, local_opt * ADAM_BYTES_PER_PARAM)
     breakdown = {
         "compute_s": m * bn.compute_s + optimizer_s + accumulation_s,

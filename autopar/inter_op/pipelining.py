@@ -29,6 +29,7 @@ from autopar.solvers.pipeline import (
     SPLIT_BACKWARD,
     V_SHAPED,
     bubble_s,
+    in_flight_microbatches,
     simulate_pipeline,
     splits_backward,
 )
@@ -207,7 +208,22 @@ def p2p_s(boundary_bytes: float, layout: Layout, pp_link: AxisLink, tp_link: Axi
     split = send_recv_s(boundary_bytes / layout.tp, pp_link) + all_gather_s(boundary_bytes, tp_link)
     return split if fw.pp_scatter_gather_grads else (split + whole) / 2
 
+def pipeline_slots(layout: Layout) -> float:
+    """The fewest slots of the mean stage's time a pipeline takes (its bound term): ``m + (p - 1) / v`` for the
+    closed-form schedules (GPipe, 1F1B and interleaving: ``m t_max + (sum t - t_max) / v`` is at least that many
+    slots of ``sum t / p``), ``m`` for the simulated ones (every rank runs its ``m`` micro-batches one after
+    another)."""
+    p, m = layout.pp, layout.num_microbatches
+    return float(m) if p == 1 or simulated_bubble(layout) else m + (p - 1) / layout.v
+
+
+@functools.lru_cache(maxsize=4096)
+def fewest_in_flight(schedule: str, p: int, m: int, v: int, group: int) -> float:
+    """The fewest micro-batches' worth of activations any of the ``p`` ranks holds at once (``residue`` 0): with the
+    mean stage's activations, a bound of the fullest stage's memory."""
+    return min(in_flight_microbatches(schedule, k, p, m, v, 0.0, group) for k in range(p))
+
 
 __all__ = ["INTERLEAVE_V", "backward_run_s", "bubble_bound_s", "bubble_time_s", "check_fixed_pipeline",
-           "group_options", "group_runs", "interleaving_runs", "makespan_s", "op_times", "p2p_s", "schedule_options",
-           "schedule_refuses", "simulated_bubble"]
+           "fewest_in_flight", "group_options", "group_runs", "interleaving_runs", "makespan_s", "op_times", "p2p_s",
+           "pipeline_slots", "schedule_options", "schedule_refuses", "simulated_bubble"]
