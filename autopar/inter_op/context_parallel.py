@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from autopar.cluster import AxisLink
+from autopar.collectives import all_gather_s, reduce_scatter_s
 from autopar.framework import Framework
 from autopar.inter_op.unit_costs import UnitCost
 
@@ -71,5 +73,13 @@ def context_parallel_options(degrees: list[int], seq_len: int, fw: Framework) ->
     return [1] + [d for d in degrees if d > 1 and context_parallel_refuses(d, seq_len) is None
                   and seq_len // d >= MIN_CP_TOKENS]
 
+def kv_exchange_s(u: UnitCost, cp_link: AxisLink) -> tuple[float, float]:
+    """The all-gather of ``u``'s keys and values over the ``cp`` ranks (its forward's part) and, with the
+    reduce-scatter of their gradients, the whole exchange per micro-batch (not overlapped, as the runtime runs
+    them); zero with one rank."""
+    fwd = all_gather_s(u.attention_kv_bytes, cp_link)
+    return fwd, fwd + reduce_scatter_s(u.attention_kv_bytes, cp_link)
 
-__all__ = ["MIN_CP_TOKENS", "context_parallel_options", "context_parallel_refuses", "context_parallel_share"]
+
+__all__ = ["MIN_CP_TOKENS", "context_parallel_options", "context_parallel_refuses", "context_parallel_share",
+           "kv_exchange_s"]

@@ -157,6 +157,40 @@ def iteration_floor_s(dense_params: float, expert_params: float, layout: Layout,
             + grad_accumulation_s(expert_params, layout, cluster, ctx, layout.expert_replicas)
             + dp_sync_floor_s(dense_params, expert_params, layout, links, ctx))
 
+def unit_state_bytes(u: UnitCost, layout: Layout, ctx: PassContext) -> float:
+    """The state and step-time copies of ``u``'s parameters one device holds: the dense ones sharded over the dp x cp
+    replicas, the expert-parallel experts over the dp / ep ranks holding the same ones."""
+    experts = u.expert_params_local if layout.ep > 1 else 0.0  # with ep = 1 the experts are like the rest
+    return (state_and_held_bytes(u.params_local - experts, layout.replicas, layout, ctx)
+            + state_and_held_bytes(experts, layout.expert_replicas, layout, ctx))
+
+
+def zero3_unit_s(u: UnitCost, is_layer: bool, layout: Layout, links: Links, cluster: Cluster, ctx: PassContext,
+                 window_s: float) -> tuple[float, float]:
+    """ZeRO-3 on unit ``u`` per micro-batch: the time its gathers and gradient reduce-scatters add beside
+    ``window_s`` of its compute (all of it where the framework waits for each gather), and the bytes of gathered
+    weights (this unit's and the prefetched next one's) and one unsharded gradient alive while it runs."""
+    fw, dp = ctx.framework, layout.replicas
+    if layout.zero < 3 or dp <= 1 or u.params_local <= 0:
+        return 0.0, 0.0
+    experts = u.expert_params_local if layout.ep > 1 else 0.0
+    count, gathered = zero3_collectives(u, ctx)
+    copies = fw.list_collectives
+    gather = scatter = 0.0
+    expert_share = experts / u.params_local
+    for share, link in ((1 - expert_share, links.dp), (expert_share, links.expert_dp)):
+        if share > 0:  # the experts (wrapped on their own) over the ranks holding the same ones
+            gather += count * all_gather_s(share * gathered_weight_bytes(u, ctx) / count, link, copies)
+            scatter += count * reduce_scatter_s(share * u.params_local * fw.grad_reduce_bytes / count, link, copies)
+    gathers = 1 + (1 if fw.zero3_reshard_after_forward else 0)
+    if is_layer and layout.recompute == "full" and fw.zero3_unit != "block":
+        gathers += 1  # per-module runtimes release after every forward, the recomputed one too
+    comm = gathers * gather + scatter
+    zero3 = (overlapped_s(comm, window_s, compute_rate(cluster, links.dp, u.power)) if fw.zero3_prefetch
+             else comm)
+    zero3 += memory_s(cluster, u.params_local * fw.zero3_copy_bytes_per_param)
+    return zero3, 2 * gathered * ctx.precision.weight_bytes + gathered * fw.grad_reduce_bytes
+
 
 __all__ = [
     "ADAM_BYTES_PER_PARAM",

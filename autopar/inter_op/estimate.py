@@ -61,22 +61,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autopar.cluster import Cluster
-from autopar.collectives import all_gather_s, reduce_scatter_s
-from autopar.inter_op.context_parallel import context_parallel_share
+from autopar.inter_op.context_parallel import context_parallel_share, kv_exchange_s
 from autopar.inter_op.data_parallel import (
     ADAM_BYTES_PER_PARAM,
     dp_sync_exposed,
-    gathered_weight_bytes,
     grad_accumulation_s,
     optimizer_params,
-    state_and_held_bytes,
-    zero3_collectives,
+    unit_state_bytes,
+    zero3_unit_s,
 )
-from autopar.inter_op.expert_parallel import expert_exchange_s, expert_parallel_share
+from autopar.inter_op.expert_parallel import expert_exchange, expert_parallel_share
 from autopar.inter_op.layout import Layout
 from autopar.inter_op.links import Links, cached_axis_link, layout_links
-from autopar.inter_op.pipelining import bubble_bound_s, bubble_time_s, p2p_s
-from autopar.inter_op.recompute import layer_recompute, recompute_regathers
+from autopar.inter_op.pipelining import bubble_bound_s, bubble_time_s, p2p_s, split_backward_load
+from autopar.inter_op.recompute import layer_recompute, recompute_regathers, unit_recompute
+from autopar.inter_op.tp_overlap import exposed_tp_s
 from autopar.inter_op.unit_costs import POST, PRE, UnitCost, unit_sequence
 from autopar.interference import compute_rate, overlapped_s
 from autopar.ir import OpGraph
@@ -235,66 +234,29 @@ class SharedWork:
 
 def _unit_load(u: UnitCost, is_layer: bool, layout: Layout, links: Links, cluster: Cluster,
                ctx: PassContext) -> _UnitLoad:
-    fw, pol = ctx.framework, ctx.precision
+    """What one unit costs a stage per micro-batch under ``layout``: each technique's part of it, from its module."""
+    fw = ctx.framework
     # each pass costs the longer of the GPU's timeline and the host's issuing its ops ahead of it
     fwd, bwd = max(u.fwd_s, u.fwd_host_s), max(u.bwd_s, u.bwd_host_s)
     compute = fwd + bwd
-    mix = u.power
     tp = u.tp_fwd_s + u.tp_bwd_s
-    tp_exposed = tp
-    if fw.tp_comm_overlap and layout.sp:  # userbuffers run each collective under the GEMM it feeds
-        products = PowerMix(mix.tensor_s, mix.demand_s, 0.0)
-        rate = compute_rate(cluster, links.tp, products, fw.tp_overlap_comm_sms or None)
-        tp_exposed = overlapped_s(tp, u.product_s, rate)
+    tp_exposed = exposed_tp_s(u, layout, links.tp, cluster, fw)
     mode = layout.recompute if is_layer else "none"
-    rc = layer_recompute(u, mode, fw)
-    act, recompute = rc.saved_bytes, rc.time_s
-    if u.fwd_s > 0:  # re-issuing the recomputed ops on the host
-        recompute = max(recompute, u.fwd_host_s * min(1.0, rc.time_s / u.fwd_s))
-    extra = max(u.transient_bytes, rc.transient_bytes, u.forward_transient_bytes)
-    cp_fwd = all_gather_s(u.attention_kv_bytes, links.cp)
-    cp = cp_fwd + reduce_scatter_s(u.attention_kv_bytes, links.cp)
+    act, recompute, transient = unit_recompute(u, mode, fw)
+    extra = max(u.transient_bytes, transient, u.forward_transient_bytes)
+    cp_fwd, cp = kv_exchange_s(u, links.cp)
     if recompute_regathers(mode, fw):
         recompute += cp_fwd
-    ep_fwd = 0.0
-    if layout.ep > 1 and u.expert_fqns:
-        ep_fwd = expert_exchange_s(u.expert_dispatch_bytes, links.ep, cluster) \
-            + expert_exchange_s(u.expert_combine_bytes, links.ep, cluster)
-        extra = max(extra, u.forward_transient_bytes + 2 * max(u.expert_dispatch_bytes, u.expert_combine_bytes))
+    ep_fwd, ep_extra = expert_exchange(u, layout, links.ep, cluster)
+    if ep_fwd or ep_extra:
+        extra = max(extra, ep_extra)
         if mode in ("full", "op"):  # both re-run the forward's all-to-alls (they are no product or attention)
             recompute += ep_fwd
     ep = 2 * ep_fwd  # backward: the same exchanges of the gradients, in reverse
-    dp, z = layout.replicas, layout.zero
-    experts = u.expert_params_local if layout.ep > 1 else 0.0  # with ep = 1 the experts are like the rest
-    state = (state_and_held_bytes(u.params_local - experts, dp, layout, ctx)
-             + state_and_held_bytes(experts, layout.expert_replicas, layout, ctx))
-    zero3 = gathered_bytes = 0.0
-    if z >= 3 and dp > 1 and u.params_local > 0:
-        count, gathered = zero3_collectives(u, ctx)
-        copies = fw.list_collectives
-        gather = scatter = 0.0
-        expert_share = experts / u.params_local
-        for share, link in ((1 - expert_share, links.dp), (expert_share, links.expert_dp)):
-            if share > 0:  # the experts (wrapped on their own) over the ranks holding the same ones
-                gather += count * all_gather_s(share * gathered_weight_bytes(u, ctx) / count, link, copies)
-                scatter += count * reduce_scatter_s(share * u.params_local * fw.grad_reduce_bytes / count, link,
-                                                    copies)
-        gathers = 1 + (1 if fw.zero3_reshard_after_forward else 0)
-        if is_layer and layout.recompute == "full" and fw.zero3_unit != "block":
-            gathers += 1  # per-module runtimes release after every forward, the recomputed one too
-        comm = gathers * gather + scatter
-        zero3 = (overlapped_s(comm, compute + recompute, compute_rate(cluster, links.dp, mix)) if fw.zero3_prefetch
-                 else comm)
-        zero3 += memory_s(cluster, u.params_local * fw.zero3_copy_bytes_per_param)
-        # the gathered weights of this unit and the prefetched next one, and one unsharded gradient
-        gathered_bytes = 2 * gathered * pol.weight_bytes + gathered * fw.grad_reduce_bytes
-        extra += gathered_bytes
-    weight = rerun = residue = 0.0
-    if splits_backward(layout.schedule, layout.pp):
-        # the weight step is a second autograd pass: checkpointed regions recompute for it again, on the
-        # backwards the schedule splits (all but DualPipeV's whole ones)
-        weight, rerun, residue = u.bwd_weight_s + recompute, recompute, u.weight_grad_residue_bytes
-        recompute *= 1 + split_fraction(layout.schedule, layout.pp, layout.num_microbatches, layout.v)
+    state = unit_state_bytes(u, layout, ctx)
+    zero3, gathered_bytes = zero3_unit_s(u, is_layer, layout, links, cluster, ctx, compute + recompute)
+    extra += gathered_bytes
+    weight, rerun, residue, recompute = split_backward_load(u, layout, recompute)
     time = compute + tp_exposed + cp + ep + recompute + zero3
     tp_fwd = tp_exposed * u.tp_fwd_s / tp if tp > 0 else 0.0
     return _UnitLoad(time, compute, tp_exposed, tp_fwd, cp, cp_fwd, recompute, zero3, fwd, bwd, state, act,
@@ -353,7 +315,6 @@ class StageCost:
                    bwd_s=sum(x.bwd_s for x in units), weight_s=sum(x.weight_s for x in units),
                    rerun_s=sum(x.rerun_s for x in units), accumulate_s=accumulate_s, tp_sync_s=tp_sync_s,
                    local_params=local_params, expert_params=expert_params)
-
 
     def parts(self, layout: Layout) -> dict[str, float]:
         """``StageEstimate.parts_s``: one micro-batch of ``time_s`` by what the stage does."""

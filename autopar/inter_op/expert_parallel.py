@@ -23,6 +23,7 @@ from typing import Any
 from autopar.cluster import AxisLink, Cluster
 from autopar.collectives import all_to_all_s
 from autopar.errors import AutoparError
+from autopar.inter_op.layout import Layout
 from autopar.inter_op.unit_costs import UnitCost
 from autopar.intra_op.sharding_costs import Gemm
 from autopar.ir import OpGraph
@@ -124,7 +125,15 @@ def check_fixed_expert_parallel(graph: OpGraph, fixed: dict[str, Any]) -> None:
     if why:
         raise AutoparError(f"--fix {why}" if why.startswith("ep=") else f"--fix ep={ep}: {why}")
 
+def expert_exchange(u: UnitCost, layout: Layout, ep_link: AxisLink, cluster: Cluster) -> tuple[float, float]:
+    """``u``'s forward dispatch and combine over its ``ep`` group, and the memory they need while the unit runs
+    (its forward transients and both buffers); zeros without expert parallelism or experts."""
+    if layout.ep <= 1 or not u.expert_fqns:
+        return 0.0, 0.0
+    fwd = expert_exchange_s(u.expert_dispatch_bytes, ep_link, cluster) \
+        + expert_exchange_s(u.expert_combine_bytes, ep_link, cluster)
+    return fwd, u.forward_transient_bytes + 2 * max(u.expert_dispatch_bytes, u.expert_combine_bytes)
 
 
-__all__ = ["PERMUTE_PASSES", "check_fixed_expert_parallel", "expert_exchange_s", "expert_parallel_refuses",
-           "expert_parallel_share"]
+__all__ = ["PERMUTE_PASSES", "check_fixed_expert_parallel", "expert_exchange", "expert_exchange_s",
+           "expert_parallel_refuses", "expert_parallel_share"]

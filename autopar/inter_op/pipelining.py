@@ -23,6 +23,7 @@ from autopar.collectives import all_gather_s, send_recv_s
 from autopar.errors import AutoparError
 from autopar.framework import Framework
 from autopar.inter_op.layout import Layout
+from autopar.inter_op.unit_costs import UnitCost
 from autopar.passes.context import PassContext
 from autopar.solvers.pipeline import (
     MULTI_CHUNK,
@@ -31,6 +32,7 @@ from autopar.solvers.pipeline import (
     bubble_s,
     in_flight_microbatches,
     simulate_pipeline,
+    split_fraction,
     splits_backward,
 )
 
@@ -223,7 +225,18 @@ def fewest_in_flight(schedule: str, p: int, m: int, v: int, group: int) -> float
     mean stage's activations, a bound of the fullest stage's memory."""
     return min(in_flight_microbatches(schedule, k, p, m, v, 0.0, group) for k in range(p))
 
+def split_backward_load(u: UnitCost, layout: Layout, recompute_s: float) -> tuple[float, float, float, float]:
+    """A split backward's part of unit ``u``: its weight step, what that step recomputes again, what the unit holds
+    between its input and weight steps, and the recomputation with the weight steps' second pass (the weight step
+    is a second autograd pass: checkpointed regions recompute for it again, on the backwards the schedule splits,
+    all but DualPipeV's whole ones).  Zeros and ``recompute_s`` where the schedule does not split backwards."""
+    if not splits_backward(layout.schedule, layout.pp):
+        return 0.0, 0.0, 0.0, recompute_s
+    again = 1 + split_fraction(layout.schedule, layout.pp, layout.num_microbatches, layout.v)
+    return u.bwd_weight_s + recompute_s, recompute_s, u.weight_grad_residue_bytes, recompute_s * again
+
 
 __all__ = ["INTERLEAVE_V", "backward_run_s", "bubble_bound_s", "bubble_time_s", "check_fixed_pipeline",
            "fewest_in_flight", "group_options", "group_runs", "interleaving_runs", "makespan_s", "op_times", "p2p_s",
-           "pipeline_slots", "schedule_options", "schedule_refuses", "simulated_bubble"]
+           "pipeline_slots", "schedule_options", "schedule_refuses", "simulated_bubble",
+           "split_backward_load"]

@@ -43,5 +43,15 @@ def recompute_regathers(mode: str, fw: Framework) -> bool:
     but the products and attention (``autopar.runtime.recompute``), the all-gather among them."""
     return mode in ("full", "op") or (mode == "selective" and fw.selective_recompute == "attention_module")
 
+def unit_recompute(u: UnitCost, mode: str, fw: Framework) -> tuple[float, float, float]:
+    """``mode`` on unit ``u`` as a stage runs it: the bytes it keeps from forward to backward, the time its
+    recomputation takes (at least the host's re-issuing of the recomputed ops), and what is alive only while the
+    recomputation and backward run."""
+    rc = layer_recompute(u, mode, fw)
+    recompute = rc.time_s
+    if u.fwd_s > 0:  # re-issuing the recomputed ops on the host
+        recompute = max(recompute, u.fwd_host_s * min(1.0, rc.time_s / u.fwd_s))
+    return rc.saved_bytes, recompute, rc.transient_bytes
 
-__all__ = ["LayerRecompute", "layer_recompute", "recompute_regathers"]
+
+__all__ = ["LayerRecompute", "layer_recompute", "recompute_regathers", "unit_recompute"]
