@@ -410,7 +410,9 @@ def search(graph: OpGraph, cluster: Cluster, ctx: PassContext, global_batch: int
     counts = {k: sequence.count(k) for k in dict.fromkeys(sequence)}
     memo: dict[tuple, UnitTotals] = {}
     space = list(layouts(graph, cluster, global_batch, fixed, ctx.framework))
-    cache.solve_all([cache.solve_key(lay.tp, lay.mbs, lay.sp, v) for lay in space for v in VARIANTS], jobs)
+    if jobs > 1:  # one process solves each ILP when the queue first asks for it
+        cache.solve_all(sorted({cache.solve_key(lay.tp, lay.mbs, lay.sp, v) for lay in space for v in VARIANTS}),
+                        jobs)
     for layout in space:
         for variant in VARIANTS if layout.tp > 1 else VARIANTS[:1]:
             costs, strategies = cache.get(layout.tp, layout.mbs, layout.sp, variant)
