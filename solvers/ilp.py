@@ -33,6 +33,7 @@ import time
 from collections.abc import Iterator
 from typing import Literal
 
+from autopar.solvers.elimination import solve_by_elimination
 from autopar.solvers.evaluate import min_memory_bytes, objective_s
 from autopar.solvers.presolve import presolve
 from autopar.solvers.request import SolverRequest, SolverResult
@@ -67,8 +68,9 @@ def fold_additive_edges(request: SolverRequest) -> tuple[list[list[float]], list
     return cost, kept
 
 
-def solve_ilp(request: SolverRequest, backend: Backend = "cbc") -> SolverResult:
-    """Solve ``request`` with ``backend``; infeasible memory budgets report the minimum memory needed."""
+def solve_ilp(request: SolverRequest, backend: Backend = "cbc", eliminate: bool = True) -> SolverResult:
+    """Solve ``request`` exactly, by elimination where it is narrow enough (``eliminate``), else with ``backend``;
+    infeasible memory budgets report the minimum memory needed."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown solver backend {backend!r} (choose from {', '.join(BACKENDS)})")
     need = min_memory_bytes(request)
@@ -78,7 +80,9 @@ def solve_ilp(request: SolverRequest, backend: Backend = "cbc") -> SolverResult:
     broken = dataclasses.replace(request, node_cost_s=[[c + TIE_BREAK_S * k for k, c in enumerate(row)]
                                                        for row in request.node_cost_s])
     reduced = presolve(broken)
-    result = _solve_cpsat(reduced.request) if backend == "cpsat" else _solve_pulp(reduced.request, backend)
+    result = _solve_by_elimination(reduced.request) if eliminate else None
+    if result is None:
+        result = _solve_cpsat(reduced.request) if backend == "cpsat" else _solve_pulp(reduced.request, backend)
     if not result.choice:
         return result
     result = dataclasses.replace(result, choice=reduced.expand(result.choice, len(request.node_names)))
@@ -89,6 +93,17 @@ def solve_ilp(request: SolverRequest, backend: Backend = "cbc") -> SolverResult:
     bound = max(result.bound_s or floor, floor) if result.status != "optimal" else result.bound_s
     bound = None if bound is None else min(bound, obj)
     return dataclasses.replace(result, objective_s=obj, bound_s=bound)
+
+
+def _solve_by_elimination(request: SolverRequest) -> SolverResult | None:
+    t0 = time.perf_counter()
+    choice = solve_by_elimination(request)
+    if choice is None:
+        return None
+    obj = objective_s(request, choice)
+    return SolverResult(status="optimal", solver="elimination", choice=choice, objective_s=obj, bound_s=obj,
+                        solve_time_s=time.perf_counter() - t0, num_variables=request.num_variables,
+                        num_constraints=request.num_constraints)
 
 
 def _solve_pulp(request: SolverRequest, backend: Backend) -> SolverResult:

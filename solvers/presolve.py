@@ -75,19 +75,22 @@ def presolve(request: SolverRequest) -> Presolved:
     if budget is not None and sum(min(row) for row in request.memory_bytes) > budget + _MEMORY_TOL_BYTES:
         return _unreduced(request)  # infeasible: nothing to reduce (the solvers report it)
 
+    # each node's edges, in the order of ``edges`` (an insertion-ordered dict of its own)
+    touching: dict[int, dict[tuple[int, int], None]] = {i: {} for i in range(n)}
+    for e in edges:
+        touching[e[0]][e] = touching[e[1]][e] = None
+
     def neighbours(i: int) -> list[tuple[int, int]]:
-        return [e for e in edges if i in e]
+        return list(touching[i])
 
     def drop(i: int, gone: set[int]) -> None:
         for s in gone:
             del cost[i][s], memory[i][s]
-        for (a, b), m in edges.items():
-            if a == i:
-                for key in [k for k in m if k[0] in gone]:
-                    del m[key]
-            elif b == i:
-                for key in [k for k in m if k[1] in gone]:
-                    del m[key]
+        for (a, b) in touching[i]:
+            m = edges[(a, b)]
+            side = 0 if a == i else 1
+            for key in [k for k in m if k[side] in gone]:
+                del m[key]
 
     changed = True
     while changed:
@@ -114,6 +117,11 @@ def presolve(request: SolverRequest) -> Presolved:
             if len(others) not in (1, 2):
                 continue
             eliminated.append(_eliminate(i, others, cost, around, edges))
+            for a, b in around:
+                del touching[a][(a, b)], touching[b][(a, b)]
+            if len(others) == 2:
+                touching[others[0]].setdefault(others, None)
+                touching[others[1]].setdefault(others, None)
             if budget is not None:
                 budget -= next(iter(memory[i].values()))
             del cost[i], memory[i]

@@ -35,10 +35,11 @@ class SolverRequest:
                 raise ValueError(f"node {self.node_names[i]}: cost and memory rows differ or are empty")
         if len(self.edges) != len(self.edge_cost_s):
             raise ValueError("one cost matrix per edge")
+        counts = self.strategy_counts
         for (u, v), mat in zip(self.edges, self.edge_cost_s):
             if u == v:
                 raise ValueError("self-edges belong in node_cost_s")
-            if len(mat) != self.strategy_counts[u] or any(len(row) != self.strategy_counts[v] for row in mat):
+            if len(mat) != counts[u] or any(len(row) != counts[v] for row in mat):
                 raise ValueError(f"edge ({u}, {v}): matrix shape does not match the strategy counts")
 
     @property

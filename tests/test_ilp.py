@@ -1,4 +1,4 @@
-"""The ILP against brute force on random problems, and CBC against CP-SAT."""
+"""The ILP against brute force on random problems, and CBC against CP-SAT and against elimination."""
 
 from __future__ import annotations
 
@@ -31,12 +31,14 @@ def requests(draw) -> SolverRequest:
 @given(requests())
 def test_ilp_matches_brute_force_and_backends_agree(request):
     brute = solve_brute_force(request)
-    cbc = solve_ilp(request, "cbc")
-    cpsat = solve_ilp(request, "cpsat")
+    cbc = solve_ilp(request, "cbc", eliminate=False)
+    cpsat = solve_ilp(request, "cpsat", eliminate=False)
+    eliminated = solve_ilp(request)
     if brute.status == "infeasible":
-        assert cbc.status == cpsat.status == "infeasible"
+        assert cbc.status == cpsat.status == eliminated.status == "infeasible"
         return
-    for r in (cbc, cpsat):
+    assert eliminated.solver == "elimination" and eliminated.status == "optimal"
+    for r in (cbc, cpsat, eliminated):
         # the optimum is what matters: once in CI a tiny solve came back "feasible" with the right answer and
         # "optimal" on the rerun (hypothesis flagged it flaky), so either status passes if the optimum is right
         assert r.status in ("optimal", "feasible")
@@ -52,7 +54,7 @@ def test_hand_computed_three_node_chain():
                         memory_bytes=((0, 0), (0, 0), (0, 0)), edges=((0, 1), (1, 2)), edge_cost_s=(same, same))
     # all strategy 1: 2 + 1 + 1 = 4; all strategy 0: 1 + 5 + 1 = 7; mixing costs >= 10
     for backend in ("cbc", "highs", "cpsat"):
-        r = solve_ilp(req, backend)
+        r = solve_ilp(req, backend, eliminate=False)
         assert r.choice == (1, 1, 1) and r.objective_s == pytest.approx(4.0)
 
 
@@ -61,9 +63,8 @@ def test_exact_ties_go_to_the_lowest_index_on_every_backend():
     mirror = ((0.0, 3.0, 3.0), (3.0, 0.0, 3.0), (3.0, 3.0, 0.0))
     req = SolverRequest(node_names=("a", "b", "c", "d"), node_cost_s=((2, 1, 1), (1, 1, 1), (5, 5, 5), (1, 1, 1)),
                         memory_bytes=((0, 0, 0),) * 4, edges=((0, 1), (1, 2), (2, 3)), edge_cost_s=(mirror,) * 3)
-    for backend in ("cbc", "highs", "cpsat"):
-        r = solve_ilp(req, backend)
-        assert r.choice == (1, 1, 1, 1), backend
+    for r in [solve_ilp(req, backend, eliminate=False) for backend in ("cbc", "highs", "cpsat")] + [solve_ilp(req)]:
+        assert r.choice == (1, 1, 1, 1), r.solver
         assert r.objective_s == pytest.approx(8.0)  # reported without the tie-break
 
 
