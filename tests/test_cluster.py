@@ -112,7 +112,7 @@ def test_nvlink_domains_are_whole_nodes_and_tile_the_cluster(tmp_path):
 
 
 def test_tp_is_searched_inside_a_domain_and_across_only_on_a_fast_network():
-    from autopar.inter_op.search import tensor_parallel_degrees
+    from autopar.inter_op.tensor_parallel import tensor_parallel_degrees
 
     assert tensor_parallel_degrees(load_cluster("a100-80gb").with_overrides(gpus=64)) == [1, 2, 4, 8]
     assert tensor_parallel_degrees(load_cluster("gb200-nvl72").with_overrides(gpus=144))[-3:] == [24, 36, 72]

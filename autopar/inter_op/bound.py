@@ -17,36 +17,23 @@ memory limit.  Every term here is a value that term can never go below, whatever
 - **memory**: a stage holds its state and ``in_flight`` micro-batches of its activations, so the fullest stage
   holds at least the mean of the state plus the fewest in flight times the activations.
 
-``tests/test_bound.py`` checks on random layouts of several models that the bounds never exceed the estimate.
+Each term comes from its technique's module (``Technique.time_bound_s`` and ``memory_bound_bytes``: tensor
+parallelism's gradient sync, data parallelism's floor and state, the pipeline schedule's slots and activations in
+flight); the bounds are their sums.  ``tests/test_bound.py`` checks on random layouts of several models that the
+bounds never exceed the estimate.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from autopar.cluster import Cluster
-from autopar.inter_op.data_parallel import iteration_floor_s, state_and_held_bytes
+from autopar.inter_op import techniques
 from autopar.inter_op.estimate import tied_params
 from autopar.inter_op.layout import Layout
 from autopar.inter_op.links import Links
-from autopar.inter_op.pipelining import fewest_in_flight, pipeline_slots
 from autopar.inter_op.recompute import layer_recompute
+from autopar.inter_op.technique import UnitTotals
 from autopar.inter_op.unit_costs import POST, PRE, UnitCost
 from autopar.passes.context import PassContext
-from autopar.solvers.pipeline import split_fraction
-
-
-@dataclass(frozen=True, slots=True)
-class UnitTotals:
-    """Sums over the unit sequence (each unit as often as it occurs) of one micro-batch on one rank."""
-
-    work_s: float  # forward and backward at the longer of the GPU and host timelines, unhidden tp communication
-    recompute_s: float  # the layers' recomputation under the layout's mode
-    tp_sync_s: float  # per iteration: gradients of parameters replicated on tp but computed split
-    dense_params: float  # local parameters outside expert-parallel experts
-    expert_params: float  # local parameters of expert-parallel experts (0 with ep = 1)
-    activation_bytes: float  # saved for backward under the layout's recomputation mode
-    tied_params: float  # local parameters ``pre`` and ``post`` share (tied embeddings)
 
 
 def unit_totals(costs: dict[str, UnitCost], counts: dict[str, int], layout: Layout, ctx: PassContext) -> UnitTotals:
@@ -74,25 +61,17 @@ def unit_totals(costs: dict[str, UnitCost], counts: dict[str, int], layout: Layo
 
 def time_bound_s(t: UnitTotals, layout: Layout, cluster: Cluster, ctx: PassContext, links: Links) -> float:
     """A lower bound of ``estimate_layout``'s iteration time for ``layout`` on units totalling ``t``; ``links``: the
-    layout's (``links.layout_links``).  Each technique's module gives its term."""
-    p, m, v = layout.pp, layout.num_microbatches, layout.v
-    again = 1 + split_fraction(layout.schedule, p, m, v)  # the weight steps recompute again
-    per_stage = (t.work_s + again * t.recompute_s) / p
-    return (pipeline_slots(layout) * per_stage + t.tp_sync_s / p
-            + iteration_floor_s(t.dense_params / p, t.expert_params / p, layout, links, cluster, ctx))
+    layout's (``links.layout_links``).  The sum of the registered techniques' terms."""
+    return sum(technique.time_bound_s(t, layout, links, cluster, ctx) for technique in techniques.TECHNIQUES
+               if technique.time_bound_s is not None)
 
 
 def memory_bound_bytes(t: UnitTotals, layout: Layout, ctx: PassContext) -> float:
     """A lower bound of the fullest stage's memory for ``layout``, less what ``estimate_layout`` adds to the budget
     (the tied parameters one stage holding both ends counts once): the layout cannot fit where this exceeds the
-    memory budget."""
-    p, m = layout.pp, layout.num_microbatches
-    state = (state_and_held_bytes(t.dense_params, layout.replicas, layout, ctx)
-             + state_and_held_bytes(t.expert_params, layout.expert_replicas, layout, ctx))
-    if p == 1:
-        tie = state_and_held_bytes(t.tied_params, layout.replicas, layout, ctx)
-        return state + t.activation_bytes - tie
-    return (state + fewest_in_flight(layout.schedule, p, m, layout.v, layout.group) * t.activation_bytes) / p
+    memory budget.  The sum of the registered techniques' terms."""
+    return sum(technique.memory_bound_bytes(t, layout, ctx) for technique in techniques.TECHNIQUES
+               if technique.memory_bound_bytes is not None)
 
 
 __all__ = ["UnitTotals", "memory_bound_bytes", "time_bound_s", "unit_totals"]

@@ -16,11 +16,17 @@ thousands of tokens, where the launches are a small part of every op.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 
-from autopar.cluster import AxisLink
+from autopar.cluster import AxisLink, Cluster
 from autopar.collectives import all_gather_s, reduce_scatter_s
+from autopar.errors import AutoparError
 from autopar.framework import Framework
+from autopar.inter_op.layout import Layout
+from autopar.inter_op.recompute import recompute_regathers
+from autopar.inter_op.technique import Partial, SearchSpace, Technique, UnitLoadDraft, divisors
 from autopar.inter_op.unit_costs import UnitCost
+from autopar.ir import OpGraph
 
 #: Fields of ``UnitCost`` proportional to the tokens one rank processes.
 _PER_TOKEN = (
@@ -81,5 +87,31 @@ def kv_exchange_s(u: UnitCost, cp_link: AxisLink) -> tuple[float, float]:
     return fwd, fwd + reduce_scatter_s(u.attention_kv_bytes, cp_link)
 
 
-__all__ = ["MIN_CP_TOKENS", "context_parallel_options", "context_parallel_refuses", "context_parallel_share",
-           "kv_exchange_s"]
+def _expand(space: SearchSpace, p: Partial) -> Iterator[Partial]:
+    ranks = space.gpus // p["tp"]  # what tp leaves for cp x pp x dp
+    options = context_parallel_options(divisors(space.gpus), space.seq_len, space.fw)
+    for cp in space.allowed("cp", [d for d in options if ranks % d == 0]):
+        if ranks % cp == 0:
+            yield {**p, "cp": cp}
+
+
+def _check_fixed(space: SearchSpace, graph: OpGraph) -> None:
+    if (why := context_parallel_refuses(space.fixed.get("cp", 1), space.seq_len)) is not None:
+        raise AutoparError(f"--fix {why}")
+
+
+def _share(u: UnitCost, layout: Layout, cluster: Cluster) -> UnitCost:
+    return context_parallel_share(u, layout.cp)
+
+
+def _unit_step(d: UnitLoadDraft) -> None:
+    d.cp_fwd_s, d.cp_s = kv_exchange_s(d.u, d.links.cp)
+    if recompute_regathers(d.mode, d.ctx.framework):
+        d.recompute_s += d.cp_fwd_s
+
+
+TECHNIQUE = Technique("context_parallel", ("cp",), expand=_expand, check_fixed=_check_fixed, share=_share,
+                      shares_at=lambda layout: layout.cp, unit_step=_unit_step)
+
+__all__ = ["MIN_CP_TOKENS", "TECHNIQUE", "context_parallel_options", "context_parallel_refuses",
+           "context_parallel_share", "kv_exchange_s"]

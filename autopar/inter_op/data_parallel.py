@@ -11,13 +11,18 @@ that part is priced with each unit (``estimate._unit_load``).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from autopar.cluster import AxisLink, Cluster
 from autopar.collectives import all_gather_s, all_reduce_s, bucketed_s, reduce_scatter_s
+from autopar.errors import AutoparError
 from autopar.framework import Framework
 from autopar.inter_op.layout import Layout
 from autopar.inter_op.links import Links
+from autopar.inter_op.technique import Partial, SearchSpace, Technique, UnitLoadDraft, UnitTotals, divisors
 from autopar.inter_op.unit_costs import UnitCost
 from autopar.interference import compute_rate, overlapped_s
+from autopar.ir import OpGraph
 from autopar.kernels import memory_s
 from autopar.passes.context import PassContext
 from autopar.power import NO_POWER, PowerMix
@@ -192,8 +197,64 @@ def zero3_unit_s(u: UnitCost, is_layer: bool, layout: Layout, links: Links, clus
     return zero3, 2 * gathered * ctx.precision.weight_bytes + gathered * fw.grad_reduce_bytes
 
 
+#: The largest micro-batch the search offers (samples per data-parallel rank per micro-batch).
+MAX_MBS = 16
+
+
+def _expand_micro_batches(space: SearchSpace, p: Partial) -> Iterator[Partial]:
+    dp, batch = p["dp"], space.global_batch
+    for mbs in space.allowed("mbs", [d for d in divisors(batch // dp) if d <= MAX_MBS]):
+        if batch % (dp * mbs) == 0:
+            yield {**p, "mbs": mbs, "num_microbatches": batch // (dp * mbs)}
+
+
+def _check_fixed_micro_batches(space: SearchSpace, graph: OpGraph) -> None:
+    fixed, batch = space.fixed, space.global_batch
+    if "dp" in fixed and batch % fixed["dp"]:
+        raise AutoparError(f"global batch {batch} is not divisible by dp={fixed['dp']}")
+    if "dp" in fixed and "mbs" in fixed and batch % (fixed["dp"] * fixed["mbs"]):
+        raise AutoparError(f"global batch {batch} is not divisible by dp*mbs = {fixed['dp'] * fixed['mbs']}")
+
+
+def _expand_zero(space: SearchSpace, p: Partial) -> Iterator[Partial]:
+    for zero in space.allowed("zero", zero_options(p["dp"], p["pp"], space.fw)):
+        yield {**p, "zero": zero}
+
+
+def _unit_step(d: UnitLoadDraft) -> None:
+    d.state_bytes = unit_state_bytes(d.u, d.layout, d.ctx)
+    d.zero3_exposed_s, d.gathered_bytes = zero3_unit_s(d.u, d.is_layer, d.layout, d.links, d.cluster, d.ctx,
+                                                       d.compute_s + d.recompute_s)
+    d.extra_bytes += d.gathered_bytes
+
+
+def _time_bound_s(t: UnitTotals, layout: Layout, links: Links, cluster: Cluster, ctx: PassContext) -> float:
+    p = layout.pp  # at the mean stage's parameters
+    return iteration_floor_s(t.dense_params / p, t.expert_params / p, layout, links, cluster, ctx)
+
+
+def _memory_bound_bytes(t: UnitTotals, layout: Layout, ctx: PassContext) -> float:
+    """The mean stage's state at the ZeRO level; one stage holds the tied parameters once (``estimate_layout``
+    adds them back to the budget)."""
+    state = (state_and_held_bytes(t.dense_params, layout.replicas, layout, ctx)
+             + state_and_held_bytes(t.expert_params, layout.expert_replicas, layout, ctx))
+    if layout.pp == 1:
+        return state - state_and_held_bytes(t.tied_params, layout.replicas, layout, ctx)
+    return state / layout.pp
+
+
+#: Micro-batching: ``mbs`` samples per data-parallel rank and micro-batch, so ``B / (dp * mbs)`` micro-batches.
+MICRO_BATCHES = Technique("micro_batches", ("mbs", "num_microbatches"), expand=_expand_micro_batches,
+                          check_fixed=_check_fixed_micro_batches)
+#: Data parallelism's ZeRO level, its state, ZeRO-3's per-unit traffic and the per-iteration floor.
+TECHNIQUE = Technique("data_parallel", ("zero",), expand=_expand_zero, unit_step=_unit_step,
+                      time_bound_s=_time_bound_s, memory_bound_bytes=_memory_bound_bytes)
+
 __all__ = [
     "ADAM_BYTES_PER_PARAM",
+    "MAX_MBS",
+    "MICRO_BATCHES",
+    "TECHNIQUE",
     "dp_sync_exposed",
     "dp_sync_floor_s",
     "gathered_weight_bytes",

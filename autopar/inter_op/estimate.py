@@ -61,21 +61,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autopar.cluster import Cluster
-from autopar.inter_op.context_parallel import context_parallel_share, kv_exchange_s
+from autopar.inter_op import techniques
 from autopar.inter_op.data_parallel import (
     ADAM_BYTES_PER_PARAM,
     dp_sync_exposed,
     grad_accumulation_s,
     optimizer_params,
-    unit_state_bytes,
-    zero3_unit_s,
 )
-from autopar.inter_op.expert_parallel import expert_exchange, expert_parallel_share
 from autopar.inter_op.layout import Layout
 from autopar.inter_op.links import Links, cached_axis_link, layout_links
-from autopar.inter_op.pipelining import bubble_bound_s, bubble_time_s, p2p_s, split_backward_load
-from autopar.inter_op.recompute import layer_recompute, recompute_regathers, unit_recompute
-from autopar.inter_op.tp_overlap import exposed_tp_s
+from autopar.inter_op.pipelining import bubble_bound_s, bubble_time_s, p2p_s
+from autopar.inter_op.recompute import layer_recompute
+from autopar.inter_op.technique import UnitLoadDraft
 from autopar.inter_op.unit_costs import POST, PRE, UnitCost, unit_sequence
 from autopar.interference import compute_rate, overlapped_s
 from autopar.ir import OpGraph
@@ -207,15 +204,16 @@ class SharedWork:
 
     def shares(self, costs: dict[str, UnitCost], layout: Layout, cluster: Cluster) -> dict[str, UnitCost]:
         """``costs`` as one of ``layout.cp`` context-parallel (``layout.ep`` expert-parallel) ranks runs them."""
-        if layout.cp <= 1 and layout.ep <= 1:
+        sharing = [t for t in techniques.TECHNIQUES if t.share is not None and t.shares_at is not None]
+        degrees = tuple(t.shares_at(layout) for t in sharing)  # type: ignore[misc]
+        if all(d <= 1 for d in degrees):
             return costs
-        key = (id(costs), layout.cp, layout.ep)
+        key = (id(costs), degrees)
         if key not in self._shares:
             out = costs
-            if layout.cp > 1:
-                out = {k: context_parallel_share(u, layout.cp) for k, u in out.items()}
-            if layout.ep > 1:
-                out = {k: expert_parallel_share(u, layout.ep, cluster) for k, u in out.items()}
+            for t, degree in zip(sharing, degrees, strict=True):
+                if degree > 1:
+                    out = {k: t.share(u, layout, cluster) for k, u in out.items()}  # type: ignore[misc]
             self._shares[key] = (costs, out)
         return self._shares[key][1]
 
@@ -234,34 +232,17 @@ class SharedWork:
 
 def _unit_load(u: UnitCost, is_layer: bool, layout: Layout, links: Links, cluster: Cluster,
                ctx: PassContext) -> _UnitLoad:
-    """What one unit costs a stage per micro-batch under ``layout``: each technique's part of it, from its module."""
-    fw = ctx.framework
-    # each pass costs the longer of the GPU's timeline and the host's issuing its ops ahead of it
-    fwd, bwd = max(u.fwd_s, u.fwd_host_s), max(u.bwd_s, u.bwd_host_s)
-    compute = fwd + bwd
-    tp = u.tp_fwd_s + u.tp_bwd_s
-    tp_exposed = exposed_tp_s(u, layout, links.tp, cluster, fw)
-    mode = layout.recompute if is_layer else "none"
-    act, recompute, transient = unit_recompute(u, mode, fw)
-    extra = max(u.transient_bytes, transient, u.forward_transient_bytes)
-    cp_fwd, cp = kv_exchange_s(u, links.cp)
-    if recompute_regathers(mode, fw):
-        recompute += cp_fwd
-    ep_fwd, ep_extra = expert_exchange(u, layout, links.ep, cluster)
-    if ep_fwd or ep_extra:
-        extra = max(extra, ep_extra)
-        if mode in ("full", "op"):  # both re-run the forward's all-to-alls (they are no product or attention)
-            recompute += ep_fwd
-    ep = 2 * ep_fwd  # backward: the same exchanges of the gradients, in reverse
-    state = unit_state_bytes(u, layout, ctx)
-    zero3, gathered_bytes = zero3_unit_s(u, is_layer, layout, links, cluster, ctx, compute + recompute)
-    extra += gathered_bytes
-    weight, rerun, residue, recompute = split_backward_load(u, layout, recompute)
-    time = compute + tp_exposed + cp + ep + recompute + zero3
-    tp_fwd = tp_exposed * u.tp_fwd_s / tp if tp > 0 else 0.0
-    return _UnitLoad(time, compute, tp_exposed, tp_fwd, cp, cp_fwd, recompute, zero3, fwd, bwd, state, act,
-                     extra, gathered_bytes, weight, rerun, residue, u.product_s, u.attention_s, u.fp8_cast_s, ep,
-                     ep_fwd, u.power)
+    """What one unit costs a stage per micro-batch under ``layout``: each technique's part of it, folded in the
+    registry's order (``autopar.inter_op.techniques``)."""
+    d = UnitLoadDraft.start(u, is_layer, layout, links, cluster, ctx)
+    for technique in techniques.TECHNIQUES:
+        if technique.unit_step is not None:
+            technique.unit_step(d)
+    time = d.compute_s + d.tp_s + d.cp_s + d.ep_s + d.recompute_s + d.zero3_exposed_s
+    return _UnitLoad(time, d.compute_s, d.tp_s, d.tp_fwd_s, d.cp_s, d.cp_fwd_s, d.recompute_s, d.zero3_exposed_s,
+                     d.fwd_s, d.bwd_s, d.state_bytes, d.activation_bytes, d.extra_bytes, d.gathered_bytes, d.weight_s,
+                     d.rerun_s, d.residue_bytes, u.product_s, u.attention_s, u.fp8_cast_s, d.ep_s, d.ep_fwd_s,
+                     u.power)
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,12 +18,14 @@ weights (few slots each) reads ``1 / ep`` of them.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
 from autopar.cluster import AxisLink, Cluster
 from autopar.collectives import all_to_all_s
 from autopar.errors import AutoparError
 from autopar.inter_op.layout import Layout
+from autopar.inter_op.technique import Partial, SearchSpace, Technique, UnitLoadDraft, divisors
 from autopar.inter_op.unit_costs import UnitCost
 from autopar.intra_op.sharding_costs import Gemm
 from autopar.ir import OpGraph
@@ -135,5 +137,36 @@ def expert_exchange(u: UnitCost, layout: Layout, ep_link: AxisLink, cluster: Clu
     return fwd, u.forward_transient_bytes + 2 * max(u.expert_dispatch_bytes, u.expert_combine_bytes)
 
 
-__all__ = ["PERMUTE_PASSES", "check_fixed_expert_parallel", "expert_exchange", "expert_exchange_s",
+def _expand(space: SearchSpace, p: Partial) -> Iterator[Partial]:
+    dp, cp, tp, sp = p["dp"], p["cp"], p["tp"], p["sp"]
+    experts = space.experts
+    for ep in space.allowed("ep", [d for d in divisors(dp) if experts % d == 0] if experts and cp == 1 else [1]):
+        if ep > 1 and sp and "sp" not in space.fixed:
+            continue  # sequence parallelism is offered beside expert parallelism only when pinned (and refused)
+        if expert_parallel_refuses(ep, dp, cp, tp, sp) is None:
+            yield {**p, "ep": ep}
+
+
+def _check_fixed(space: SearchSpace, graph: OpGraph) -> None:
+    if space.fixed.get("ep", 1) > 1:
+        check_fixed_expert_parallel(graph, dict(space.fixed))
+
+
+def _share(u: UnitCost, layout: Layout, cluster: Cluster) -> UnitCost:
+    return expert_parallel_share(u, layout.ep, cluster)
+
+
+def _unit_step(d: UnitLoadDraft) -> None:
+    ep_fwd, ep_extra = expert_exchange(d.u, d.layout, d.links.ep, d.cluster)
+    if ep_fwd or ep_extra:
+        d.extra_bytes = max(d.extra_bytes, ep_extra)
+        if d.mode in ("full", "op"):  # both re-run the forward's all-to-alls (they are no product or attention)
+            d.recompute_s += ep_fwd
+    d.ep_fwd_s, d.ep_s = ep_fwd, 2 * ep_fwd  # backward: the same exchanges of the gradients, in reverse
+
+
+TECHNIQUE = Technique("expert_parallel", ("ep",), expand=_expand, check_fixed=_check_fixed, share=_share,
+                      shares_at=lambda layout: layout.ep, unit_step=_unit_step)
+
+__all__ = ["PERMUTE_PASSES", "TECHNIQUE", "check_fixed_expert_parallel", "expert_exchange", "expert_exchange_s",
            "expert_parallel_refuses", "expert_parallel_share"]

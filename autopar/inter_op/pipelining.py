@@ -16,14 +16,18 @@ search's space (``search.layouts``) and for the errors of pinned values (``searc
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 from typing import Any
 
-from autopar.cluster import AxisLink
+from autopar.cluster import AxisLink, Cluster
 from autopar.collectives import all_gather_s, send_recv_s
 from autopar.errors import AutoparError
 from autopar.framework import Framework
 from autopar.inter_op.layout import Layout
+from autopar.inter_op.links import Links
+from autopar.inter_op.technique import Partial, SearchSpace, Technique, UnitLoadDraft, UnitTotals, divisors
 from autopar.inter_op.unit_costs import UnitCost
+from autopar.ir import OpGraph
 from autopar.passes.context import PassContext
 from autopar.solvers.pipeline import (
     MULTI_CHUNK,
@@ -236,7 +240,63 @@ def split_backward_load(u: UnitCost, layout: Layout, recompute_s: float) -> tupl
     return u.bwd_weight_s + recompute_s, recompute_s, u.weight_grad_residue_bytes, recompute_s * again
 
 
-__all__ = ["INTERLEAVE_V", "backward_run_s", "bubble_bound_s", "bubble_time_s", "check_fixed_pipeline",
-           "fewest_in_flight", "group_options", "group_runs", "interleaving_runs", "makespan_s", "op_times", "p2p_s",
-           "pipeline_slots", "schedule_options", "schedule_refuses", "simulated_bubble",
-           "split_backward_load"]
+def _expand_stages(space: SearchSpace, p: Partial) -> Iterator[Partial]:
+    rest = space.gpus // (p["tp"] * p["cp"])  # pp x dp
+    for pp in space.allowed("pp", [d for d in divisors(rest) if d <= space.layers]):
+        if rest % pp:
+            continue
+        dp = rest // pp
+        if ("dp" in space.fixed and space.fixed["dp"] != dp) or space.global_batch % dp:
+            continue
+        yield {**p, "pp": pp, "dp": dp}
+
+
+def _check_fixed_stages(space: SearchSpace, graph: OpGraph) -> None:
+    if "pp" in space.fixed and space.fixed["pp"] > space.layers:
+        raise AutoparError(f"--fix pp={space.fixed['pp']} exceeds the {len(graph.layers)} layers")
+
+
+def _expand_schedule(space: SearchSpace, p: Partial) -> Iterator[Partial]:
+    pp, m = p["pp"], p["num_microbatches"]
+    for schedule, v in schedule_options(pp, m, space.layers, dict(space.fixed), space.fw):
+        if schedule_refuses(schedule, pp, recompute=p["recompute"]) or schedule_refuses(schedule, pp, zero=p["zero"]):
+            continue
+        for group in group_options(schedule, pp, m, dict(space.fixed), space.fw):
+            yield {**p, "schedule": schedule, "v": v, "group": group}
+
+
+def _check_fixed_schedule(space: SearchSpace, graph: OpGraph) -> None:
+    check_fixed_pipeline(space.layers, space.global_batch, dict(space.fixed))
+
+
+def _unit_step(d: UnitLoadDraft) -> None:
+    d.weight_s, d.rerun_s, d.residue_bytes, d.recompute_s = split_backward_load(d.u, d.layout, d.recompute_s)
+
+
+def _time_bound_s(t: UnitTotals, layout: Layout, links: Links, cluster: Cluster, ctx: PassContext) -> float:
+    """The mean stage's work in the balanced pipeline's slots (the weight steps recompute again)."""
+    p, m, v = layout.pp, layout.num_microbatches, layout.v
+    again = 1 + split_fraction(layout.schedule, p, m, v)
+    return pipeline_slots(layout) * ((t.work_s + again * t.recompute_s) / p)
+
+
+def _memory_bound_bytes(t: UnitTotals, layout: Layout, ctx: PassContext) -> float:
+    """The mean stage's activations, of the fewest micro-batches any stage holds at once."""
+    p = layout.pp
+    if p == 1:
+        return t.activation_bytes
+    return fewest_in_flight(layout.schedule, p, layout.num_microbatches, layout.v, layout.group) * \
+        t.activation_bytes / p
+
+
+#: Pipeline stages: ``pp`` (at most the layers) and with it ``dp``, what the other axes leave.
+STAGES = Technique("pipeline_stages", ("pp", "dp"), expand=_expand_stages, check_fixed=_check_fixed_stages)
+#: The pipeline schedule, its chunks per rank and its micro-batch groups.
+TECHNIQUE = Technique("pipeline_schedule", ("schedule", "v", "group"), expand=_expand_schedule,
+                      check_fixed=_check_fixed_schedule, unit_step=_unit_step, time_bound_s=_time_bound_s,
+                      memory_bound_bytes=_memory_bound_bytes)
+
+__all__ = ["INTERLEAVE_V", "STAGES", "TECHNIQUE", "backward_run_s", "bubble_bound_s", "bubble_time_s",
+           "check_fixed_pipeline", "fewest_in_flight", "group_options", "group_runs", "interleaving_runs",
+           "makespan_s", "op_times", "p2p_s", "pipeline_slots", "schedule_options", "schedule_refuses",
+           "simulated_bubble", "split_backward_load"]

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from autopar.framework import Framework
+from autopar.inter_op.layout import RECOMPUTE
+from autopar.inter_op.technique import Partial, SearchSpace, Technique, UnitLoadDraft
 from autopar.inter_op.unit_costs import UnitCost
 
 
@@ -54,4 +57,16 @@ def unit_recompute(u: UnitCost, mode: str, fw: Framework) -> tuple[float, float,
     return rc.saved_bytes, recompute, rc.transient_bytes
 
 
-__all__ = ["LayerRecompute", "layer_recompute", "recompute_regathers", "unit_recompute"]
+def _expand(space: SearchSpace, p: Partial) -> Iterator[Partial]:
+    for mode in space.allowed("recompute", list(RECOMPUTE)):
+        yield {**p, "recompute": mode}
+
+
+def _unit_step(d: UnitLoadDraft) -> None:
+    d.activation_bytes, d.recompute_s, transient = unit_recompute(d.u, d.mode, d.ctx.framework)
+    d.extra_bytes = max(d.extra_bytes, transient)
+
+
+TECHNIQUE = Technique("recompute", ("recompute",), expand=_expand, unit_step=_unit_step)
+
+__all__ = ["TECHNIQUE", "LayerRecompute", "layer_recompute", "recompute_regathers", "unit_recompute"]

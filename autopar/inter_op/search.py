@@ -1,21 +1,20 @@
 """The inter-op search: every layout of N devices, estimated on unit costs from the intra-op ILP.
 
-Search space (each key can be pinned with ``fixed``); each technique's rules live in its module, the one source
-for this space, for the errors of pinned values (``check_fixed``) and, where the runtime checks them too, for
+Search space (each key can be pinned with ``fixed``): the registered techniques
+(``autopar.inter_op.techniques``) set their knobs in turn, each under the rules of its module, the one source for
+this space, for the errors of pinned values (``check_fixed``) and, where the runtime checks them too, for
 ``autopar.runtime.support``:
 
-- mesh ``pp x dp x cp x tp = N``; ``tp`` tiling an NVLink domain (a node, or a rack-scale domain such as
-  GB200 NVL72's), across domains only where the network is nearly as fast (``tensor_parallel_degrees``;
-  a pinned ``tp`` may cross them anyway), and dividing the query heads and the key/value heads unless
-  there is one (multi-query attention: replicated, ``heads_refuse_tp``); ``cp`` as
-  ``autopar.inter_op.context_parallel`` offers it; ``pp`` at most the number of layers;
-- expert parallelism ``ep`` (a model with stacked experts, ``autopar.passes.experts``): a divisor of ``dp`` that
-  divides the experts each tp rank holds, where tp leaves the experts whole or splits them on the expert
-  dimension (the runtime's ``ExpertParallel``), under ``autopar.inter_op.expert_parallel``'s rules;
-- micro-batch size ``mbs`` (divisors of ``global_batch / dp`` up to 16) and so ``m = B / (dp * mbs)``;
-- the pipeline schedule, ``v`` and the micro-batch groups: ``autopar.inter_op.pipelining``;
-- recomputation none / selective / op / full, sequence parallelism on/off (with ``tp > 1``), ZeRO 0-3
-  (with ``dp > 1``), as the framework implements them.
+- ``tp`` (``autopar.inter_op.tensor_parallel``): tiling an NVLink domain, and dividing the attention heads;
+- sequence parallelism on/off with ``tp > 1`` (``sequence_parallel``); recomputation none / selective / op / full
+  (``recompute``);
+- ``cp`` (``context_parallel``); ``pp`` at most the number of layers, and with it ``dp``, so that
+  ``pp x dp x cp x tp = N`` (``pipelining.STAGES``);
+- ``ep`` for a model with stacked experts (``expert_parallel``); the micro-batch size ``mbs`` (divisors of
+  ``global_batch / dp`` up to 16) and so ``m = B / (dp * mbs)``, and the ZeRO level (``data_parallel``);
+- the pipeline schedule, ``v`` and the micro-batch groups (``pipelining``);
+
+each as the framework implements it.
 
 Unit costs depend only on ``(tp, mbs, sp)``.  The intra-op ILP chooses strategies per ``(tp, sp)`` at a
 few reference micro-batch sizes, twice (fastest, and fastest among the leanest in memory); every layout
@@ -27,7 +26,6 @@ beat the last candidate kept; a layout whose memory bound exceeds the budget is 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 import multiprocessing
 import os
@@ -40,18 +38,12 @@ from typing import Any
 from autopar.cluster import Cluster, MeshSpec
 from autopar.errors import AutoparError
 from autopar.framework import DEFAULT_FRAMEWORK, Framework, load_framework
+from autopar.inter_op import techniques
 from autopar.inter_op.bound import UnitTotals, memory_bound_bytes, time_bound_s, unit_totals
-from autopar.inter_op.context_parallel import context_parallel_options, context_parallel_refuses
-from autopar.inter_op.data_parallel import zero_options
 from autopar.inter_op.estimate import Estimate, ModelFlops, SharedWork, estimate_layout
-from autopar.inter_op.expert_parallel import check_fixed_expert_parallel, expert_parallel_refuses
-from autopar.inter_op.layout import RECOMPUTE, Layout
-from autopar.inter_op.pipelining import (
-    check_fixed_pipeline,
-    group_options,
-    schedule_options,
-    schedule_refuses,
-)
+from autopar.inter_op.layout import Layout
+from autopar.inter_op.technique import Partial, SearchSpace, divisors
+from autopar.inter_op.tensor_parallel import attention_heads
 from autopar.inter_op.unit_costs import UnitCost, solve_tp, unit_costs, unit_sequence
 from autopar.intra_op.problem import IntraOpProblem, IntraOpSolution
 from autopar.intra_op.strategies import R, Strategy, param_tp_placements
@@ -60,7 +52,6 @@ from autopar.passes.context import PassContext
 from autopar.passes.experts import expert_parallel_count
 from autopar.solvers.ilp import Backend
 
-MAX_MBS = 16
 #: The ILP picks strategies at these micro-batch sizes; other sizes reuse the nearest (in log scale) and
 #: only re-cost it.  The choice between sharding weights and activations moves with the batch slowly.
 REFERENCE_MBS = (1, 4, 16)
@@ -103,35 +94,6 @@ class SearchResult:
     @property
     def best(self) -> Candidate | None:
         return self.candidates[0] if self.candidates else None
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def attention_heads(graph: OpGraph) -> list[tuple[int, int]]:
-    """(query heads, key/value heads) of every distinct attention op."""
-    heads = set()
-    for n in graph.ops():
-        if n.op == "aten.scaled_dot_product_attention.default":
-            q, k = graph.tensor(n.args[0]), graph.tensor(n.args[1])
-            if q is not None and k is not None and len(q.shape) == len(k.shape) == 4:
-                heads.add((q.shape[1], k.shape[1]))
-    return sorted(heads)
-
-
-def heads_refuse_tp(heads: list[tuple[int, int]], tp: int) -> str | None:
-    """Why ``tp`` cannot split the attention, or ``None``: each rank takes ``1 / tp`` of the query heads and
-    either its share of the key/value heads or, with a single one (multi-query attention), all of it,
-    replicated as Megatron-LM does (grouped-query attention with fewer key/value heads than ``tp`` would need
-    each rank to hold just the groups of its query heads, which no DTensor placement expresses)."""
-    for q, kv in heads:
-        counts = f"{q} query heads, {kv} kv head{'s' if kv > 1 else ''}"
-        if q % tp:
-            return f"tp={tp} does not divide the query heads ({counts})"
-        if kv % tp and kv != 1:
-            return f"tp={tp} does not divide the key/value heads, and only a single one can be replicated ({counts})"
-    return None
 
 
 class UnitCostCache:
@@ -251,28 +213,28 @@ def default_jobs() -> int:
     return max(1, cores - 1)
 
 
+def search_space(graph: OpGraph, cluster: Cluster, global_batch: int, fixed: dict[str, Any],
+                 fw: Framework | None = None) -> SearchSpace:
+    """What the techniques' options read for this model, cluster, batch and pinned values."""
+    return SearchSpace(gpus=cluster.gpus, layers=max(1, len(graph.layers)), global_batch=global_batch,
+                       seq_len=graph.seq_len, heads=tuple(attention_heads(graph)),
+                       experts=expert_parallel_count(graph), cluster=cluster,
+                       fw=fw or load_framework(DEFAULT_FRAMEWORK), fixed=dict(fixed))
+
+
 def check_fixed(graph: OpGraph, cluster: Cluster, global_batch: int, fixed: dict[str, Any]) -> None:
-    """Clear errors for pinned values that cannot work."""
+    """Clear errors for pinned values that cannot work: the mesh's, then each technique's."""
     n = cluster.gpus
-    if "tp" in fixed and (why := heads_refuse_tp(attention_heads(graph), fixed["tp"])):
-        raise AutoparError(f"--fix {why}")
     for key in ("dp", "tp", "pp", "cp"):
         if key in fixed and n % fixed[key]:
             raise AutoparError(f"--fix {key}={fixed[key]} does not divide the {n} devices")
-    if fixed.get("ep", 1) > 1:
-        check_fixed_expert_parallel(graph, fixed)
-    if (why := context_parallel_refuses(fixed.get("cp", 1), graph.seq_len)) is not None:
-        raise AutoparError(f"--fix {why}")
-    if "pp" in fixed and fixed["pp"] > max(1, len(graph.layers)):
-        raise AutoparError(f"--fix pp={fixed['pp']} exceeds the {len(graph.layers)} layers")
     product = fixed.get("dp", 0) * fixed.get("tp", 0) * fixed.get("pp", 0) * fixed.get("cp", 1)
     if all(k in fixed for k in ("dp", "tp", "pp")) and product != n:
         raise AutoparError(f"--fix dp*cp*tp*pp = {product} but the cluster has {n} devices")
-    if "dp" in fixed and global_batch % fixed["dp"]:
-        raise AutoparError(f"global batch {global_batch} is not divisible by dp={fixed['dp']}")
-    if "dp" in fixed and "mbs" in fixed and global_batch % (fixed["dp"] * fixed["mbs"]):
-        raise AutoparError(f"global batch {global_batch} is not divisible by dp*mbs = {fixed['dp'] * fixed['mbs']}")
-    check_fixed_pipeline(max(1, len(graph.layers)), global_batch, fixed)
+    space = search_space(graph, cluster, global_batch, fixed)
+    for technique in techniques.TECHNIQUES:
+        if technique.check_fixed is not None:
+            technique.check_fixed(space, graph)
 
 
 def expert_parallel_runs(layout: Layout, costs: dict[str, UnitCost]) -> bool:
@@ -288,71 +250,14 @@ def expert_parallel_runs(layout: Layout, costs: dict[str, UnitCost]) -> bool:
 def layouts(graph: OpGraph, cluster: Cluster, global_batch: int, fixed: dict[str, Any],
             fw: Framework | None = None) -> Iterator[Layout]:
     """Every layout of the search space that satisfies ``fixed`` (and, for unpinned knobs, that the framework
-    implements)."""
-    fw = fw or load_framework(DEFAULT_FRAMEWORK)
-    n, layers = cluster.gpus, max(1, len(graph.layers))
-    heads = attention_heads(graph)
-
-    def allowed(key: str, values: list[Any]) -> list[Any]:
-        return [fixed[key]] if key in fixed else values
-
-    seq = graph.seq_len
-    experts = expert_parallel_count(graph)
-    cps = context_parallel_options(divisors(n), seq, fw)
-    for tp in allowed("tp", tensor_parallel_degrees(cluster)):
-        if heads_refuse_tp(heads, tp):
-            continue
-        for cp in allowed("cp", [d for d in cps if (n // tp) % d == 0]):
-            if (n // tp) % cp:
-                continue
-            yield from _layouts_at(n // (tp * cp), tp, cp, layers, global_batch, fixed, fw, allowed, experts)
-
-
-#: Tensor parallelism is searched across NVLink domains only where the network gives a rank at least this
-#: share of the bus bandwidth NVLink gives it: every layer's activations cross the tp group several times
-#: per micro-batch, and on a slower network the layouts that do so never win (a pinned tp may still cross).
-TP_ACROSS_DOMAINS_BANDWIDTH_SHARE = 0.5
-
-
-def tensor_parallel_degrees(cluster: Cluster) -> list[int]:
-    """The tp degrees the search offers: the divisors of an NVLink domain (a node, or a rack-scale domain),
-    whose groups never straddle two domains, and whole domains where the network is nearly as fast as NVLink."""
-    domain = cluster.nvlink_domain
-    nvlink = cluster.intra_node_bandwidth_bytes_per_s * cluster.intra_node_collective_efficiency
-    network = cluster.nic_bandwidth_per_gpu_bytes_per_s * cluster.inter_node_collective_efficiency
-    across = network >= TP_ACROSS_DOMAINS_BANDWIDTH_SHARE * nvlink
-    return [d for d in divisors(cluster.gpus) if domain % d == 0 or (across and d % domain == 0)]
-
-
-def _layouts_at(rest: int, tp: int, cp: int, layers: int, global_batch: int, fixed: dict[str, Any], fw: Framework,
-                allowed: Callable[[str, list[Any]], list[Any]], experts: int = 0) -> Iterator[Layout]:
-    """The layouts with ``tp`` and ``cp`` set, over ``rest`` devices for ``pp x dp``; ``experts``: how many
-    the model's experts modules hold (0: no expert parallelism)."""
-    for pp in allowed("pp", [d for d in divisors(rest) if d <= layers]):
-        if rest % pp:
-            continue
-        dp = rest // pp
-        if ("dp" in fixed and fixed["dp"] != dp) or global_batch % dp:
-            continue
-        eps = allowed("ep", [d for d in divisors(dp) if experts % d == 0] if experts and cp == 1 else [1])
-        mbss = allowed("mbs", [d for d in divisors(global_batch // dp) if d <= MAX_MBS])
-        for ep, mbs in itertools.product(eps, mbss):
-            if global_batch % (dp * mbs) or expert_parallel_refuses(ep, dp, cp):
-                continue
-            m = global_batch // (dp * mbs)
-            for sp in allowed("sp", [False, True] if tp > 1 and fw.sequence_parallel and ep == 1 else [False]):
-                if expert_parallel_refuses(ep, dp, cp, tp, sp):
-                    continue  # a pinned sp
-                for (schedule, v), group in ((sv, g) for sv in schedule_options(pp, m, layers, fixed, fw)
-                                             for g in group_options(sv[0], pp, m, fixed, fw)):
-                    for recompute in allowed("recompute", list(RECOMPUTE)):
-                        if schedule_refuses(schedule, pp, recompute=recompute):
-                            continue
-                        for zero in allowed("zero", zero_options(dp, pp, fw)):
-                            if schedule_refuses(schedule, pp, zero=zero):
-                                continue
-                            yield Layout(dp=dp, tp=tp, pp=pp, mbs=mbs, num_microbatches=m, schedule=schedule,
-                                         v=v, recompute=recompute, sp=sp, zero=zero, cp=cp, ep=ep, group=group)
+    implements): each technique, in the registry's order, sets its knobs on the partial layouts before it."""
+    space = search_space(graph, cluster, global_batch, fixed, fw)
+    partials: list[Partial] = [{}]
+    for technique in techniques.TECHNIQUES:
+        if technique.expand is not None:
+            partials = [q for p in partials for q in technique.expand(space, p)]
+    for p in partials:
+        yield Layout(**p)
 
 
 def shards_parameters_on_tp(graph: OpGraph, strategies: dict[str, Strategy]) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from autopar.cluster import AxisLink, Cluster
 from autopar.framework import Framework
 from autopar.inter_op.layout import Layout
+from autopar.inter_op.technique import Technique, UnitLoadDraft
 from autopar.inter_op.unit_costs import UnitCost
 from autopar.interference import compute_rate, overlapped_s
 from autopar.power import PowerMix
@@ -27,4 +28,13 @@ def exposed_tp_s(u: UnitCost, layout: Layout, tp_link: AxisLink, cluster: Cluste
     return overlapped_s(tp, u.product_s, rate)
 
 
-__all__ = ["exposed_tp_s"]
+def _unit_step(d: UnitLoadDraft) -> None:
+    u = d.u
+    d.tp_s = exposed_tp_s(u, d.layout, d.links.tp, d.cluster, d.ctx.framework)
+    tp = u.tp_fwd_s + u.tp_bwd_s
+    d.tp_fwd_s = d.tp_s * u.tp_fwd_s / tp if tp > 0 else 0.0
+
+
+TECHNIQUE = Technique("tp_overlap", unit_step=_unit_step)
+
+__all__ = ["TECHNIQUE", "exposed_tp_s"]

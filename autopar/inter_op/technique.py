@@ -1,0 +1,125 @@
+"""What a technique gives the inter-op planner: the hooks of ``Technique``, and the types they read and write.
+
+A technique (tensor parallelism, a pipeline schedule, recomputation, ZeRO, ...) lives in one module of
+``autopar.inter_op``, which defines its rules and costs and one ``TECHNIQUE = Technique(...)`` naming its hooks;
+``autopar.inter_op.techniques`` registers it.  The planner then reads every technique through these hooks:
+
+- ``expand``: the search space.  Given a partial layout (the knobs of the techniques registered before it), the
+  partial layouts with its own knobs set, as the cluster, the model, the framework and the pinned values
+  (``SearchSpace``) allow.  Its validity rules are the ones ``check_fixed`` and the runtime use.
+- ``check_fixed``: a one-line ``AutoparError`` for pinned values it cannot run.
+- ``share``: the unit costs as one of its ranks runs them (context and expert parallelism split a unit's work).
+- ``unit_step``: its part of one unit's load per micro-batch, written into a ``UnitLoadDraft``.
+- ``time_bound_s`` and ``memory_bound_bytes``: its terms of the search's lower bounds (``autopar.inter_op.bound``),
+  each never more than its part of the estimate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from autopar.cluster import Cluster
+from autopar.framework import Framework
+from autopar.inter_op.layout import Layout
+from autopar.inter_op.links import Links
+from autopar.inter_op.unit_costs import UnitCost
+from autopar.ir import OpGraph
+from autopar.passes.context import PassContext
+
+Partial = dict[str, Any]
+"""A layout under construction: the knobs set so far, by ``Layout`` field name."""
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True, slots=True)
+class SearchSpace:
+    """What the techniques' options read: the cluster, the model's facts, the framework and the pinned values."""
+
+    gpus: int
+    layers: int
+    global_batch: int
+    seq_len: int
+    heads: tuple[tuple[int, int], ...]  # (query heads, key/value heads) of every distinct attention op
+    experts: int  # how many experts the model's expert modules hold (0: none to split)
+    cluster: Cluster
+    fw: Framework
+    fixed: Mapping[str, Any]
+
+    def allowed(self, key: str, values: list[Any]) -> list[Any]:
+        """``values``, or the pinned value alone."""
+        return [self.fixed[key]] if key in self.fixed else values
+
+
+@dataclass(slots=True)
+class UnitLoadDraft:
+    """One unit's load per micro-batch on one rank as the techniques fold it, each writing its part."""
+
+    u: UnitCost
+    is_layer: bool
+    layout: Layout
+    links: Links
+    cluster: Cluster
+    ctx: PassContext
+    mode: str  # the unit's recomputation mode ("none" outside the layers)
+    fwd_s: float  # each pass at the longer of the GPU's timeline and the host's issuing its ops ahead of it
+    bwd_s: float
+    compute_s: float
+    extra_bytes: float  # alive only while the unit runs
+    tp_s: float = 0.0
+    tp_fwd_s: float = 0.0
+    activation_bytes: float = 0.0
+    recompute_s: float = 0.0
+    cp_s: float = 0.0
+    cp_fwd_s: float = 0.0
+    ep_s: float = 0.0
+    ep_fwd_s: float = 0.0
+    state_bytes: float = 0.0
+    zero3_exposed_s: float = 0.0
+    gathered_bytes: float = 0.0
+    weight_s: float = 0.0
+    rerun_s: float = 0.0
+    residue_bytes: float = 0.0
+
+    @classmethod
+    def start(cls, u: UnitCost, is_layer: bool, layout: Layout, links: Links, cluster: Cluster,
+              ctx: PassContext) -> UnitLoadDraft:
+        """The unit's own work, before any technique's part."""
+        fwd, bwd = max(u.fwd_s, u.fwd_host_s), max(u.bwd_s, u.bwd_host_s)
+        return cls(u, is_layer, layout, links, cluster, ctx, layout.recompute if is_layer else "none", fwd, bwd,
+                   fwd + bwd, max(u.transient_bytes, u.forward_transient_bytes))
+
+
+@dataclass(frozen=True, slots=True)
+class UnitTotals:
+    """Sums over the unit sequence (each unit as often as it occurs) of one micro-batch on one rank."""
+
+    work_s: float  # forward and backward at the longer of the GPU and host timelines, unhidden tp communication
+    recompute_s: float  # the layers' recomputation under the layout's mode
+    tp_sync_s: float  # per iteration: gradients of parameters replicated on tp but computed split
+    dense_params: float  # local parameters outside expert-parallel experts
+    expert_params: float  # local parameters of expert-parallel experts (0 with ep = 1)
+    activation_bytes: float  # saved for backward under the layout's recomputation mode
+    tied_params: float  # local parameters ``pre`` and ``post`` share (tied embeddings)
+
+
+@dataclass(frozen=True, slots=True)
+class Technique:
+    """One technique's hooks (see the module docstring); ``knobs``: the ``Layout`` fields its ``expand`` sets."""
+
+    name: str
+    knobs: tuple[str, ...] = ()
+    expand: Callable[[SearchSpace, Partial], Iterator[Partial]] | None = None
+    check_fixed: Callable[[SearchSpace, OpGraph], None] | None = None
+    share: Callable[[UnitCost, Layout, Cluster], UnitCost] | None = None
+    shares_at: Callable[[Layout], int] | None = None  # the degree ``share`` splits at (1: ``share`` is not applied)
+    unit_step: Callable[[UnitLoadDraft], None] | None = None
+    time_bound_s: Callable[[UnitTotals, Layout, Links, Cluster, PassContext], float] | None = None
+    memory_bound_bytes: Callable[[UnitTotals, Layout, PassContext], float] | None = None
+
+
+__all__ = ["Partial", "SearchSpace", "Technique", "UnitLoadDraft", "UnitTotals", "divisors"]

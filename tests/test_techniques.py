@@ -1,0 +1,90 @@
+"""The technique registry (``autopar.inter_op.techniques``): every layout knob has one owner, each technique's
+``expand`` sets just its knobs, and a technique registered there reaches the space, the estimate and the bound
+with no other change."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from autopar.passes import PassContext
+
+from autopar.cluster import load_cluster
+from autopar.frontend import trace_model
+from autopar.inter_op import techniques
+from autopar.inter_op.bound import time_bound_s, unit_totals
+from autopar.inter_op.estimate import ModelFlops, SharedWork, estimate_layout
+from autopar.inter_op.layout import FIX_KEYS, Layout
+from autopar.inter_op.search import UnitCostCache, layouts, search_space
+from autopar.inter_op.technique import Technique, UnitLoadDraft, UnitTotals
+from autopar.inter_op.unit_costs import unit_sequence
+
+GPT = {"layers": 4, "hidden": 128, "heads": 4, "vocab": 256, "seq_len": 256}
+
+
+def test_every_layout_field_has_one_owner():
+    knobs = [k for t in techniques.TECHNIQUES for k in t.knobs]
+    assert sorted(knobs) == sorted(f.name for f in dataclasses.fields(Layout))
+    assert set(FIX_KEYS) <= set(knobs)
+    assert len({t.name for t in techniques.TECHNIQUES}) == len(techniques.TECHNIQUES)
+
+
+@pytest.mark.parametrize("model,config", [("gpt", GPT), ("moe", {"layers": 2, "hidden": 128, "heads": 4,
+                                                                  "vocab": 256, "seq_len": 16, "experts": 8})])
+def test_each_expand_sets_exactly_its_knobs(model, config):
+    cluster = load_cluster("h100-80gb").with_overrides(gpus=16)
+    ctx = PassContext(cluster=cluster)
+    graph = trace_model(model, config, ctx=ctx).graph
+    space = search_space(graph, cluster, 64, {})
+    partials: list[dict] = [{}]
+    for t in techniques.TECHNIQUES:
+        if t.expand is None:
+            assert not t.knobs, t.name
+            continue
+        grown = []
+        for p in partials:
+            for q in t.expand(space, p):
+                assert set(q) - set(p) == set(t.knobs), t.name
+                assert all(q[k] == p[k] for k in p), t.name  # it leaves the others' knobs alone
+                grown.append(q)
+        partials = grown
+    assert partials and len(partials) == len(list(layouts(graph, cluster, 64, {})))
+
+
+def test_a_registered_technique_reaches_the_estimate_and_the_bound(monkeypatch):
+    """A toy technique (a fixed host overhead per unit and micro-batch) registered in the one list: the estimate of
+    a single-device layout grows by exactly that overhead times units times micro-batches, and so does the bound."""
+    overhead_s = 1e-3
+
+    def step(d: UnitLoadDraft) -> None:
+        d.compute_s += overhead_s
+
+    def term(t: UnitTotals, layout: Layout, links, cluster, ctx) -> float:
+        return overhead_s * t_units * layout.num_microbatches
+
+    cluster = load_cluster("a100-80gb").with_overrides(gpus=1)
+    ctx = PassContext(cluster=cluster)
+    graph = trace_model("gpt", GPT, ctx=ctx).graph
+    keys = unit_sequence(graph)
+    t_units = len(keys)
+    layout = next(lay for lay in layouts(graph, cluster, 8, {"mbs": 2, "recompute": "none"}))
+    assert layout.num_microbatches == 4
+    costs, _ = UnitCostCache(graph, cluster, ctx, "cbc", 60.0).get(1, 2, False, "fast")
+    counts = {k: keys.count(k) for k in dict.fromkeys(keys)}
+    flops = ModelFlops.of(graph)
+
+    def measure() -> tuple[float, float]:
+        est = estimate_layout(graph, costs, layout, 8, cluster, ctx, float("inf"), flops, keys=keys,
+                              shared=SharedWork())
+        shared = SharedWork()
+        bound = time_bound_s(unit_totals(costs, counts, layout, ctx), layout, cluster, ctx,
+                             shared.links(cluster, layout))
+        return est.iteration_time_s, bound
+
+    before = measure()
+    toy = Technique("toy_host_overhead", unit_step=step, time_bound_s=term)
+    monkeypatch.setattr(techniques, "TECHNIQUES", (*techniques.TECHNIQUES, toy))
+    after = measure()
+    added = overhead_s * t_units * layout.num_microbatches
+    assert after[0] - before[0] == pytest.approx(added, rel=1e-6)
+    assert after[1] - before[1] == pytest.approx(added, rel=1e-6)
