@@ -88,3 +88,21 @@ def test_a_registered_technique_reaches_the_estimate_and_the_bound(monkeypatch):
     added = overhead_s * t_units * layout.num_microbatches
     assert after[0] - before[0] == pytest.approx(added, rel=1e-6)
     assert after[1] - before[1] == pytest.approx(added, rel=1e-6)
+
+
+@pytest.mark.parametrize("fixed,message", [
+    ({"dp": 3}, "--fix dp=3 does not divide the 8 devices"),
+    ({"cp": 16}, "--fix cp=16 does not divide the 8 devices"),
+    ({"dp": 2, "tp": 2, "pp": 1}, "--fix dp*cp*tp*pp = 4 but the cluster has 8 devices"),
+    ({"pp": 8}, "--fix pp=8 exceeds the 4 layers"),
+    ({"dp": 8, "mbs": 3}, "global batch 64 is not divisible by dp*mbs = 24"),
+])
+def test_pinned_values_each_technique_refuses_are_one_line_errors(fixed, message):
+    from autopar.errors import AutoparError
+    from autopar.inter_op.search import check_fixed
+
+    cluster = load_cluster("a100-80gb").with_overrides(gpus=8)
+    graph = trace_model("gpt", GPT, ctx=PassContext(cluster=cluster)).graph
+    with pytest.raises(AutoparError) as err:
+        check_fixed(graph, cluster, 64, fixed)
+    assert str(err.value) == message

@@ -24,7 +24,7 @@ from autopar.errors import AutoparError
 from autopar.framework import Framework
 from autopar.inter_op.layout import Layout
 from autopar.inter_op.recompute import recompute_regathers
-from autopar.inter_op.technique import Partial, SearchSpace, Technique, UnitLoadDraft, divisors
+from autopar.inter_op.technique import Partial, SearchSpace, Technique, UnitLoadDraft, check_divides, divisors
 from autopar.inter_op.unit_costs import UnitCost
 from autopar.ir import OpGraph
 
@@ -96,6 +96,7 @@ def _expand(space: SearchSpace, p: Partial) -> Iterator[Partial]:
 
 
 def _check_fixed(space: SearchSpace, graph: OpGraph) -> None:
+    check_divides(space, "cp")
     if (why := context_parallel_refuses(space.fixed.get("cp", 1), space.seq_len)) is not None:
         raise AutoparError(f"--fix {why}")
 

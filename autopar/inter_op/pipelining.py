@@ -25,7 +25,15 @@ from autopar.errors import AutoparError
 from autopar.framework import Framework
 from autopar.inter_op.layout import Layout
 from autopar.inter_op.links import Links
-from autopar.inter_op.technique import Partial, SearchSpace, Technique, UnitLoadDraft, UnitTotals, divisors
+from autopar.inter_op.technique import (
+    Partial,
+    SearchSpace,
+    Technique,
+    UnitLoadDraft,
+    UnitTotals,
+    check_divides,
+    divisors,
+)
 from autopar.inter_op.unit_costs import UnitCost
 from autopar.ir import OpGraph
 from autopar.passes.context import PassContext
@@ -252,8 +260,14 @@ def _expand_stages(space: SearchSpace, p: Partial) -> Iterator[Partial]:
 
 
 def _check_fixed_stages(space: SearchSpace, graph: OpGraph) -> None:
-    if "pp" in space.fixed and space.fixed["pp"] > space.layers:
-        raise AutoparError(f"--fix pp={space.fixed['pp']} exceeds the {len(graph.layers)} layers")
+    fixed, n = space.fixed, space.gpus
+    check_divides(space, "dp")
+    check_divides(space, "pp")
+    if "pp" in fixed and fixed["pp"] > space.layers:
+        raise AutoparError(f"--fix pp={fixed['pp']} exceeds the {len(graph.layers)} layers")
+    product = fixed.get("dp", 0) * fixed.get("tp", 0) * fixed.get("pp", 0) * fixed.get("cp", 1)
+    if all(k in fixed for k in ("dp", "tp", "pp")) and product != n:
+        raise AutoparError(f"--fix dp*cp*tp*pp = {product} but the cluster has {n} devices")
 
 
 def _expand_schedule(space: SearchSpace, p: Partial) -> Iterator[Partial]:

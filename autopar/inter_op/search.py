@@ -36,7 +36,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autopar.cluster import Cluster, MeshSpec
-from autopar.errors import AutoparError
 from autopar.framework import DEFAULT_FRAMEWORK, Framework, load_framework
 from autopar.inter_op import techniques
 from autopar.inter_op.bound import UnitTotals, memory_bound_bytes, time_bound_s, unit_totals
@@ -223,14 +222,7 @@ def search_space(graph: OpGraph, cluster: Cluster, global_batch: int, fixed: dic
 
 
 def check_fixed(graph: OpGraph, cluster: Cluster, global_batch: int, fixed: dict[str, Any]) -> None:
-    """Clear errors for pinned values that cannot work: the mesh's, then each technique's."""
-    n = cluster.gpus
-    for key in ("dp", "tp", "pp", "cp"):
-        if key in fixed and n % fixed[key]:
-            raise AutoparError(f"--fix {key}={fixed[key]} does not divide the {n} devices")
-    product = fixed.get("dp", 0) * fixed.get("tp", 0) * fixed.get("pp", 0) * fixed.get("cp", 1)
-    if all(k in fixed for k in ("dp", "tp", "pp")) and product != n:
-        raise AutoparError(f"--fix dp*cp*tp*pp = {product} but the cluster has {n} devices")
+    """Clear errors for pinned values that cannot work, each technique's in the registry's order."""
     space = search_space(graph, cluster, global_batch, fixed)
     for technique in techniques.TECHNIQUES:
         if technique.check_fixed is not None:

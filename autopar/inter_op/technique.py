@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autopar.cluster import Cluster
+from autopar.errors import AutoparError
 from autopar.framework import Framework
 from autopar.inter_op.layout import Layout
 from autopar.inter_op.links import Links
@@ -34,6 +35,12 @@ Partial = dict[str, Any]
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_divides(space: SearchSpace, key: str) -> None:
+    """A one-line ``AutoparError`` if the pinned mesh degree ``key`` does not divide the devices."""
+    if key in space.fixed and space.gpus % space.fixed[key]:
+        raise AutoparError(f"--fix {key}={space.fixed[key]} does not divide the {space.gpus} devices")
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,4 +129,4 @@ class Technique:
     memory_bound_bytes: Callable[[UnitTotals, Layout, PassContext], float] | None = None
 
 
-__all__ = ["Partial", "SearchSpace", "Technique", "UnitLoadDraft", "UnitTotals", "divisors"]
+__all__ = ["Partial", "SearchSpace", "Technique", "UnitLoadDraft", "UnitTotals", "check_divides", "divisors"]

@@ -15,7 +15,7 @@ from autopar.cluster import Cluster
 from autopar.errors import AutoparError
 from autopar.inter_op.layout import Layout
 from autopar.inter_op.links import Links
-from autopar.inter_op.technique import Partial, SearchSpace, Technique, UnitTotals, divisors
+from autopar.inter_op.technique import Partial, SearchSpace, Technique, UnitTotals, check_divides, divisors
 from autopar.ir import OpGraph
 from autopar.passes.context import PassContext
 
@@ -69,6 +69,7 @@ def _expand(space: SearchSpace, p: Partial) -> Iterator[Partial]:
 def _check_fixed(space: SearchSpace, graph: OpGraph) -> None:
     if "tp" in space.fixed and (why := heads_refuse_tp(space.heads, space.fixed["tp"])):
         raise AutoparError(f"--fix {why}")
+    check_divides(space, "tp")
 
 
 def _tp_sync_bound_s(t: UnitTotals, layout: Layout, links: Links, cluster: Cluster, ctx: PassContext) -> float:
