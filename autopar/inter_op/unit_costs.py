@@ -430,7 +430,7 @@ def _unit_cost(graph: OpGraph, names: list[str], strategies: dict[str, Strategy]
             src = graph[r.name]
             required = tuple(ax.inputs[k] for ax in strat)
             if src.kind == "param":
-                pc = param_cost(src.out, required, strat, mesh, 0, ctx)
+                pc = param_cost(src.out, required, strat, mesh, ctx)
                 tp_sync += pc.per_iteration_s
                 _add_bytes(sync_bytes, pc.sync)
                 if src.target not in params:

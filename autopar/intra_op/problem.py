@@ -49,8 +49,6 @@ class IntraOpConfig:
 
     batch: int
     """Samples the whole mesh processes per micro-batch (the mesh shards them)."""
-    zero: int = 0
-    """ZeRO level on the ``dp`` axis: 0 all-reduce, 1 optimizer, 2 + gradients, 3 + weights sharded."""
     grad_sync_weight: float = 1.0
     """Share of the once-per-iteration gradient synchronization charged to one micro-batch."""
     activation_multiplier: float = 1.0
@@ -74,8 +72,6 @@ class IntraOpConfig:
     def __post_init__(self) -> None:
         if self.batch < 1:
             raise ValueError("batch must be >= 1")
-        if self.zero not in (0, 1, 2, 3):
-            raise ValueError("zero must be 0, 1, 2 or 3")
 
 
 @dataclass(slots=True)
@@ -469,8 +465,8 @@ def _group_costs(graph: OpGraph, nodes: list[Node], rep_of: dict[str, str], grou
                 total = fwd + bwd
                 mem = 0.0
                 for i, p in param_slots:
-                    pc = param_cost(p.out, tuple(ax.inputs[i] for ax in strat), strat, mesh, cfg.zero, ctx)
-                    total += pc.per_microbatch_s + cfg.grad_sync_weight * pc.per_iteration_s
+                    pc = param_cost(p.out, tuple(ax.inputs[i] for ax in strat), strat, mesh, ctx)
+                    total += cfg.grad_sync_weight * pc.per_iteration_s
                     if (i, p) in new_params:
                         mem += pc.state_bytes
                 # Saved inputs count as the op consumes them: the producer's placement is an edge's choice,

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from autopar.cluster import Cluster, MeshSpec
-from autopar.collectives import all_gather_s, all_reduce_s, bucket_share_s, collective_s, reduce_scatter_s
+from autopar.collectives import all_reduce_s, bucket_share_s, collective_s
 from autopar.intra_op.fp8 import cast_cost, fp8_eligible, layer_linear_weight
 from autopar.intra_op.strategies import PARTIAL, R, Strategy, shard_dim, tensor_refs
 from autopar.ir import Node, OpGraph, TensorInfo
@@ -206,42 +206,31 @@ def edge_cost_s(t: TensorInfo, produced: Placements, required: Placements, consu
 
 @dataclass(frozen=True, slots=True)
 class ParamCost:
-    per_microbatch_s: float  # ZeRO-3 all-gathers in forward and backward
-    per_iteration_s: float  # gradient synchronization
+    per_iteration_s: float  # the gradient's synchronization on the mesh's axes
     state_bytes: float  # weights + grads + optimizer state held by one device
     sync: tuple[AxisCollective, ...] = ()  # the collectives of that synchronization (whole, not bucketed)
 
 
-def param_cost(t: TensorInfo, required: Placements, consumer: Strategy, mesh: MeshSpec, zero: int,
+def param_cost(t: TensorInfo, required: Placements, consumer: Strategy, mesh: MeshSpec,
                ctx: PassContext) -> ParamCost:
-    """Costs and memory of one parameter consumed with ``required`` placements."""
-    pol = ctx.precision
+    """One parameter consumed with ``required`` placements, as the intra-op ILP prices it: its state on one device,
+    and the all-reduce of its gradient on each mesh axis where the consumer leaves that gradient partial (a weight
+    replicated on tp whose consumer splits its input, such as a layer norm's under sequence parallelism).
+    Data parallelism and ZeRO (the reduction of every gradient over the replicas, the sharded state, ZeRO-3's
+    gathers) are priced per layout by one model, ``autopar.inter_op.data_parallel``; a ``dp`` axis here is one more
+    axis of partial gradients."""
     numel = t.numel_at(1)
-    local = numel / shard_factor(required, mesh)
-    dp = mesh.axis("dp")
-    dp_size = mesh.shape[dp] if dp is not None else 1
-    replicated_on_dp = dp is not None and (required[dp] or R) == R and dp_size > 1
-    state = ctx.state_bytes(local, dp_size if replicated_on_dp else 1, zero)
-    per_mb = 0.0
+    state = ctx.state_bytes(numel / shard_factor(required, mesh))
     per_iter = 0.0
     sync_collectives: list[AxisCollective] = []
     for a, link in enumerate(mesh.links):
-        if link.size == 1:
-            continue
-        r = required[a] or R
-        grad = consumer_grad(r, consumer, a)
-        if grad != PARTIAL:
+        if link.size == 1 or consumer_grad(required[a] or R, consumer, a) != PARTIAL:
             continue
         others = shard_factor(tuple(p if b != a else None for b, p in enumerate(required)), mesh)
         group_bytes = numel / others * ctx.framework.grad_reduce_bytes
-        sync = reduce_scatter_s if a == dp and zero >= 3 else all_reduce_s  # ZeRO-1/2: RS + AG, AR's volume
-        per_iter += bucket_share_s(sync, group_bytes, link, ctx.grad_bucket_bytes)
-        sync_collectives.append((a, "reduce_scatter" if sync is reduce_scatter_s else "all_reduce", group_bytes))
-    if replicated_on_dp and zero >= 3:
-        others = shard_factor(tuple(p if b != dp else None for b, p in enumerate(required)), mesh)
-        gathered = numel / others * pol.weight_bytes
-        per_mb += 2 * bucket_share_s(all_gather_s, gathered, mesh.links[dp], ctx.grad_bucket_bytes)
-    return ParamCost(per_mb, per_iter, state, tuple(sync_collectives))
+        per_iter += bucket_share_s(all_reduce_s, group_bytes, link, ctx.grad_bucket_bytes)
+        sync_collectives.append((a, "all_reduce", group_bytes))
+    return ParamCost(per_iter, state, tuple(sync_collectives))
 
 
 def local_bytes(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec, batch: int,
