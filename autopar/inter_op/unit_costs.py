@@ -28,6 +28,7 @@ from autopar.intra_op.sharding_costs import (
     local_bytes,
     op_timing,
     operand_bytes,
+    output_bytes,
     param_cost,
     product_gemms,
     redistribute_collectives,
@@ -399,13 +400,13 @@ def _unit_cost(graph: OpGraph, names: list[str], strategies: dict[str, Strategy]
         elif node.op in ATTENTION_OPS:
             attention += f + b
         if any(graph[r.name].kind == "param" and graph.tensor(r).requires_grad for r in tensor_refs(node)):
-            residue += _output_bytes(graph, node, strat, mesh, mbs, ctx)
+            residue += output_bytes(node, graph, strat, mesh, mbs, ctx)
         flops = node.annotations["flops"].fwd * graph.scale(node, mbs)
         fwd_flops += flops
         if node.op in ATTENTION_OPS:
             attn_s += f
             attn_flops += flops
-            kv_bytes += sum(_input_bytes(graph, node, strat, mesh, mbs, ctx, k) for k in (1, 2))
+            kv_bytes += sum(operand_bytes(node, graph, strat, mesh, mbs, ctx, k) for k in (1, 2))
         if node.op in PRODUCT_OPS and node.annotations["flops"].fwd > 0:
             products += 1
         experts.add(node, strat)
@@ -416,7 +417,7 @@ def _unit_cost(graph: OpGraph, names: list[str], strategies: dict[str, Strategy]
             attn_module_s += f
             attn_module_flops += flops
         if _op_checkpoint_saves(node.op, products):
-            op_saved += _output_bytes(graph, node, strat, mesh, mbs, ctx)
+            op_saved += output_bytes(node, graph, strat, mesh, mbs, ctx)
         elif reruns:
             op_recompute += f
             op_recompute_flops += flops
@@ -506,8 +507,8 @@ class _ExpertSlots:
         taken = {k for k, _ in weights}
         acts = [k for k, r in enumerate(refs) if self.graph[r.name].kind == "op" and k not in taken]
         if node.module not in self.first_in and acts:
-            self.first_in[node.module] = _input_bytes(self.graph, node, strat, self.mesh, self.mbs, self.ctx, acts[0])
-        self.last_out[node.module] = _output_bytes(self.graph, node, strat, self.mesh, self.mbs, self.ctx)
+            self.first_in[node.module] = operand_bytes(node, self.graph, strat, self.mesh, self.mbs, self.ctx, acts[0])
+        self.last_out[node.module] = output_bytes(node, self.graph, strat, self.mesh, self.mbs, self.ctx)
 
     def _product(self, node: Node, strat: Strategy, weight: int) -> None:
         gemms = product_gemms(node, self.graph, strat, self.mesh, self.mbs)
@@ -533,24 +534,6 @@ class _ExpertSlots:
 
     def combine_bytes(self) -> float:
         return sum(self.last_out.values())
-
-
-def _output_bytes(graph: OpGraph, node: Node, strat: Strategy, mesh: MeshSpec, mbs: int, ctx: PassContext) -> float:
-    """What ``node``'s outputs occupy on one device."""
-    return sum(o.numel_at(mbs) * graph.width(o, ctx.precision.activation_bytes)
-               / shard_factor(tuple(ax.outputs[j] for ax in strat), mesh)
-               for j, o in enumerate(node.outputs) if o is not None)
-
-
-def _input_bytes(graph: OpGraph, node: Node, strat: Strategy, mesh: MeshSpec, mbs: int, ctx: PassContext,
-                 k: int) -> float:
-    """Bytes of input ``k`` of ``node`` on one device, as the op reads it under ``strat``."""
-    refs = tensor_refs(node)
-    t = graph.tensor(refs[k]) if k < len(refs) else None
-    if t is None:
-        return 0.0
-    return (t.numel_at(mbs) * graph.width(t, ctx.precision.activation_bytes)
-            / shard_factor(tuple(ax.inputs[k] for ax in strat), mesh))
 
 
 __all__ = ["POST", "PRE", "UnitCost", "solve_tp", "unit_costs", "unit_sequence"]

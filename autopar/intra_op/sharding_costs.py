@@ -92,8 +92,11 @@ def saved_bytes(graph: OpGraph, node: Node, strat: Strategy, mesh: MeshSpec, bat
     return out
 
 
-def _tensor_bytes(t: TensorInfo, batch: int, ctx: PassContext, graph: OpGraph) -> float:
-    return t.numel_at(batch) * graph.width(t, ctx.precision.activation_bytes)
+def local_tensor_bytes(graph: OpGraph, t: TensorInfo, placements: Placements, mesh: MeshSpec, batch: int,
+                       ctx: PassContext) -> float:
+    """Bytes of ``t`` on one device under ``placements`` at ``batch`` samples, at ``OpGraph.width`` (an explicit
+    fp32 upcast of a 16-bit model keeps its 4 bytes): the one sizing of a local tensor that costs and memory use."""
+    return t.numel_at(batch) * graph.width(t, ctx.precision.activation_bytes) / shard_factor(tuple(placements), mesh)
 
 
 #: One collective of a resharding: (mesh axis, kind, bytes as ``autopar.collectives`` sizes that kind).
@@ -234,19 +237,16 @@ def param_cost(t: TensorInfo, required: Placements, consumer: Strategy, mesh: Me
 
 
 def local_bytes(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec, batch: int,
-                 ctx: PassContext) -> tuple[float, float]:
+                ctx: PassContext) -> tuple[float, float]:
     """(forward, backward) bytes moved by the local kernel, from local tensor sizes."""
-    refs = tensor_refs(node)
-    fwd = bwd = 0.0
     in_bytes = grad_in = 0.0
-    for i, r in enumerate(refs):
+    for i, r in enumerate(tensor_refs(node)):
         t = graph.tensor(r)
-        b = _tensor_bytes(t, batch, ctx, graph) / shard_factor(tuple(s.inputs[i] for s in strategy), mesh)
+        b = local_tensor_bytes(graph, t, tuple(s.inputs[i] for s in strategy), mesh, batch, ctx)
         in_bytes += b
         if t.requires_grad:
             grad_in += b
-    out_bytes = sum(_tensor_bytes(t, batch, ctx, graph) / shard_factor(tuple(s.outputs[i] for s in strategy), mesh)
-                    for i, t in enumerate(node.outputs) if t is not None)
+    out_bytes = output_bytes(node, graph, strategy, mesh, batch, ctx)
     fwd = in_bytes + out_bytes
     needs_bwd = any(t is not None and t.requires_grad for t in node.outputs)
     bwd = out_bytes + in_bytes + grad_in if needs_bwd else 0.0
@@ -255,9 +255,16 @@ def local_bytes(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec, 
 
 def operand_bytes(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec, batch: int, ctx: PassContext,
                   k: int) -> float:
-    """Local bytes of input ``k`` of ``node`` as ``local_bytes`` counts them (once per read)."""
-    t = graph.tensor(tensor_refs(node)[k])
-    return _tensor_bytes(t, batch, ctx, graph) / shard_factor(tuple(s.inputs[k] for s in strategy), mesh)
+    """Local bytes of input ``k`` of ``node`` as the op reads it under ``strategy`` (0 for no such tensor)."""
+    refs = tensor_refs(node)
+    t = graph.tensor(refs[k]) if k < len(refs) else None
+    return 0.0 if t is None else local_tensor_bytes(graph, t, tuple(s.inputs[k] for s in strategy), mesh, batch, ctx)
+
+
+def output_bytes(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec, batch: int, ctx: PassContext) -> float:
+    """Local bytes of ``node``'s outputs under ``strategy``."""
+    return sum(local_tensor_bytes(graph, t, tuple(s.outputs[j] for s in strategy), mesh, batch, ctx)
+               for j, t in enumerate(node.outputs) if t is not None)
 
 
 @dataclass(frozen=True, slots=True)
