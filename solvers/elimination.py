@@ -5,8 +5,8 @@ interaction graph has a small induced width, as graphs of element-wise ops and u
 elimination solves it exactly in time linear in the number of nodes, where branch and bound over a knapsack
 of a hundred memory choices can stall.  Memory enters as each strategy's excess over its node's least
 (``excess``); a table entry holds, instead of one best cost, the Pareto front of (excess, cost) pairs, and any
-pair whose excess exceeds the budget's slack is dropped.  Without a budget every front has one point, and
-this is plain min-sum elimination.
+pair whose excess exceeds the budget's slack is dropped.  Plain min-sum elimination on arrays (``_min_sum``) runs
+first: without a budget, or where its cheapest choice fits the budget anyway, that choice is the answer.
 
 Nodes are eliminated in a greedy min-fill order (ties: the smaller table, then the lower index).  Before any
 work, the order's largest table is checked against ``max_table_entries``; while eliminating, the number of
