@@ -12,7 +12,7 @@ BODY = r'''
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=10, help="steps of the whole run (a resumed run goes on to it)")
     ap.add_argument("--lr", type=float, default=3e-4, help="peak learning rate of AdamW")
     ap.add_argument("--warmup-steps", type=int, default=0, help="linear warmup, then cosine decay to 10 %%")
     ap.add_argument("--max-grad-norm", type=float, default=1.0)
@@ -20,8 +20,11 @@ def main():
     ap.add_argument("--seed", type=int, default=0, help="initial weights (the same for every layout)")
     ap.add_argument("--data", help="flat file of token ids (.bin, or .npy with its own dtype)")
     ap.add_argument("--data-dtype", choices=("uint16", "uint32"), default="uint16")
-    ap.add_argument("--checkpoint", help="save a DCP checkpoint here at the end")
-    ap.add_argument("--resume", help="load a DCP checkpoint before training")
+    ap.add_argument("--checkpoint", metavar="DIR", help="save the run's state under DIR/step-N at the end (and every "
+                    "--checkpoint-every steps): model, optimizer, step, data position, RNG")
+    ap.add_argument("--checkpoint-every", type=int, default=0, metavar="N", help="also save every N steps")
+    ap.add_argument("--keep", type=int, default=None, metavar="K", help="keep the K newest checkpoints")
+    ap.add_argument("--resume", metavar="PATH", help="continue from a checkpoint (or the latest under a folder)")
     args = ap.parse_args()
     device = device_for_rank()
     if FP8_LINEARS:
@@ -57,15 +60,22 @@ def main():
                       num_chunks=len(STAGE_LAYERS), schedule=SCHEDULE, num_microbatches=NUM_MICROBATCHES,
                       micro_batch=MICRO_BATCH, zero=ZERO, tied=TIED, config=config, device=device,
                       loss_parallel=LOSS_PARALLEL, context=context)
-    if args.resume:
-        checkpoint.load(trainer, args.resume)
-
     first = dist.get_rank() == 0
+    begin = 0
+    if args.resume:  # the whole state: weights, AdamW's moments, the step, the data position, the RNG
+        position = checkpoint.load(trainer, args.resume)
+        if position.samples % GLOBAL_BATCH:
+            raise SystemExit(f"the checkpoint consumed {position.samples} samples, not whole batches of "
+                             f"{GLOBAL_BATCH}")
+        begin = position.samples // GLOBAL_BATCH
+        if first:
+            print(f"resumed at step {begin}", flush=True)
     batches, source = run_batches(module, build_on_meta(build).model, CONFIG, GLOBAL_BATCH, SEQ_LEN,
-                                  mesh.get_local_rank("dp"), MESH_SHAPE[1], args.seed, args.data, args.data_dtype)
+                                  mesh.get_local_rank("dp"), MESH_SHAPE[1], args.seed, args.data, args.data_dtype,
+                                  start_step=begin)
     if first:
         print(f"data: {source}", flush=True)
-    for step in range(args.steps):
+    for step in range(begin, args.steps):
         start = time.perf_counter()
         loss = trainer.step(next(batches))
         if device.type == "cuda":
@@ -73,8 +83,9 @@ def main():
         line = report.step(step, loss, time.perf_counter() - start)
         if first:
             print(line, flush=True)
-    if args.checkpoint:
-        checkpoint.save(trainer, args.checkpoint)
+        done = step + 1
+        if args.checkpoint and (done == args.steps or (args.checkpoint_every and done % args.checkpoint_every == 0)):
+            checkpoint.save(trainer, args.checkpoint, checkpoint.Position(done, done * GLOBAL_BATCH), keep=args.keep)
     summary = report.summary_line()
     if first:
         print(summary, flush=True)

@@ -1,34 +1,202 @@
-"""Distributed checkpoints (``torch.distributed.checkpoint``) that move between plans.
+"""Checkpoints of a run's whole state (``torch.distributed.checkpoint``), committed atomically, that move between
+plans.
 
-Each rank saves the model state it holds: FSDP and tensor-parallel shards as DTensors, pipeline stages
-as their own layers.  Loading lays the saved tensors onto whatever the current plan shards, so a run can
-stop under one layout and resume under another.
+A checkpoint holds what torchtitan's does:
+
+- the model: every rank its shards (FSDP and tensor-parallel shards as DTensors, pipeline stages as their own
+  layers), under the model's own FQNs (``clean_fqn``: no wrapper prefix);
+- the optimizer's state of every parameter under ``optimizer.<FQN>.<name>`` (AdamW's moments laid out as the
+  parameter, so that they reshard with it, and its step count);
+- the step reached, the samples consumed (global, so that the data position survives a change of dp) and the
+  world size;
+- every rank's RNG states (restored only under the same world size: another plan draws other streams anyway).
+
+Loading lays the saved tensors onto whatever the current plan shards, optimizer state included, so a run can stop
+under one layout and resume under another.  A save goes to ``DIR/.step-N.partial`` and is renamed to
+``DIR/step-N`` once every rank has written its part: a save killed halfway leaves no ``step-`` directory, and the
+previous checkpoint stays the latest.  ``keep`` prunes the oldest complete ones.  A checkpoint is tensors and DCP
+metadata; nothing in it is code.
 """
 
 from __future__ import annotations
 
+import re
+import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    _init_optim_state,
+    get_model_state_dict,
+    set_model_state_dict,
+)
+
+from autopar.errors import AutoparError
+
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+_OPTIMIZER = "optimizer."
+_TRAIN = "train."
 
 
-def _modules(trainer: object) -> list[nn.Module]:
+@dataclass(frozen=True, slots=True)
+class Position:
+    """Where a run stands: optimizer steps taken, and samples consumed over all data-parallel ranks."""
+
+    step: int
+    samples: int
+
+
+def step_dir(root: str | Path, step: int) -> Path:
+    return Path(root) / f"step-{step:08d}"
+
+
+def complete_checkpoints(root: str | Path) -> list[Path]:
+    """The committed checkpoints under ``root``, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def resolve(path: str | Path) -> Path:
+    """``path`` itself if it is one checkpoint, else the latest committed one under it; a one-line error if
+    there is none."""
+    path = Path(path)
+    if (path / ".metadata").is_file():
+        return path
+    found = complete_checkpoints(path)
+    if not found:
+        raise AutoparError(f"{path}: no checkpoint (neither a DCP checkpoint nor a folder of step-N ones)")
+    return found[-1]
+
+
+def save(trainer: object, root: str | Path, position: Position, keep: int | None = None) -> Path:
+    """Write the run's state at ``position`` as ``root/step-N`` (every rank its part), commit it, and keep the
+    ``keep`` newest (all when ``None``); returns the committed folder."""
+    root = Path(root)
+    final = step_dir(root, position.step)
+    partial = root / f".{final.name}.partial"
+    first = not dist.is_initialized() or dist.get_rank() == 0
+    if first:
+        shutil.rmtree(partial, ignore_errors=True)  # a save killed before
+        partial.mkdir(parents=True, exist_ok=True)
+    _barrier()
+    dcp.save(_state(trainer, position), checkpoint_id=str(partial))
+    _barrier()  # every rank has written its part
+    if first:
+        if final.exists():
+            shutil.rmtree(final)
+        partial.rename(final)
+        if keep is not None:
+            for old in complete_checkpoints(root)[:-keep]:
+                shutil.rmtree(old)
+    _barrier()
+    return final
+
+
+def load(trainer: object, path: str | Path) -> Position:
+    """Read the run's state from ``path`` (a checkpoint, or a folder of them: the latest), resharded to the
+    current plan; returns where the run stood."""
+    path = resolve(path)
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    optimizer = trainer.optimizer
+    if any(k.startswith(_OPTIMIZER) for k in saved):
+        _init_optim_state(optimizer)  # the moments to load into (AdamW creates them at its first step)
+    state = _state(trainer, Position(0, 0))
+    same_world = int(saved_world_size(path)) == _world_size()
+    wanted = {k: v for k, v in state.items() if k in saved and (same_world or not k.startswith("rng."))}
+    copies: list[tuple[str, str]] = []  # (key loaded, key of a tied copy that takes the same values)
+    for key in sorted(k for k in state if k not in saved and not k.startswith("rng.")):
+        twin = _tied_twin(key, getattr(trainer, "tied", ()))
+        if twin is None or twin not in saved:
+            raise AutoparError(f"{path}: the checkpoint has no {key} (another model, or another optimizer)")
+        if twin in wanted:
+            copies.append((twin, key))
+        else:  # a pipeline's second copy of a tied weight, saved once by a plan that holds it once
+            wanted[twin] = state[key]
+    try:
+        dcp.load(wanted, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=True))
+    except (Exception, CheckpointException) as exc:  # each rank's failure: a shape that differs, a truncated file
+        lines = [line.strip() for line in str(exc).splitlines()]
+        detail = next((line for line in lines if "size" in line or "shape" in line), type(exc).__name__)[:200]
+        raise AutoparError(f"{path}: the checkpoint does not fit this model and plan ({detail})") from None
+    for source, copy in copies:
+        state[copy].copy_(wanted[source])
+    for part in trainer.parts:
+        own = get_model_state_dict(part)
+        set_model_state_dict(part, {k: state[k] for k in own}, options=StateDictOptions(strict=True))
+    # the optimizer's tensors were loaded in place; the learning rate follows the step
+    step, samples = int(wanted[_TRAIN + "step"]), int(wanted[_TRAIN + "samples"])
+    trainer.scheduler.last_epoch = step
+    for group, lr in zip(optimizer.param_groups, trainer.scheduler.get_lr(), strict=True):
+        group["lr"] = lr
+    trainer.scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
+    if same_world:
+        torch.set_rng_state(wanted[f"rng.rank{_rank()}.cpu"])
+        if torch.cuda.is_available() and f"rng.rank{_rank()}.cuda" in wanted:
+            torch.cuda.set_rng_state(wanted[f"rng.rank{_rank()}.cuda"])
+    return Position(step, samples)
+
+
+def saved_world_size(path: str | Path) -> int:
+    """The number of ranks that wrote checkpoint ``path``."""
+    state = {_TRAIN + "world_size": torch.zeros((), dtype=torch.int64)}
+    dcp.load(state, checkpoint_id=str(resolve(path)), planner=DefaultLoadPlanner(allow_partial_load=True))
+    return int(state[_TRAIN + "world_size"])
+
+
+def _tied_twin(key: str, tied: object) -> str | None:
+    """The key of the other copy of a tied weight (or of its optimizer state), if ``key`` names one."""
+    for fqn, alias in tied:
+        for a, b in ((alias, fqn), (fqn, alias)):
+            for prefix in ("", _OPTIMIZER):
+                if key == prefix + a or key.startswith(f"{prefix}{a}."):
+                    return prefix + b + key[len(prefix + a):]
+    return None
+
+
+def _state(trainer: object, position: Position) -> dict[str, torch.Tensor]:
+    """The flat state dict this rank saves (or loads into)."""
+    state: dict[str, torch.Tensor] = {}
+    for part in _parts(trainer):
+        state.update(get_model_state_dict(part))
+    optimizer = trainer.optimizer
+    for fqn, p in trainer.named_parameters():
+        for name, value in optimizer.state.get(p, {}).items():
+            if isinstance(value, torch.Tensor):
+                state[f"{_OPTIMIZER}{fqn}.{name}"] = value
+    state[_TRAIN + "step"] = torch.tensor(position.step, dtype=torch.int64)
+    state[_TRAIN + "samples"] = torch.tensor(position.samples, dtype=torch.int64)
+    state[_TRAIN + "world_size"] = torch.tensor(_world_size(), dtype=torch.int64)
+    state[f"rng.rank{_rank()}.cpu"] = torch.get_rng_state()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state[f"rng.rank{_rank()}.cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _parts(trainer: object) -> list[nn.Module]:
     return list(trainer.parts)
 
 
-def save(trainer: object, path: str | Path) -> None:
-    """Write this rank's part of the model state under ``path`` (a directory)."""
-    state: dict = {}
-    for m in _modules(trainer):
-        state.update(get_model_state_dict(m))
-    dcp.save(state, checkpoint_id=str(path))
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
-def load(trainer: object, path: str | Path) -> None:
-    """Read the state this rank holds from ``path``, resharded to the current plan."""
-    for m in _modules(trainer):
-        state = get_model_state_dict(m)
-        dcp.load(state, checkpoint_id=str(path))
-        set_model_state_dict(m, state, options=StateDictOptions(strict=True))
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+__all__ = ["Position", "complete_checkpoints", "load", "resolve", "save", "saved_world_size", "step_dir"]

@@ -87,16 +87,18 @@ def model_batches(module: ModuleType, dp_rank: int, dp_size: int, batch_size: in
 
 def run_batches(module: ModuleType, model: nn.Module, config: dict[str, Any], global_batch: int, seq_len: int,
                 dp_rank: int, dp_size: int, seed: int, data: str | None = None,
-                data_dtype: str = "uint16") -> tuple[Iterator[tuple[torch.Tensor, ...]], str]:
-    """This rank's batches for a run, and where they come from: the model file's ``batches``, else the token
-    file ``data``, else synthetic tokens.  ``model`` may be a meta-device build (only its vocabulary is read)."""
+                data_dtype: str = "uint16", start_step: int = 0) -> tuple[Iterator[tuple[torch.Tensor, ...]], str]:
+    """This rank's batches for a run from step ``start_step`` on, and where they come from: the model file's
+    ``batches`` (its first ``start_step`` batches drawn and dropped: it cannot seek), else the token file ``data``,
+    else synthetic tokens.  ``model`` may be a meta-device build (only its vocabulary is read)."""
     local = global_batch // dp_size
     if data:
         vocab = modelfile.vocab_size(model, config)
-        return token_batches(open_tokens(data, data_dtype), dp_rank, dp_size, local, seq_len, vocab=vocab), data
+        return token_batches(open_tokens(data, data_dtype), dp_rank, dp_size, local, seq_len, start_step=start_step,
+                             vocab=vocab), data
     own = model_batches(module, dp_rank, dp_size, local, seq_len, config)
     if own is not None:
-        return own, "the model file's batches()"
-    return (synthetic_batches(module, model, config, global_batch, seq_len, dp_rank, dp_size, seed),
+        return itertools.islice(own, start_step, None), "the model file's batches()"
+    return (synthetic_batches(module, model, config, global_batch, seq_len, dp_rank, dp_size, seed, start_step),
             "synthetic random tokens (no --data file and no batches() in the model file)")
 __all__ = ["model_batches", "open_tokens", "run_batches", "synthetic_batches", "token_batches"]

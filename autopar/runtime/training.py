@@ -45,6 +45,8 @@ class TrainingConfig:
 #: ``autopar verify --numerics``: the exact fp32 check (plain SGD, nothing clipped, fp32 everywhere, so
 #: that every layout agrees with one process to rounding) and the bf16 check (what the plan prices).
 NUMERICS = ("fp32", "bf16")
+#: What the runtime's worker also runs: fp32 AdamW with clipping (the exact-resume checks: moments and all).
+RUN_NUMERICS = (*NUMERICS, "fp32-adamw")
 
 
 def check_config(numerics: str, lr: float) -> TrainingConfig:
@@ -53,7 +55,9 @@ def check_config(numerics: str, lr: float) -> TrainingConfig:
         return TrainingConfig(optimizer="sgd", lr=lr, weight_decay=0.0, max_grad_norm=None, precision="fp32")
     if numerics == "bf16":
         return TrainingConfig(optimizer="adamw", lr=lr, precision="bf16")
-    raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}, not {numerics!r}")
+    if numerics == "fp32-adamw":
+        return TrainingConfig(optimizer="adamw", lr=lr, precision="fp32")
+    raise ValueError(f"numerics must be one of {', '.join(RUN_NUMERICS)}, not {numerics!r}")
 
 
 def build_optimizer(params: list[nn.Parameter], config: TrainingConfig, device: torch.device) -> torch.optim.Optimizer:
@@ -178,6 +182,7 @@ class Trainer:
         from autopar.tracing import default_loss_fn
 
         self.parts, self.mesh, self.config, self.device = parts, mesh, config, device
+        self.tied = tied  # (FQN, alias) of each tied weight: a pipeline holds one copy per end
         self.loss_fn = fp32_loss(loss_fn, device, config.precision)
         self.context = context  # context parallelism: this rank trains on a slice of every sequence
         if context is not None:
@@ -264,5 +269,5 @@ class Trainer:
         return total
 
 
-__all__ = ["NUMERICS", "Trainer", "TrainingConfig", "bf16_parameters", "build_optimizer", "check_config", "clip_grads",
-           "fp32_loss", "grad_norm", "lr_factor"]
+__all__ = ["NUMERICS", "RUN_NUMERICS", "Trainer", "TrainingConfig", "bf16_parameters", "build_optimizer",
+           "check_config", "clip_grads", "fp32_loss", "grad_norm", "lr_factor"]

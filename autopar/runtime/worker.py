@@ -22,7 +22,7 @@ from autopar.runtime import checkpoint
 from autopar.runtime.apply import apply
 from autopar.runtime.memory import activation_peak_bytes
 from autopar.runtime.session import batch_for_step, build_model, disable_dropout
-from autopar.runtime.training import NUMERICS, check_config
+from autopar.runtime.training import RUN_NUMERICS, check_config
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -43,9 +43,10 @@ def run_one(plan_path: str, out: Path, args: argparse.Namespace) -> None:
     trainer = apply(plan, session.loss_fn, config=check_config(args.numerics, args.lr), seed=args.seed)
     for part in trainer.parts:  # the reference run draws other masks: both sides run without dropout
         disable_dropout(part)
-    if args.resume:
-        checkpoint.load(trainer, args.resume)
-    steps = range(args.start_step, args.start_step + args.steps)
+    start = args.start_step
+    if args.resume:  # the run's whole state: its data continues where the checkpoint's step left it
+        start = checkpoint.load(trainer, args.resume).step
+    steps = range(start, start + args.steps)
     local = plan.global_batch // trainer.dp_size
     lo = trainer.dp_rank * local
     losses, peak = [], None
@@ -57,7 +58,8 @@ def run_one(plan_path: str, out: Path, args: argparse.Namespace) -> None:
         else:
             losses.append(trainer.step(batch))
     if args.checkpoint:
-        checkpoint.save(trainer, args.checkpoint)
+        end = steps.stop
+        checkpoint.save(trainer, args.checkpoint, checkpoint.Position(end, end * plan.global_batch))
     named = trainer.named_parameters()
     grads = {n: _full(p.grad).detach() for n, p in named if p.grad is not None}
     params = {n: _full(p).detach() for n, p in named}
@@ -78,12 +80,13 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lr", type=float, default=0.1)
-    ap.add_argument("--numerics", choices=NUMERICS, default="fp32")
+    ap.add_argument("--numerics", choices=RUN_NUMERICS, default="fp32")
     ap.add_argument("--memory", action="store_true",
                     help="measure the last step's activation memory (torch's MemTracker)")
-    ap.add_argument("--start-step", type=int, default=0, help="index of the first step (its data)")
-    ap.add_argument("--resume", help="load the model state from this DCP checkpoint first (one plan only)")
-    ap.add_argument("--checkpoint", help="save the model state to this DCP checkpoint at the end (one plan only)")
+    ap.add_argument("--start-step", type=int, default=0, help="index of the first step (its data) without --resume")
+    ap.add_argument("--resume", help="load the run's state from this checkpoint (or the latest in this folder) "
+                                     "and continue from its step (one plan only)")
+    ap.add_argument("--checkpoint", help="save the run's state under this folder at the end (one plan only)")
     args = ap.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()

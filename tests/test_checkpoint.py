@@ -1,0 +1,166 @@
+"""Checkpoints of the whole run state: exact resume (AdamW moments, step, learning rate), an atomic commit that a
+killed save cannot break, and pruning to the newest few."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from autopar.cli import main
+from autopar.errors import AutoparError
+from autopar.runtime import checkpoint
+from autopar.runtime.training import TrainingConfig, build_optimizer, lr_factor
+
+DEEP = ["--config", "layers=4,hidden=256,heads=8,vocab=256,seq_len=16", "--cluster", "cpu"]
+MOE = ["--config", "layers=2,hidden=128,heads=4,vocab=256,seq_len=16,experts=4", "--cluster", "cpu"]
+
+
+class _TinyTrainer:
+    """What ``checkpoint`` reads of a ``Trainer``: parts, optimizer, scheduler, named parameters."""
+
+    def __init__(self, seed: int) -> None:
+        torch.manual_seed(seed)
+        self.parts = [nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))]
+        self.config = TrainingConfig(lr=0.05, warmup_steps=2, decay_steps=6, precision="fp32")
+        self.optimizer = build_optimizer(list(self.parts[0].parameters()), self.config, torch.device("cpu"))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, self.config))
+        self.tied: list[tuple[str, str]] = []
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return list(self.parts[0].named_parameters())
+
+    def step(self, k: int) -> float:
+        gen = torch.Generator().manual_seed(k)
+        x = torch.randn(16, 4, generator=gen)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = (self.parts[0](x) - x.sum(1, keepdim=True)).pow(2).mean()
+        loss.backward()
+        self.optimizer.step()
+        self.scheduler.step()
+        return float(loss)
+
+
+def test_resume_in_one_process_is_exact(tmp_path):
+    straight = _TinyTrainer(0)
+    losses = [straight.step(k) for k in range(6)]
+    first = _TinyTrainer(0)
+    half = [first.step(k) for k in range(3)]
+    checkpoint.save(first, tmp_path, checkpoint.Position(3, 3 * 16))
+    second = _TinyTrainer(1)  # other initial weights: everything must come from the checkpoint
+    position = checkpoint.load(second, tmp_path)
+    assert position == checkpoint.Position(3, 48)
+    assert second.optimizer.param_groups[0]["lr"] == pytest.approx(first.optimizer.param_groups[0]["lr"])
+    rest = [second.step(k) for k in range(3, 6)]
+    assert half + rest == pytest.approx(losses, rel=1e-6)
+    for (_, a), (_, b) in zip(straight.named_parameters(), second.named_parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_a_save_killed_halfway_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    trainer = _TinyTrainer(0)
+    trainer.step(0)
+    checkpoint.save(trainer, tmp_path, checkpoint.Position(1, 16))
+    trainer.step(1)
+    real = checkpoint.dcp.save
+
+    def killed(state, checkpoint_id):
+        real({k: v for k, v in list(state.items())[:2]}, checkpoint_id=checkpoint_id)  # some files written
+        raise KeyboardInterrupt  # the process dies here
+
+    monkeypatch.setattr(checkpoint.dcp, "save", killed)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save(trainer, tmp_path, checkpoint.Position(2, 32))
+    monkeypatch.setattr(checkpoint.dcp, "save", real)
+    assert [p.name for p in checkpoint.complete_checkpoints(tmp_path)] == ["step-00000001"]
+    assert checkpoint.load(_TinyTrainer(3), tmp_path) == checkpoint.Position(1, 16)
+    checkpoint.save(trainer, tmp_path, checkpoint.Position(2, 32))  # the next save clears the partial one
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000001", "step-00000002"]
+
+
+def test_keep_prunes_the_oldest_and_bad_paths_are_one_line_errors(tmp_path):
+    trainer = _TinyTrainer(0)
+    for k in range(4):
+        trainer.step(k)
+        checkpoint.save(trainer, tmp_path, checkpoint.Position(k + 1, 16 * (k + 1)), keep=2)
+    assert [p.name for p in checkpoint.complete_checkpoints(tmp_path)] == ["step-00000003", "step-00000004"]
+    with pytest.raises(AutoparError, match="no checkpoint"):
+        checkpoint.load(trainer, tmp_path / "nowhere")
+    other = _TinyTrainer(0)
+    other.parts = [nn.Sequential(nn.Linear(4, 5))]  # another model: the same names, other shapes
+    other.optimizer = build_optimizer(list(other.parts[0].parameters()), other.config, torch.device("cpu"))
+    other.scheduler = torch.optim.lr_scheduler.LambdaLR(other.optimizer, lambda s: 1.0)
+    with pytest.raises(AutoparError, match="does not fit this model"):
+        checkpoint.load(other, tmp_path)
+    other.parts = [nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1), nn.Linear(1, 1))]  # one more layer
+    with pytest.raises(AutoparError, match=r"the checkpoint has no 3\.bias"):
+        checkpoint.load(other, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("model", "config", "fix"), [
+    ("gpt", DEEP, "dp=2,tp=2,sp=off,zero=0"),
+    ("gpt", DEEP, "pp=2,dp=2,schedule=1f1b,zero=3"),
+    ("moe", MOE, "dp=4,ep=2,zero=3"),
+], ids=["dp2xtp2", "pp2xdp2-zero3", "moe-ep2"])
+def test_four_steps_equal_two_then_resume_and_two_more(tmp_path, capsys, model, config, fix):
+    """fp32 AdamW on 4 CPU ranks: the moments, the step count and the learning rate come back with the weights."""
+    from autopar.runtime.verify import run_plan
+
+    assert main(["plan", model, *config, "--global-batch", "8", "--fix", fix, "-o", str(tmp_path / "p")]) == 0
+    capsys.readouterr()
+    plan = tmp_path / "p" / "plan.json"
+    options = {"numerics": "fp32-adamw", "lr": 1e-3}
+    straight = run_plan(plan, 4, **options)
+    first = run_plan(plan, 2, checkpoint=tmp_path / "ckpt", **options)
+    second = run_plan(plan, 2, resume=tmp_path / "ckpt", **options)
+    assert first["losses"] + second["losses"] == pytest.approx(straight["losses"], rel=1e-6)
+    for name, value in straight["params"].items():
+        torch.testing.assert_close(second["params"][name], value, rtol=1e-6, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow
+def test_the_generated_script_saves_every_n_steps_and_resumes_where_it_stopped(tmp_path, capsys):
+    """train.py, 4 steps with a checkpoint every 2, then again from the step-2 checkpoint: ``--steps`` counts the
+    whole run, so the resumed run trains steps 2 and 3, with the losses of the straight run."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    assert main(["plan", "gpt", *DEEP, "--global-batch", "8", "--fix", "dp=2,tp=2,sp=off,zero=3",
+                 "-o", str(tmp_path)]) == 0
+    capsys.readouterr()
+
+    def run(*extra: str) -> dict[int, float]:
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+                               str(tmp_path / "train.py"), "--steps", "4", "--precision", "fp32", *extra],
+                              capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return {int(m.group(1)): float(m.group(2)) for m in re.finditer(r"^step (\d+) loss ([\d.]+)", proc.stdout,
+                                                                          re.MULTILINE)}
+
+    straight = run("--checkpoint", str(tmp_path / "ckpt"), "--checkpoint-every", "2", "--keep", "3")
+    assert [p.name for p in checkpoint.complete_checkpoints(tmp_path / "ckpt")] == ["step-00000002",
+                                                                                    "step-00000004"]
+    resumed = run("--resume", str(tmp_path / "ckpt" / "step-00000002"))
+    assert sorted(resumed) == [2, 3]
+    assert [resumed[2], resumed[3]] == pytest.approx([straight[2], straight[3]], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_adamw_state_moves_between_plans(tmp_path, capsys):
+    """Saved under dp2 x tp2, resumed under pp2 x dp2 (ZeRO-3): the moments reshard with the weights, and the run
+    agrees with one that never stopped within verify's fp32 tolerance."""
+    from autopar.runtime.verify import TOLERANCE, run_plan
+
+    for name, fix in (("a", "dp=2,tp=2,sp=off,zero=0"), ("b", "pp=2,dp=2,schedule=1f1b,zero=3")):
+        assert main(["plan", "gpt", *DEEP, "--global-batch", "8", "--fix", fix, "-o", str(tmp_path / name)]) == 0
+    capsys.readouterr()
+    options = {"numerics": "fp32-adamw", "lr": 1e-3}
+    straight = run_plan(tmp_path / "a" / "plan.json", 4, **options)
+    first = run_plan(tmp_path / "a" / "plan.json", 2, checkpoint=tmp_path / "ckpt", **options)
+    second = run_plan(tmp_path / "b" / "plan.json", 2, resume=tmp_path / "ckpt", **options)
+    assert first["losses"] + second["losses"] == pytest.approx(straight["losses"], rel=TOLERANCE["fp32"])
+    for name, value in straight["params"].items():
+        torch.testing.assert_close(second["params"][name], value, rtol=TOLERANCE["fp32"], atol=1e-5, msg=name)
