@@ -164,3 +164,36 @@ def test_adamw_state_moves_between_plans(tmp_path, capsys):
     assert first["losses"] + second["losses"] == pytest.approx(straight["losses"], rel=TOLERANCE["fp32"])
     for name, value in straight["params"].items():
         torch.testing.assert_close(second["params"][name], value, rtol=TOLERANCE["fp32"], atol=1e-5, msg=name)
+
+
+@pytest.mark.slow
+def test_a_rank_killed_mid_run_restarts_from_the_last_checkpoint(tmp_path, capsys):
+    """Under ``torchrun --max-restarts 1`` a rank dies (SIGKILL) at step 3; the restarted run resumes from the
+    step-2 checkpoint on its own and ends with the losses of a run that was never interrupted."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    model = Path(__file__).parent / "fixtures" / "gpt_killed_once.py"
+    assert main(["plan", str(model), "--config", "layers=2,hidden=64,heads=4,vocab=256,seq_len=16", "--cluster",
+                 "cpu", "--global-batch", "8", "--fix", "dp=4,zero=1", "-o", str(tmp_path)]) == 0
+    capsys.readouterr()
+
+    def run(folder: str, **env: str) -> tuple[dict[int, float], str]:
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+                               "--max-restarts", "1", str(tmp_path / "train.py"), "--steps", "6", "--precision",
+                               "fp32", "--checkpoint", str(tmp_path / folder), "--checkpoint-every", "2"],
+                              capture_output=True, text=True, timeout=400,
+                              env={**os.environ, "OMP_NUM_THREADS": "1", **env})
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        losses = {int(m.group(1)): float(m.group(2))
+                  for m in re.finditer(r"^step (\d+) loss ([\d.]+)", proc.stdout, re.MULTILINE)}  # the last wins
+        return losses, proc.stdout
+
+    reference, _ = run("straight")
+    killed, out = run("killed", AUTOPAR_TEST_KILL="1")
+    assert "resumed at step 2" in out
+    assert sorted(killed) == sorted(reference) == list(range(6))
+    assert [killed[k] for k in range(6)] == pytest.approx([reference[k] for k in range(6)], rel=1e-5)

@@ -24,7 +24,8 @@ def main():
                     "--checkpoint-every steps): model, optimizer, step, data position, RNG")
     ap.add_argument("--checkpoint-every", type=int, default=0, metavar="N", help="also save every N steps")
     ap.add_argument("--keep", type=int, default=None, metavar="K", help="keep the K newest checkpoints")
-    ap.add_argument("--resume", metavar="PATH", help="continue from a checkpoint (or the latest under a folder)")
+    ap.add_argument("--resume", metavar="PATH", help="continue from a checkpoint (or the latest under a folder; "
+                    "default: the latest under --checkpoint, if any)")
     args = ap.parse_args()
     device = device_for_rank()
     if FP8_LINEARS:
@@ -36,7 +37,7 @@ def main():
             raise SystemExit(2) from None
     if device.type == "cpu":
         return_freed_tensors_to_the_os()  # so that peak RSS measures live tensors
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    init_distributed(device)  # a run torchrun restarted meets in a store of its own
     if dist.get_world_size() != math.prod(MESH_SHAPE):
         raise SystemExit(f"this plan needs {math.prod(MESH_SHAPE)} ranks, got {dist.get_world_size()}")
     mesh = init_device_mesh(device.type, MESH_SHAPE, mesh_dim_names=MESH_DIMS)
@@ -62,8 +63,11 @@ def main():
                       loss_parallel=LOSS_PARALLEL, context=context)
     first = dist.get_rank() == 0
     begin = 0
-    if args.resume:  # the whole state: weights, AdamW's moments, the step, the data position, the RNG
-        position = checkpoint.load(trainer, args.resume)
+    resume = args.resume
+    if resume is None and args.checkpoint and checkpoint.complete_checkpoints(args.checkpoint):
+        resume = args.checkpoint  # a run restarted (torchrun --max-restarts) goes on from its latest checkpoint
+    if resume:  # the whole state: weights, AdamW's moments, the step, the data position, the RNG
+        position = checkpoint.load(trainer, resume)
         if position.samples % GLOBAL_BATCH:
             raise SystemExit(f"the checkpoint consumed {position.samples} samples, not whole batches of "
                              f"{GLOBAL_BATCH}")

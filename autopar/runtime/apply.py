@@ -97,6 +97,23 @@ def device_for_rank() -> torch.device:
     return torch.device("cuda", local)
 
 
+def init_distributed(device: torch.device) -> None:
+    """The default process group (NCCL on GPUs, gloo on the CPU), from torchrun's environment.
+
+    A run that torchrun restarted (``--max-restarts``) meets in a store of its own: torchrun's agent keeps one
+    store across attempts, and the process group's keys from the attempt before (a dead rank's address among
+    them) would otherwise still be there (gloo then fails to connect to it; pytorch/pytorch#167288 reports the
+    like for NCCL)."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if attempt == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend)
+        return
+    agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"autopar/attempt_{attempt}", agent),
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+
+
 def plan_builder(plan: Plan) -> Callable[[], nn.Module]:
     """``build_model(**config)`` of the plan's model file."""
     module = modelfile.load_for(plan.model)

@@ -74,12 +74,14 @@ def synthetic_batches(module: ModuleType, model: nn.Module, config: dict[str, An
 
 def model_batches(module: ModuleType, dp_rank: int, dp_size: int, batch_size: int, seq_len: int,
                   config: dict[str, Any]) -> Iterator[tuple[torch.Tensor, ...]] | None:
-    """The model file's own ``batches`` iterator, or ``None`` when it defines none."""
+    """The model file's own ``batches`` iterator, or ``None`` when it defines none.  The config's own ``seq_len``
+    (most models take one) is the ``seq_len`` argument, not a second one."""
     fn = getattr(module, "batches", None)
     if fn is None:
         return None
+    rest = {k: v for k, v in config.items() if k not in ("dp_rank", "dp_size", "batch_size", "seq_len")}
     return (tuple(b) if isinstance(b, (tuple, list)) else (b,)
-            for b in fn(dp_rank, dp_size, batch_size, seq_len, **config))
+            for b in fn(dp_rank, dp_size, batch_size, seq_len, **rest))
 
 
 
