@@ -121,8 +121,9 @@ def test_four_steps_equal_two_then_resume_and_two_more(tmp_path, capsys, model, 
 
 @pytest.mark.slow
 def test_the_generated_script_saves_every_n_steps_and_resumes_where_it_stopped(tmp_path, capsys):
-    """train.py, 4 steps with a checkpoint every 2, then again from the step-2 checkpoint: ``--steps`` counts the
-    whole run, so the resumed run trains steps 2 and 3, with the losses of the straight run."""
+    """train.py, 4 steps with a checkpoint every 2 written in the background, then again from the step-2
+    checkpoint: ``--steps`` counts the whole run, so the resumed run trains steps 2 and 3, with the losses of the
+    straight run."""
     import os
     import re
     import subprocess
@@ -140,7 +141,8 @@ def test_the_generated_script_saves_every_n_steps_and_resumes_where_it_stopped(t
         return {int(m.group(1)): float(m.group(2)) for m in re.finditer(r"^step (\d+) loss ([\d.]+)", proc.stdout,
                                                                           re.MULTILINE)}
 
-    straight = run("--checkpoint", str(tmp_path / "ckpt"), "--checkpoint-every", "2", "--keep", "3")
+    straight = run("--checkpoint", str(tmp_path / "ckpt"), "--checkpoint-every", "2", "--keep", "3",
+                   "--async-checkpoint")
     assert [p.name for p in checkpoint.complete_checkpoints(tmp_path / "ckpt")] == ["step-00000002",
                                                                                     "step-00000004"]
     resumed = run("--resume", str(tmp_path / "ckpt" / "step-00000002"))

@@ -24,6 +24,7 @@ def main():
                     "--checkpoint-every steps): model, optimizer, step, data position, RNG")
     ap.add_argument("--checkpoint-every", type=int, default=0, metavar="N", help="also save every N steps")
     ap.add_argument("--keep", type=int, default=None, metavar="K", help="keep the K newest checkpoints")
+    ap.add_argument("--async-checkpoint", action="store_true", help="write checkpoints in the background")
     ap.add_argument("--resume", metavar="PATH", help="continue from a checkpoint (or the latest under a folder; "
                     "default: the latest under --checkpoint, if any)")
     args = ap.parse_args()
@@ -74,6 +75,8 @@ def main():
         begin = position.samples // GLOBAL_BATCH
         if first:
             print(f"resumed at step {begin}", flush=True)
+    saver = checkpoint.Checkpointer(trainer, args.checkpoint, keep=args.keep, asynchronous=args.async_checkpoint) \
+        if args.checkpoint else None
     batches, source = run_batches(module, build_on_meta(build).model, CONFIG, GLOBAL_BATCH, SEQ_LEN,
                                   mesh.get_local_rank("dp"), MESH_SHAPE[1], args.seed, args.data, args.data_dtype,
                                   start_step=begin)
@@ -88,8 +91,10 @@ def main():
         if first:
             print(line, flush=True)
         done = step + 1
-        if args.checkpoint and (done == args.steps or (args.checkpoint_every and done % args.checkpoint_every == 0)):
-            checkpoint.save(trainer, args.checkpoint, checkpoint.Position(done, done * GLOBAL_BATCH), keep=args.keep)
+        if saver and (done == args.steps or (args.checkpoint_every and done % args.checkpoint_every == 0)):
+            saver.save(checkpoint.Position(done, done * GLOBAL_BATCH))
+    if saver:
+        saver.wait()
     summary = report.summary_line()
     if first:
         print(summary, flush=True)

@@ -14,8 +14,9 @@ A checkpoint holds what torchtitan's does:
 Loading lays the saved tensors onto whatever the current plan shards, optimizer state included, so a run can stop
 under one layout and resume under another.  A save goes to ``DIR/.step-N.partial`` and is renamed to
 ``DIR/step-N`` once every rank has written its part: a save killed halfway leaves no ``step-`` directory, and the
-previous checkpoint stays the latest.  ``keep`` prunes the oldest complete ones.  A checkpoint is tensors and DCP
-metadata; nothing in it is code.
+previous checkpoint stays the latest.  ``keep`` prunes the oldest complete ones.  ``Checkpointer`` may write in
+the background (DCP's ``async_save``), committing each save when the next one starts or at its ``wait``.  A
+checkpoint is tensors and DCP metadata; nothing in it is code.
 """
 
 from __future__ import annotations
@@ -81,25 +82,65 @@ def resolve(path: str | Path) -> Path:
 def save(trainer: object, root: str | Path, position: Position, keep: int | None = None) -> Path:
     """Write the run's state at ``position`` as ``root/step-N`` (every rank its part), commit it, and keep the
     ``keep`` newest (all when ``None``); returns the committed folder."""
-    root = Path(root)
+    partial, final = _prepare(root, position)
+    dcp.save(_state(trainer, position), checkpoint_id=str(partial))
+    _commit(partial, final, keep)
+    return final
+
+
+class Checkpointer:
+    """The saves of one run, each committed as ``save`` commits it.  ``asynchronous``: DCP's ``async_save``
+    copies the state to host memory and writes it in the background, over a gloo group of its own, while
+    training goes on; the save is committed when the next one starts, or at ``wait``."""
+
+    def __init__(self, trainer: object, root: str | Path, keep: int | None = None,
+                 asynchronous: bool = False) -> None:
+        self.trainer, self.root, self.keep, self.asynchronous = trainer, Path(root), keep, asynchronous
+        self._group = dist.new_group(backend="gloo") if asynchronous and dist.is_initialized() else None
+        self._pending: tuple[object, Path, Path] | None = None
+
+    def save(self, position: Position) -> None:
+        if not self.asynchronous:
+            save(self.trainer, self.root, position, self.keep)
+            return
+        self.wait()  # one save in flight at a time
+        partial, final = _prepare(self.root, position)
+        future = dcp.async_save(_state(self.trainer, position), checkpoint_id=str(partial),
+                                process_group=self._group)
+        self._pending = (future, partial, final)
+
+    def wait(self) -> None:
+        """Finish and commit the save in flight, if any."""
+        if self._pending is None:
+            return
+        future, partial, final = self._pending
+        future.result()
+        self._pending = None
+        _commit(partial, final, self.keep)
+
+
+def _prepare(root: str | Path, position: Position) -> tuple[Path, Path]:
+    """The partial folder this save writes (cleared of a save killed before) and the folder it commits to."""
     final = step_dir(root, position.step)
-    partial = root / f".{final.name}.partial"
-    first = not dist.is_initialized() or dist.get_rank() == 0
-    if first:
-        shutil.rmtree(partial, ignore_errors=True)  # a save killed before
+    partial = Path(root) / f".{final.name}.partial"
+    if _rank() == 0:
+        shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True, exist_ok=True)
     _barrier()
-    dcp.save(_state(trainer, position), checkpoint_id=str(partial))
-    _barrier()  # every rank has written its part
-    if first:
+    return partial, final
+
+
+def _commit(partial: Path, final: Path, keep: int | None) -> None:
+    """Once every rank has written its part: the partial folder becomes the checkpoint; the oldest go."""
+    _barrier()
+    if _rank() == 0:
         if final.exists():
             shutil.rmtree(final)
         partial.rename(final)
         if keep is not None:
-            for old in complete_checkpoints(root)[:-keep]:
+            for old in complete_checkpoints(final.parent)[:-keep]:
                 shutil.rmtree(old)
     _barrier()
-    return final
 
 
 def load(trainer: object, path: str | Path) -> Position:
@@ -199,4 +240,5 @@ def _barrier() -> None:
         dist.barrier()
 
 
-__all__ = ["Position", "complete_checkpoints", "load", "resolve", "save", "saved_world_size", "step_dir"]
+__all__ = ["Checkpointer", "Position", "complete_checkpoints", "load", "resolve", "save", "saved_world_size",
+           "step_dir"]
