@@ -135,7 +135,8 @@ def test_the_generated_script_saves_every_n_steps_and_resumes_where_it_stopped(t
 
     def run(*extra: str) -> dict[int, float]:
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-                               str(tmp_path / "train.py"), "--steps", "4", "--precision", "fp32", *extra],
+                               str(tmp_path / "train.py"), "--steps", "4", "--precision", "fp32", "--log-every", "1",
+                               *extra],
                               capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
         assert proc.returncode == 0, proc.stderr[-2000:]
         return {int(m.group(1)): float(m.group(2)) for m in re.finditer(r"^step (\d+) loss ([\d.]+)", proc.stdout,
@@ -186,7 +187,8 @@ def test_a_rank_killed_mid_run_restarts_from_the_last_checkpoint(tmp_path, capsy
     def run(folder: str, **env: str) -> tuple[dict[int, float], str]:
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
                                "--max-restarts", "1", str(tmp_path / "train.py"), "--steps", "6", "--precision",
-                               "fp32", "--checkpoint", str(tmp_path / folder), "--checkpoint-every", "2"],
+                               "fp32", "--checkpoint", str(tmp_path / folder), "--checkpoint-every", "2",
+                               "--log-every", "1"],
                               capture_output=True, text=True, timeout=400,
                               env={**os.environ, "OMP_NUM_THREADS": "1", **env})
         assert proc.returncode == 0, proc.stderr[-2000:]

@@ -394,7 +394,8 @@ def test_generated_script_runs_the_plan(tmp_path, capsys, examples, model, confi
     assert "from autopar.runtime.parallelize import MESH_DIMS, context_of, parallelize" in text
     assert all(e in text for e in expect), [e for e in expect if e not in text]
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-                           str(script), "--steps", "3", "--precision", "fp32"], capture_output=True, text=True,
+                           str(script), "--steps", "3", "--precision", "fp32", "--log-every", "1"],
+                          capture_output=True, text=True,
                           timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.splitlines()

@@ -30,7 +30,8 @@ def test_zero3_script_holds_a_shard_per_rank(tmp_path, capsys):
     plan = Plan.load(tmp_path / "plan.json")
     params = sum(math.prod(p["shape"]) for p in plan.parameters.values())
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=8",
-                           str(tmp_path / "train.py"), "--steps", "2"], capture_output=True, text=True, timeout=600,
+                           str(tmp_path / "train.py"), "--steps", "2", "--log-every", "1"], capture_output=True,
+                          text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     steps = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
@@ -45,7 +46,8 @@ def test_zero3_script_holds_a_shard_per_rank(tmp_path, capsys):
 
 def _losses(folder: Path, ranks: int) -> list[float]:
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-                           "train.py", "--steps", "3", "--precision", "fp32"], capture_output=True, text=True,
+                           "train.py", "--steps", "3", "--precision", "fp32", "--log-every", "1"],
+                          capture_output=True, text=True,
                           timeout=600, cwd=folder, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     return [float(line.split()[3]) for line in proc.stdout.splitlines() if line.startswith("step ")]

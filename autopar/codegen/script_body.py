@@ -25,6 +25,11 @@ def main():
     ap.add_argument("--checkpoint-every", type=int, default=0, metavar="N", help="also save every N steps")
     ap.add_argument("--keep", type=int, default=None, metavar="K", help="keep the K newest checkpoints")
     ap.add_argument("--async-checkpoint", action="store_true", help="write checkpoints in the background")
+    ap.add_argument("--log-every", type=int, default=10, metavar="N",
+                    help="log every N steps (and the first and last); the steps between wait on nothing")
+    ap.add_argument("--metrics", default=str(Path(__file__).with_name("metrics.jsonl")), metavar="FILE",
+                    help="JSON lines of the logged steps (appended; default: metrics.jsonl beside this script)")
+    ap.add_argument("--tensorboard", metavar="DIR", help="also write them to TensorBoard (the tensorboard extra)")
     ap.add_argument("--resume", metavar="PATH", help="continue from a checkpoint (or the latest under a folder; "
                     "default: the latest under --checkpoint, if any)")
     args = ap.parse_args()
@@ -82,19 +87,27 @@ def main():
                                   start_step=begin)
     if first:
         print(f"data: {source}", flush=True)
+    metrics = MetricsLog(args.metrics, args.tensorboard) if first else None
+    since, start = 0, time.perf_counter()
     for step in range(begin, args.steps):
-        start = time.perf_counter()
-        loss = trainer.step(next(batches))
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        line = report.step(step, loss, time.perf_counter() - start)
-        if first:
-            print(line, flush=True)
-        done = step + 1
+        loss = trainer.step(next(batches), sync=False)
+        since, done = since + 1, step + 1
+        if step == begin or done == args.steps or done % max(1, args.log_every) == 0:
+            loss = float(loss)  # the one wait on the device of the interval
+            norm = None if trainer.last_grad_norm is None else float(trainer.last_grad_norm)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            line = report.step(step, loss, (time.perf_counter() - start) / since, since, norm)
+            if first:
+                print(line, flush=True)
+                metrics.write(report.records[-1])
+            since, start = 0, time.perf_counter()
         if saver and (done == args.steps or (args.checkpoint_every and done % args.checkpoint_every == 0)):
             saver.save(checkpoint.Position(done, done * GLOBAL_BATCH))
     if saver:
         saver.wait()
+    if metrics:
+        metrics.close()
     summary = report.summary_line()
     if first:
         print(summary, flush=True)

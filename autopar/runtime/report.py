@@ -1,4 +1,5 @@
-"""Planned against measured, every step: loss, tokens/s, MFU and peak memory next to the plan's estimate."""
+"""Planned against measured: loss, grad norm, tokens/s, MFU and peak memory next to the plan's estimate, every
+logged step, printed and written as JSON lines (and to TensorBoard when asked)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,13 @@ import json
 import resource
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from autopar.errors import AutoparError
 
 #: glibc ``mallopt`` parameter ``M_MMAP_THRESHOLD`` and the value autopar pins it to on CPU runs.
 M_MMAP_THRESHOLD = -3
@@ -54,20 +58,26 @@ class StepReport:
     devices: int
     peak_flops: float
     device: torch.device
-    times_s: list[float] = field(default_factory=list)
-    losses: list[float] = field(default_factory=list)
+    times_s: list[float] = field(default_factory=list)  # per step, each logged interval's mean
+    losses: list[float] = field(default_factory=list)  # of the logged steps
+    records: list[dict[str, Any]] = field(default_factory=list)  # the logged steps, as ``MetricsLog`` writes them
     baseline_bytes: int = 0
     """Peak memory before the model was built (torch, the process group): what the run adds is above it."""
 
     def __post_init__(self) -> None:
         self.baseline_bytes = self.peak_memory_all_ranks()
 
-    def step(self, index: int, loss: float, time_s: float) -> str:
-        """Record one step; the line rank 0 prints."""
-        self.times_s.append(time_s)
+    def step(self, index: int, loss: float, time_s: float, steps: int = 1, grad_norm: float | None = None) -> str:
+        """Record a logged step: its loss (and grad norm), and the mean time of the ``steps`` steps since the
+        last logged one (``time_s``); returns the line rank 0 prints."""
+        self.times_s.extend([time_s] * steps)
         self.losses.append(loss)
         mem = self.peak_memory_all_ranks()
-        return (f"step {index} loss {loss:.6f} | {self.tokens_per_step / time_s:,.0f} tokens/s, "
+        self.records.append({"step": index, "loss": loss, "grad_norm": grad_norm, "time_s": time_s,
+                             "tokens_per_s": self.tokens_per_step / time_s, "mfu": self.mfu(time_s),
+                             "peak_memory_bytes": mem})
+        norm = f" grad norm {grad_norm:.4g}" if grad_norm is not None else ""
+        return (f"step {index} loss {loss:.6f}{norm} | {self.tokens_per_step / time_s:,.0f} tokens/s, "
                 f"MFU {100 * self.mfu(time_s):.3g}%, {time_s:.4g} s (plan {self.estimate['iteration_time_s']:.4g} s), "
                 f"peak memory {mem / 2**30:.3f} GiB (plan {self.estimate['peak_memory_bytes'] / 2**30:.3f} GiB)")
 
@@ -95,4 +105,34 @@ class StepReport:
         return json.dumps(self.summary(), sort_keys=True)
 
 
-__all__ = ["StepReport", "peak_memory_bytes", "return_freed_tensors_to_the_os"]
+class MetricsLog:
+    """The logged steps as JSON lines in ``path`` (appended: a resumed run goes on in the same file), and as
+    TensorBoard scalars under ``tensorboard`` (``torch.utils.tensorboard``: the ``tensorboard`` extra)."""
+
+    def __init__(self, path: str | Path | None, tensorboard: str | Path | None = None) -> None:
+        self.path = Path(path) if path else None
+        self.writer = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise AutoparError("--tensorboard needs the tensorboard package: pip install 'autopar[tensorboard]'") \
+                    from None
+            self.writer = SummaryWriter(str(tensorboard))
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.path is not None:
+            with self.path.open("a") as f:
+                f.write(json.dumps(record, sort_keys=True) + "\n")
+        if self.writer is not None:
+            for key, value in record.items():
+                if key != "step" and value is not None:
+                    self.writer.add_scalar(f"train/{key}", value, record["step"])
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+__all__ = ["MetricsLog", "StepReport", "peak_memory_bytes", "return_freed_tensors_to_the_os"]

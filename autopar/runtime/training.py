@@ -206,15 +206,16 @@ class Trainer:
         self._tied_copies = {alias for _, alias in tied} if self.pipeline is not None else set()
         self._stage_ranks = mesh["dp"].size() * mesh["cp"].size() * mesh["tp"].size()
         self._replicas = replica_mesh(mesh)  # the loss is averaged over dp x cp, as the gradients are
-        self.last_grad_norm: float | None = None
+        self.last_grad_norm: torch.Tensor | None = None
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """This rank's parameters under their model FQNs."""
         return [(clean_fqn(n), p) for part in self.parts for n, p in part.named_parameters()]
 
-    def step(self, local_inputs: Sequence[torch.Tensor]) -> float:
-        """One iteration on this data-parallel rank's batch; returns the global mean loss (on every rank)."""
-        return self.update(self.forward_backward(local_inputs))
+    def step(self, local_inputs: Sequence[torch.Tensor], sync: bool = True) -> float | torch.Tensor:
+        """One iteration on this data-parallel rank's batch; returns the global mean loss (on every rank): a float,
+        or with ``sync=False`` a tensor, so that the host need not wait for the device."""
+        return self.update(self.forward_backward(local_inputs), sync)
 
     def forward_backward(self, local_inputs: Sequence[torch.Tensor]) -> torch.Tensor:
         """The first half of ``step``: every micro-batch's forward and backward, the gradients left in
@@ -230,19 +231,19 @@ class Trainer:
             with self.context.attention(self.device):
                 return self.pipeline.step(local, labels)
 
-    def update(self, loss: torch.Tensor) -> float:
+    def update(self, loss: torch.Tensor, sync: bool = True) -> float | torch.Tensor:
         """The second half of ``step``: clip, update the weights and the learning rate; returns the global
-        mean of ``loss`` (``forward_backward``'s)."""
+        mean of ``loss`` (``forward_backward``'s), a float or (``sync=False``) a tensor."""
         if self.config.max_grad_norm is not None:
             norm = grad_norm(self.named_parameters(), self._stage_ranks, self._tied_copies, self.device)
-            self.last_grad_norm = float(norm)
+            self.last_grad_norm = norm.detach()  # a tensor: reading it is a host sync, left to the caller
             clip_grads(self.named_parameters(), self.config.max_grad_norm, norm)
         self.optimizer.step()
         self.scheduler.step()
         if self._replicas.size() > 1:
             dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=self._replicas.get_group())
             loss /= self._replicas.size()
-        return float(loss)
+        return float(loss) if sync else loss
 
     def _loss_context(self) -> contextlib.AbstractContextManager:
         if not self.loss_parallel:
