@@ -167,6 +167,20 @@ def build_parser() -> argparse.ArgumentParser:
     diff.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     diff.set_defaults(run=cmd_diff)
 
+    rep = sub.add_parser("replan", help="plan a saved plan again for another number of devices (a lost node), "
+                                        "and check that a checkpoint loads under it")
+    rep.add_argument("plan", metavar="PLAN", help="the plan file to start from")
+    rep.add_argument("--gpus", type=int, required=True, metavar="N", help="the devices the new plan runs on")
+    rep.add_argument("--gpus-per-node", type=int, metavar="N", help="devices per node (default: the plan's)")
+    rep.add_argument("--framework", metavar="PRESET|FILE", help="the plan's framework (default: the one it names)")
+    rep.add_argument("--checkpoint", metavar="DIR", help="check that this checkpoint (or the latest under it) "
+                                                         "loads under the new plan (reads its metadata only)")
+    rep.add_argument("--jobs", type=int, default=default_jobs(), metavar="N", help="processes for the ILPs")
+    rep.add_argument("-o", "--output", metavar="DIR", help="write DIR/plan.json and DIR/train.py")
+    rep.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    _add_quiet_arg(rep)
+    rep.set_defaults(run=cmd_replan)
+
     ver = sub.add_parser("verify", help="run plans locally (CPU, gloo) and compare with one process")
     ver.add_argument("plan", metavar="PLAN.json", nargs="+",
                      help="one or more plans; plans of one world size share one launch")
@@ -338,6 +352,38 @@ def cmd_diff(args: argparse.Namespace) -> int:
     else:
         render_diff(a, b, changes, Console(), (args.before, args.after))
     return EXIT_OK if not changes else EXIT_INTERNAL
+
+
+def cmd_replan(args: argparse.Namespace) -> int:
+    from autopar.replan import check_checkpoint, replan
+
+    old = Plan.load(args.plan)
+    new = replan(old, args.gpus, args.framework, args.jobs, args.gpus_per_node).plan
+    checked = check_checkpoint(new, args.checkpoint) if args.checkpoint else None
+    written = None
+    if args.output:
+        from autopar.codegen.train_script import write_train_script
+
+        written = str(new.save(Path(args.output) / "plan.json"))
+        try:
+            write_train_script(new, Path(args.output) / "train.py")
+        except AutoparError as exc:
+            print(f"autopar: note: train.py not written: {exc}", file=sys.stderr)
+    changes = plan_changes(old, new)
+    if args.json:
+        print(json.dumps({"plan_file": written, "devices": [old.num_devices, new.num_devices],
+                          "layout": new.layout, "estimate": new.estimate,
+                          "changes": [{"what": c.what, "before": c.before, "after": c.after} for c in changes],
+                          "checkpoint": None if checked is None else {"path": str(checked[0]),
+                                                                      "tensors_checked": checked[1]}},
+                         indent=2, sort_keys=True))
+        return EXIT_OK
+    console = Console()
+    render_diff(old, new, changes, console, (args.plan, written or f"replanned for {args.gpus} devices"))
+    if checked is not None:
+        console.print(f"checkpoint {checked[0]}: its {checked[1]} tensors fit the new plan; resume with "
+                      f"train.py --resume {checked[0]}")
+    return EXIT_OK
 
 
 def cmd_verify(args: argparse.Namespace) -> int:

@@ -201,3 +201,48 @@ def test_a_rank_killed_mid_run_restarts_from_the_last_checkpoint(tmp_path, capsy
     assert "resumed at step 2" in out
     assert sorted(killed) == sorted(reference) == list(range(6))
     assert [killed[k] for k in range(6)] == pytest.approx([reference[k] for k in range(6)], rel=1e-5)
+
+
+def test_replan_for_fewer_devices_and_check_a_checkpoint_fast(tmp_path, capsys):
+    """replan keeps the model, cluster, framework and batch, and says why a batch cannot be split."""
+    import json
+
+    config = ["--config", "layers=4,hidden=64,heads=4,vocab=128,seq_len=16", "--cluster", "cpu"]
+    assert main(["plan", "gpt", *config, "--gpus", "8", "--gpus-per-node", "2", "--global-batch", "8", "--fix",
+                 "dp=8", "-o", str(tmp_path / "p8")]) == 0
+    capsys.readouterr()
+    assert main(["replan", str(tmp_path / "p8" / "plan.json"), "--gpus", "6", "-o", str(tmp_path / "p6"),
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["devices"] == [8, 6] and out["layout"]["dp"] * out["layout"]["pp"] * out["layout"]["tp"] == 6
+    assert (tmp_path / "p6" / "train.py").exists()
+    assert main(["replan", str(tmp_path / "p8" / "plan.json"), "--gpus", "6", "--checkpoint",
+                 str(tmp_path / "none")]) == 2
+    assert "no checkpoint" in capsys.readouterr().err
+    # 3 devices: 4 heads refuse tp=3, 4 layers take pp=3, but a 2-layer model leaves nothing that divides
+    assert main(["plan", "gpt", "--config", "layers=2,hidden=64,heads=4,vocab=128,seq_len=16", "--cluster", "cpu",
+                 "--gpus", "4", "--global-batch", "8", "-o", str(tmp_path / "p4")]) == 0
+    capsys.readouterr()
+    assert main(["replan", str(tmp_path / "p4" / "plan.json"), "--gpus", "3", "--gpus-per-node", "1"]) == 2
+    assert "the global batch of 8 may have to change for 3 devices: 24" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_lose_two_of_eight_ranks_replan_for_six_and_resume(tmp_path, capsys):
+    """The recipe for a lost node: train on 8 ranks, replan for the 6 left, check the checkpoint against the new
+    plan, resume on 6; the losses are one process's."""
+    from autopar.plan_file import Plan
+    from autopar.runtime.session import reference_run
+    from autopar.runtime.training import check_config
+    from autopar.runtime.verify import run_plan
+
+    config = ["--config", "layers=4,hidden=64,heads=4,vocab=128,seq_len=16", "--cluster", "cpu"]
+    assert main(["plan", "gpt", *config, "--gpus", "8", "--gpus-per-node", "2", "--global-batch", "8", "--fix",
+                 "dp=8,zero=3", "-o", str(tmp_path / "p8")]) == 0
+    first = run_plan(tmp_path / "p8" / "plan.json", 2, checkpoint=tmp_path / "ckpt")
+    assert main(["replan", str(tmp_path / "p8" / "plan.json"), "--gpus", "6", "--checkpoint",
+                 str(tmp_path / "ckpt"), "-o", str(tmp_path / "p6")]) == 0
+    assert "tensors fit the new plan" in capsys.readouterr().out
+    second = run_plan(tmp_path / "p6" / "plan.json", 2, resume=tmp_path / "ckpt")
+    ref = reference_run(Plan.load(tmp_path / "p8" / "plan.json"), 4, 0, check_config("fp32", 0.1))
+    assert first["losses"] + second["losses"] == pytest.approx(ref["losses"], rel=1e-4)
