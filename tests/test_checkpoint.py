@@ -246,3 +246,20 @@ def test_lose_two_of_eight_ranks_replan_for_six_and_resume(tmp_path, capsys):
     second = run_plan(tmp_path / "p6" / "plan.json", 2, resume=tmp_path / "ckpt")
     ref = reference_run(Plan.load(tmp_path / "p8" / "plan.json"), 4, 0, check_config("fp32", 0.1))
     assert first["losses"] + second["losses"] == pytest.approx(ref["losses"], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_another_model_is_one_error_on_every_rank(tmp_path, capsys):
+    """A 6-layer pp2 x dp2 plan resuming a 4-layer checkpoint: only the second stage lacks layers 4 and 5 (the
+    ranks agree on the error before the load's collectives), and the launch fails in one line naming it."""
+    from autopar.runtime.verify import run_plan
+
+    six = ["--config", "layers=6,hidden=256,heads=8,vocab=256,seq_len=16", "--cluster", "cpu"]
+    assert main(["plan", "gpt", *DEEP, "--global-batch", "8", "--fix", "dp=2,tp=2,sp=off", "-o",
+                 str(tmp_path / "a")]) == 0
+    assert main(["plan", "gpt", *six, "--global-batch", "8", "--fix", "pp=2,dp=2,schedule=1f1b", "-o",
+                 str(tmp_path / "b")]) == 0
+    capsys.readouterr()
+    run_plan(tmp_path / "a" / "plan.json", 1, checkpoint=tmp_path / "ckpt")
+    with pytest.raises(AutoparError, match="the checkpoint"):
+        run_plan(tmp_path / "b" / "plan.json", 1, resume=tmp_path / "ckpt", timeout_s=120)

@@ -155,14 +155,17 @@ def load(trainer: object, path: str | Path) -> Position:
     same_world = int(saved_world_size(path)) == _world_size()
     wanted = {k: v for k, v in state.items() if k in saved and (same_world or not k.startswith("rng."))}
     copies: list[tuple[str, str]] = []  # (key loaded, key of a tied copy that takes the same values)
+    problem = None
     for key in sorted(k for k in state if k not in saved and not k.startswith("rng.")):
         twin = _tied_twin(key, getattr(trainer, "tied", ()))
         if twin is None or twin not in saved:
-            raise AutoparError(f"{path}: the checkpoint has no {key} (another model, or another optimizer)")
+            problem = f"{path}: the checkpoint has no {key} (another model, or another optimizer)"
+            break
         if twin in wanted:
             copies.append((twin, key))
         else:  # a pipeline's second copy of a tied weight, saved once by a plan that holds it once
             wanted[twin] = state[key]
+    _agree(problem, f"{path}: the checkpoint does not fit this model (another rank says what it lacks)")
     try:
         dcp.load(wanted, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=True))
     except (Exception, CheckpointException) as exc:  # each rank's failure: a shape that differs, a truncated file
@@ -185,6 +188,18 @@ def load(trainer: object, path: str | Path) -> Position:
         if torch.cuda.is_available() and f"rng.rank{_rank()}.cuda" in wanted:
             torch.cuda.set_rng_state(wanted[f"rng.rank{_rank()}.cuda"])
     return Position(step, samples)
+
+
+def _agree(problem: str | None, elsewhere: str) -> None:
+    """Raise ``problem`` here, and ``elsewhere`` on every other rank, if any rank has one (a rank that raised
+    alone would leave the others waiting in the load's collectives)."""
+    flag = torch.tensor(0 if problem is None else 1)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        if dist.get_backend() == "nccl":  # NCCL reduces device tensors only
+            flag = flag.to(torch.device("cuda", torch.cuda.current_device()))
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if int(flag):
+        raise AutoparError(problem or elsewhere)
 
 
 def saved_world_size(path: str | Path) -> int:
