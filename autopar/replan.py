@@ -13,15 +13,13 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import torch.distributed.checkpoint as dcp
-
 from autopar.api import Planning, plan_model
 from autopar.cluster import Cluster
 from autopar.errors import AutoparError
 from autopar.framework import DEFAULT_FRAMEWORK, FRAMEWORKS
 from autopar.plan_file import Plan
 from autopar.plan_view import memory_limit_bytes
-from autopar.runtime.checkpoint import resolve
+from autopar.runtime.checkpoint import OPTIMIZER_PREFIX, saved_shapes
 
 
 def replan(plan: Plan, gpus: int, framework: str | None = None, jobs: int = 1,
@@ -53,21 +51,22 @@ def replan(plan: Plan, gpus: int, framework: str | None = None, jobs: int = 1,
 
 def check_checkpoint(plan: Plan, path: str | Path) -> tuple[Path, int]:
     """The checkpoint ``path`` resolves to and how many tensors of ``plan`` it holds, after checking that every
-    parameter of ``plan`` (and its optimizer state, where saved) is in it with the plan's global shape."""
-    found = resolve(path)
-    saved = dcp.FileSystemReader(str(found)).read_metadata().state_dict_metadata
-    optimized = any(k.startswith("optimizer.") for k in saved)
+    parameter of ``plan`` (and its optimizer state, where the checkpoint has some) is in it with the plan's global
+    shape."""
+    found, shapes = saved_shapes(path)
+    optimized = any(k.startswith(OPTIMIZER_PREFIX) for k in shapes)
     checked = 0
     for fqn, spec in sorted(plan.parameters.items()):
         shape = tuple(spec["shape"])
-        keys = [fqn] + ([f"optimizer.{fqn}.exp_avg", f"optimizer.{fqn}.exp_avg_sq"] if optimized else [])
-        for key in keys:
-            meta = saved.get(key)
-            if meta is None:
-                raise AutoparError(f"{found}: the checkpoint has no {key}, which the new plan needs")
-            size = tuple(getattr(meta, "size", ()))
-            if size != shape:
-                raise AutoparError(f"{found}: {key} is {list(size)} in the checkpoint and {list(shape)} in the plan")
+        # the optimizer's per-element state (AdamW's moments), not its scalars (the step count)
+        state = [k for k in shapes if k.startswith(f"{OPTIMIZER_PREFIX}{fqn}.") and shapes[k]]
+        if fqn not in shapes or (optimized and not state):
+            missing = fqn if fqn not in shapes else f"optimizer state of {fqn}"
+            raise AutoparError(f"{found}: the checkpoint has no {missing}, which the new plan needs")
+        for key in [fqn, *state]:
+            if shapes[key] != shape:
+                raise AutoparError(f"{found}: {key} is {list(shapes[key])} in the checkpoint and {list(shape)} in "
+                                   "the plan")
             checked += 1
     return found, checked
 

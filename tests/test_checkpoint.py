@@ -3,6 +3,8 @@ killed save cannot break, and pruning to the newest few."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -46,9 +48,12 @@ def test_resume_in_one_process_is_exact(tmp_path):
     losses = [straight.step(k) for k in range(6)]
     first = _TinyTrainer(0)
     half = [first.step(k) for k in range(3)]
+    rng = torch.get_rng_state()
     checkpoint.save(first, tmp_path, checkpoint.Position(3, 3 * 16))
+    torch.randn(100)  # the stream moves on
     second = _TinyTrainer(1)  # other initial weights: everything must come from the checkpoint
     position = checkpoint.load(second, tmp_path)
+    assert torch.equal(torch.get_rng_state(), rng)
     assert position == checkpoint.Position(3, 48)
     assert second.optimizer.param_groups[0]["lr"] == pytest.approx(first.optimizer.param_groups[0]["lr"])
     rest = [second.step(k) for k in range(3, 6)]
@@ -84,6 +89,8 @@ def test_keep_prunes_the_oldest_and_bad_paths_are_one_line_errors(tmp_path):
         trainer.step(k)
         checkpoint.save(trainer, tmp_path, checkpoint.Position(k + 1, 16 * (k + 1)), keep=2)
     assert [p.name for p in checkpoint.complete_checkpoints(tmp_path)] == ["step-00000003", "step-00000004"]
+    with pytest.raises(AutoparError, match="--keep must be >= 1"):
+        checkpoint.save(trainer, tmp_path, checkpoint.Position(5, 80), keep=0)
     with pytest.raises(AutoparError, match="no checkpoint"):
         checkpoint.load(trainer, tmp_path / "nowhere")
     other = _TinyTrainer(0)
@@ -149,6 +156,7 @@ def test_the_generated_script_saves_every_n_steps_and_resumes_where_it_stopped(t
     resumed = run("--resume", str(tmp_path / "ckpt" / "step-00000002"))
     assert sorted(resumed) == [2, 3]
     assert [resumed[2], resumed[3]] == pytest.approx([straight[2], straight[3]], rel=1e-5)
+    assert run("--checkpoint", str(tmp_path / "ckpt")) == {}  # started again after its last save: nothing left
 
 
 @pytest.mark.slow
@@ -263,3 +271,26 @@ def test_a_checkpoint_of_another_model_is_one_error_on_every_rank(tmp_path, caps
     run_plan(tmp_path / "a" / "plan.json", 1, checkpoint=tmp_path / "ckpt")
     with pytest.raises(AutoparError, match="the checkpoint"):
         run_plan(tmp_path / "b" / "plan.json", 1, resume=tmp_path / "ckpt", timeout_s=120)
+
+
+def _agree_on_two_ranks(rank: int, store_path: str, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2)
+    try:
+        checkpoint._agree("rank 0's own reason" if rank == 0 else None, "another rank's reason")
+        message = "no error"
+    except AutoparError as exc:
+        message = str(exc)
+    finally:
+        dist.destroy_process_group()
+    Path(out, f"rank{rank}.txt").write_text(message)
+
+
+def test_ranks_agree_on_an_error_only_one_of_them_found(tmp_path):
+    """One rank's problem stops every rank (each with what it knows) before a collective could leave one waiting."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_agree_on_two_ranks, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2)
+    assert (tmp_path / "rank0.txt").read_text() == "rank 0's own reason"
+    assert (tmp_path / "rank1.txt").read_text() == "another rank's reason"

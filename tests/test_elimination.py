@@ -12,26 +12,11 @@ from autopar.solvers.evaluate import memory_bytes, min_memory_bytes, objective_s
 from autopar.solvers.ilp import solve_ilp
 from autopar.solvers.request import SolverRequest
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from solver_requests import solver_requests
 
-
-@st.composite
-def requests(draw) -> SolverRequest:
-    """Up to 8 nodes, chains with random extra edges (dense ones included), tight or no budgets."""
-    n = draw(st.integers(1, 8))
-    counts = [draw(st.integers(1, 3)) for _ in range(n)]
-    cost = st.floats(0, 10, allow_nan=False, allow_infinity=False).map(lambda x: round(x, 2))
-    node_cost = [tuple(draw(cost) for _ in range(c)) for c in counts]
-    memory = [tuple(float(draw(st.integers(0, 4))) for _ in range(c)) for c in counts]
-    pairs = [(u, v) for u in range(n) for v in range(n) if u != v]
-    chain = [(i, i + 1) for i in range(n - 1)]
-    extra = draw(st.lists(st.sampled_from(pairs), max_size=10)) if pairs else []
-    edges = list(dict.fromkeys(chain + extra))
-    mats = [tuple(tuple(draw(cost) for _ in range(counts[v])) for _ in range(counts[u])) for u, v in edges]
-    budget = draw(st.one_of(st.none(), st.integers(0, 3 * n).map(float)))
-    return SolverRequest(node_names=tuple(f"n{i}" for i in range(n)), node_cost_s=tuple(node_cost),
-                         memory_bytes=tuple(memory), edges=tuple(edges), edge_cost_s=tuple(mats),
-                         memory_budget_bytes=budget)
+#: up to 8 nodes, chains with random extra edges (dense ones included), tight or no budgets
+requests = lambda: solver_requests(nodes=(1, 8), strategies=3, memory=4, extra_edges=10, chain=True,
+                                   budget=lambda n: 3 * n)
 
 
 @settings(max_examples=400, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])

@@ -8,23 +8,11 @@ from autopar.solvers.evaluate import objective_s, violations
 from autopar.solvers.ilp import solve_ilp
 from autopar.solvers.request import SolverRequest
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from solver_requests import solver_requests
 
-
-@st.composite
-def requests(draw) -> SolverRequest:
-    n = draw(st.integers(2, 5))
-    counts = [draw(st.integers(1, 4)) for _ in range(n)]
-    cost = st.floats(0, 10, allow_nan=False, allow_infinity=False).map(lambda x: round(x, 3))
-    node_cost = [tuple(draw(cost) for _ in range(c)) for c in counts]
-    memory = [tuple(float(draw(st.integers(0, 5))) for _ in range(c)) for c in counts]
-    pairs = [(u, v) for u in range(n) for v in range(n) if u != v]
-    edges = draw(st.lists(st.sampled_from(pairs), max_size=6, unique=True))
-    mats = [tuple(tuple(draw(cost) for _ in range(counts[v])) for _ in range(counts[u])) for u, v in edges]
-    budget = draw(st.one_of(st.none(), st.integers(0, 20).map(float)))
-    return SolverRequest(node_names=tuple(f"n{i}" for i in range(n)), node_cost_s=tuple(node_cost),
-                         memory_bytes=tuple(memory), edges=tuple(edges), edge_cost_s=tuple(mats),
-                         memory_budget_bytes=budget, time_limit_s=10)
+#: up to 5 nodes of 1-4 strategies, any 6 edges (no chain), budgets up to 20 bytes
+requests = lambda: solver_requests(nodes=(2, 5), strategies=4, memory=5, extra_edges=6, chain=False,
+                                   budget=lambda n: 20, digits=3)
 
 
 @settings(max_examples=220, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])

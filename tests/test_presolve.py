@@ -9,26 +9,11 @@ from autopar.solvers.evaluate import objective_s, violations
 from autopar.solvers.presolve import presolve
 from autopar.solvers.request import SolverRequest
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from solver_requests import solver_requests
 
-
-@st.composite
-def sparse_requests(draw) -> SolverRequest:
-    """Chains, ladders and hubs of up to 9 nodes (what element-wise ops and unrolled scans give the ILP)."""
-    n = draw(st.integers(2, 9))
-    counts = [draw(st.integers(1, 3)) for _ in range(n)]
-    cost = st.floats(0, 10, allow_nan=False, allow_infinity=False).map(lambda x: round(x, 2))
-    node_cost = [tuple(draw(cost) for _ in range(c)) for c in counts]
-    memory = [tuple(float(draw(st.integers(0, 3))) for _ in range(c)) for c in counts]
-    chain = [(i, i + 1) for i in range(n - 1)]
-    extra = draw(st.lists(st.tuples(st.integers(0, n - 1), st.integers(0, n - 1)).filter(lambda e: e[0] != e[1]),
-                          max_size=4))
-    edges = list(dict.fromkeys(chain + extra))
-    mats = [tuple(tuple(draw(cost) for _ in range(counts[v])) for _ in range(counts[u])) for u, v in edges]
-    budget = draw(st.one_of(st.none(), st.integers(0, 2 * n).map(float)))
-    return SolverRequest(node_names=tuple(f"n{i}" for i in range(n)), node_cost_s=tuple(node_cost),
-                         memory_bytes=tuple(memory), edges=tuple(edges), edge_cost_s=tuple(mats),
-                         memory_budget_bytes=budget, time_limit_s=10)
+#: chains, ladders and hubs of up to 9 nodes (what element-wise ops and unrolled scans give the ILP)
+sparse_requests = lambda: solver_requests(nodes=(2, 9), strategies=3, memory=3, extra_edges=4,
+                                          chain=True, budget=lambda n: 2 * n)
 
 
 @settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])

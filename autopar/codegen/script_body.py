@@ -74,10 +74,10 @@ def main():
         resume = args.checkpoint  # a run restarted (torchrun --max-restarts) goes on from its latest checkpoint
     if resume:  # the whole state: weights, AdamW's moments, the step, the data position, the RNG
         position = checkpoint.load(trainer, resume)
-        if position.samples % GLOBAL_BATCH:
-            raise SystemExit(f"the checkpoint consumed {position.samples} samples, not whole batches of "
-                             f"{GLOBAL_BATCH}")
-        begin = position.samples // GLOBAL_BATCH
+        if position.samples != position.step * GLOBAL_BATCH:
+            raise SystemExit(f"the checkpoint consumed {position.samples} samples in {position.step} steps; this "
+                             f"plan's global batch is {GLOBAL_BATCH}")
+        begin = position.step
         if first:
             print(f"resumed at step {begin}", flush=True)
     saver = checkpoint.Checkpointer(trainer, args.checkpoint, keep=args.keep, asynchronous=args.async_checkpoint) \
@@ -87,6 +87,11 @@ def main():
                                   start_step=begin)
     if first:
         print(f"data: {source}", flush=True)
+    if begin >= args.steps:  # a run restarted after its last save
+        if first:
+            print(f"the checkpoint is at step {begin}: nothing left of --steps {args.steps}", flush=True)
+        dist.destroy_process_group()
+        return
     metrics = MetricsLog(args.metrics, args.tensorboard) if first else None
     since, start = 0, time.perf_counter()
     for step in range(begin, args.steps):
@@ -103,7 +108,9 @@ def main():
                 metrics.write(report.records[-1])
             since, start = 0, time.perf_counter()
         if saver and (done == args.steps or (args.checkpoint_every and done % args.checkpoint_every == 0)):
+            saving = time.perf_counter()
             saver.save(checkpoint.Position(done, done * GLOBAL_BATCH))
+            start += time.perf_counter() - saving  # the steps' time, not the save's
     if saver:
         saver.wait()
     if metrics:

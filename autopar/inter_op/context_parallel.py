@@ -90,8 +90,8 @@ def kv_exchange_s(u: UnitCost, cp_link: AxisLink) -> tuple[float, float]:
 def _expand(space: SearchSpace, p: Partial) -> Iterator[Partial]:
     ranks = space.gpus // p["tp"]  # what tp leaves for cp x pp x dp
     options = context_parallel_options(divisors(space.gpus), space.seq_len, space.fw)
-    for cp in space.allowed("cp", [d for d in options if ranks % d == 0]):
-        if ranks % cp == 0:
+    for cp in space.allowed("cp", options):
+        if ranks % cp == 0:  # a pinned cp too
             yield {**p, "cp": cp}
 
 

@@ -6,7 +6,7 @@ overlapped with the last micro-batch's backward where the framework does that (`
 after it; levels 1-2 then all-gather the updated weights, under the next forward if ``overlap_param_gather``.
 Level 3 all-gathers each unit's weights in forward (and again in backward when it reshards) and reduce-scatters
 its gradients every micro-batch, as one collective per block, per module or per parameter (``zero3_unit``);
-that part is priced with each unit (``estimate._unit_load``).
+that part is priced with each unit (``zero3_unit_s``, this module's unit step).
 """
 
 from __future__ import annotations

@@ -70,7 +70,7 @@ from autopar.inter_op.data_parallel import (
 )
 from autopar.inter_op.layout import Layout
 from autopar.inter_op.links import Links, cached_axis_link, layout_links
-from autopar.inter_op.pipelining import bubble_bound_s, bubble_time_s, p2p_s
+from autopar.inter_op.pipelining import bubble_bound_s, bubble_time_s, p2p_s, recompute_passes
 from autopar.inter_op.recompute import layer_recompute
 from autopar.inter_op.technique import UnitLoadDraft
 from autopar.inter_op.unit_costs import POST, PRE, UnitCost, unit_sequence
@@ -83,7 +83,6 @@ from autopar.power import NO_POWER, PowerMix
 from autopar.solvers.pipeline import (
     V_SHAPED,
     in_flight_microbatches,
-    split_fraction,
     splits_backward,
 )
 from autopar.solvers.stage_dp import StageSplit, UnitLoad, split_stages, split_uniform_stages, stage_memory_bytes
@@ -204,7 +203,7 @@ class SharedWork:
 
     def shares(self, costs: dict[str, UnitCost], layout: Layout, cluster: Cluster) -> dict[str, UnitCost]:
         """``costs`` as one of ``layout.cp`` context-parallel (``layout.ep`` expert-parallel) ranks runs them."""
-        sharing = [t for t in techniques.TECHNIQUES if t.share is not None and t.shares_at is not None]
+        sharing = [t for t in techniques.TECHNIQUES if t.share is not None]
         degrees = tuple(t.shares_at(layout) for t in sharing)  # type: ignore[misc]
         if all(d <= 1 for d in degrees):
             return costs
@@ -477,7 +476,7 @@ def ep_bytes(costs: dict[str, UnitCost], keys: list[str], layout: Layout) -> dic
     if layout.ep <= 1:
         return {}
     # the forward again under full or per-op recomputation, once more for a split backward's weight steps
-    again = 1 + split_fraction(layout.schedule, layout.pp, layout.num_microbatches, layout.v)
+    again = recompute_passes(layout)
     passes = 2 + (again if layout.recompute in ("full", "op") else 0)
     total = sum((passes if key not in (PRE, POST) else 2) * (costs[key].expert_dispatch_bytes
                                                              + costs[key].expert_combine_bytes)
@@ -559,6 +558,6 @@ def tied_params(costs: dict[str, UnitCost]) -> float:
 def _recompute_flops(costs: dict[str, UnitCost], keys: list[str], layout: Layout, global_batch: int,
                      ctx: PassContext) -> float:
     micro = global_batch / max(1, layout.mbs)  # micro-batches over all dp ranks
-    again = 1 + split_fraction(layout.schedule, layout.pp, layout.num_microbatches, layout.v)  # weight steps too
+    again = recompute_passes(layout)  # weight steps too
     return again * micro * sum(layer_recompute(costs[k], layout.recompute, ctx.framework).flops
                                for k in keys if k not in (PRE, POST))

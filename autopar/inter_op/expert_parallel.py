@@ -141,8 +141,6 @@ def _expand(space: SearchSpace, p: Partial) -> Iterator[Partial]:
     dp, cp, tp, sp = p["dp"], p["cp"], p["tp"], p["sp"]
     experts = space.experts
     for ep in space.allowed("ep", [d for d in divisors(dp) if experts % d == 0] if experts and cp == 1 else [1]):
-        if ep > 1 and sp and "sp" not in space.fixed:
-            continue  # sequence parallelism is offered beside expert parallelism only when pinned (and refused)
         if expert_parallel_refuses(ep, dp, cp, tp, sp) is None:
             yield {**p, "ep": ep}
 

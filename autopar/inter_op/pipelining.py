@@ -16,7 +16,7 @@ search's space (``search.layouts``) and for the errors of pinned values (``searc
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from autopar.cluster import AxisLink, Cluster
@@ -58,7 +58,7 @@ def interleaving_runs(pp: int, m: int, layers: int, v: int) -> bool:
     return v >= 2 and m % rounds == 0 and layers >= pp * v - 2
 
 
-def schedule_options(pp: int, m: int, layers: int, fixed: dict[str, Any], fw: Framework) -> list[tuple[str, int]]:
+def schedule_options(pp: int, m: int, layers: int, fixed: Mapping[str, Any], fw: Framework) -> list[tuple[str, int]]:
     """The (schedule, v) pairs the search offers for ``pp`` stages, ``m`` micro-batches and ``layers`` layers: those
     torch runs (see the module docstring), among the framework's own schedules unless one is pinned."""
     if pp == 1:
@@ -95,7 +95,7 @@ def group_runs(group: int, pp: int, m: int) -> bool:
     return pp <= group <= m and (m % group == 0 or m % group >= pp)
 
 
-def group_options(schedule: str, pp: int, m: int, fixed: dict[str, Any], fw: Framework) -> list[int]:
+def group_options(schedule: str, pp: int, m: int, fixed: Mapping[str, Any], fw: Framework) -> list[int]:
     """``Layout.group`` values: 0 (the schedule's rounds), and, for ``interleaved`` where the framework tunes
     them (``Framework.interleaved_groups``), every other group size that runs (``group_runs``)."""
     if "group" in fixed:
@@ -244,7 +244,7 @@ def split_backward_load(u: UnitCost, layout: Layout, recompute_s: float) -> tupl
     all but DualPipeV's whole ones).  Zeros and ``recompute_s`` where the schedule does not split backwards."""
     if not splits_backward(layout.schedule, layout.pp):
         return 0.0, 0.0, 0.0, recompute_s
-    again = 1 + split_fraction(layout.schedule, layout.pp, layout.num_microbatches, layout.v)
+    again = recompute_passes(layout)
     return u.bwd_weight_s + recompute_s, recompute_s, u.weight_grad_residue_bytes, recompute_s * again
 
 
@@ -272,10 +272,10 @@ def _check_fixed_stages(space: SearchSpace, graph: OpGraph) -> None:
 
 def _expand_schedule(space: SearchSpace, p: Partial) -> Iterator[Partial]:
     pp, m = p["pp"], p["num_microbatches"]
-    for schedule, v in schedule_options(pp, m, space.layers, dict(space.fixed), space.fw):
-        if schedule_refuses(schedule, pp, recompute=p["recompute"]) or schedule_refuses(schedule, pp, zero=p["zero"]):
+    for schedule, v in schedule_options(pp, m, space.layers, space.fixed, space.fw):
+        if schedule_refuses(schedule, pp, p["recompute"], p["zero"]):
             continue
-        for group in group_options(schedule, pp, m, dict(space.fixed), space.fw):
+        for group in group_options(schedule, pp, m, space.fixed, space.fw):
             yield {**p, "schedule": schedule, "v": v, "group": group}
 
 
@@ -287,11 +287,16 @@ def _unit_step(d: UnitLoadDraft) -> None:
     d.weight_s, d.rerun_s, d.residue_bytes, d.recompute_s = split_backward_load(d.u, d.layout, d.recompute_s)
 
 
+def recompute_passes(layout: Layout) -> float:
+    """How many times a layer's recomputation runs per micro-batch: once, and again in a split backward's weight
+    step for the share of micro-batches that defers it (``split_fraction``)."""
+    return 1 + split_fraction(layout.schedule, layout.pp, layout.num_microbatches, layout.v)
+
+
 def _time_bound_s(t: UnitTotals, layout: Layout, links: Links, cluster: Cluster, ctx: PassContext) -> float:
     """The mean stage's work in the balanced pipeline's slots (the weight steps recompute again)."""
-    p, m, v = layout.pp, layout.num_microbatches, layout.v
-    again = 1 + split_fraction(layout.schedule, p, m, v)
-    return pipeline_slots(layout) * ((t.work_s + again * t.recompute_s) / p)
+    p = layout.pp
+    return pipeline_slots(layout) * ((t.work_s + recompute_passes(layout) * t.recompute_s) / p)
 
 
 def _memory_bound_bytes(t: UnitTotals, layout: Layout, ctx: PassContext) -> float:
@@ -312,5 +317,5 @@ TECHNIQUE = Technique("pipeline_schedule", ("schedule", "v", "group"), expand=_e
 
 __all__ = ["INTERLEAVE_V", "STAGES", "TECHNIQUE", "backward_run_s", "bubble_bound_s", "bubble_time_s",
            "check_fixed_pipeline", "fewest_in_flight", "group_options", "group_runs", "interleaving_runs",
-           "makespan_s", "op_times", "p2p_s", "pipeline_slots", "schedule_options", "schedule_refuses",
-           "simulated_bubble", "split_backward_load"]
+           "makespan_s", "op_times", "p2p_s", "pipeline_slots", "recompute_passes", "schedule_options",
+           "schedule_refuses", "simulated_bubble", "split_backward_load"]

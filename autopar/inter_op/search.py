@@ -41,7 +41,7 @@ from autopar.inter_op import techniques
 from autopar.inter_op.bound import UnitTotals, memory_bound_bytes, time_bound_s, unit_totals
 from autopar.inter_op.estimate import Estimate, ModelFlops, SharedWork, estimate_layout
 from autopar.inter_op.layout import Layout
-from autopar.inter_op.technique import Partial, SearchSpace, divisors
+from autopar.inter_op.technique import Partial, SearchSpace
 from autopar.inter_op.tensor_parallel import attention_heads
 from autopar.inter_op.unit_costs import UnitCost, solve_tp, unit_costs, unit_sequence
 from autopar.intra_op.problem import IntraOpProblem, IntraOpSolution
@@ -221,9 +221,10 @@ def search_space(graph: OpGraph, cluster: Cluster, global_batch: int, fixed: dic
                        fw=fw or load_framework(DEFAULT_FRAMEWORK), fixed=dict(fixed))
 
 
-def check_fixed(graph: OpGraph, cluster: Cluster, global_batch: int, fixed: dict[str, Any]) -> None:
+def check_fixed(graph: OpGraph, cluster: Cluster, global_batch: int, fixed: dict[str, Any],
+                fw: Framework | None = None) -> None:
     """Clear errors for pinned values that cannot work, each technique's in the registry's order."""
-    space = search_space(graph, cluster, global_batch, fixed)
+    space = search_space(graph, cluster, global_batch, fixed, fw)
     for technique in techniques.TECHNIQUES:
         if technique.check_fixed is not None:
             technique.check_fixed(space, graph)
@@ -289,7 +290,7 @@ def search(graph: OpGraph, cluster: Cluster, ctx: PassContext, global_batch: int
     estimate every layout in full, with no lower bound or cut-off (slow: it checks that they prune nothing
     that would win).  ``jobs``: processes that solve the intra-op ILPs (the same answers as one process)."""
     t0 = time.perf_counter()
-    check_fixed(graph, cluster, global_batch, fixed)
+    check_fixed(graph, cluster, global_batch, fixed, ctx.framework)
     if cache is None or not cache.serves(graph, cluster, ctx):
         cache = UnitCostCache(graph, cluster, ctx, backend, time_limit_s)
     cache.progress = progress
@@ -411,7 +412,7 @@ def _distinct(cands: list[Candidate], k: int) -> list[Candidate]:
     return out
 
 
-__all__ = ["Candidate", "SearchResult", "UnitCostCache", "check_fixed", "default_jobs", "divisors",
+__all__ = ["Candidate", "SearchResult", "UnitCostCache", "check_fixed", "default_jobs",
            "expert_parallel_runs", "layouts",
            "runtime_runs", "search",
            "shards_parameters_on_tp"]

@@ -8,7 +8,8 @@ A technique (tensor parallelism, a pipeline schedule, recomputation, ZeRO, ...) 
   partial layouts with its own knobs set, as the cluster, the model, the framework and the pinned values
   (``SearchSpace``) allow.  Its validity rules are the ones ``check_fixed`` and the runtime use.
 - ``check_fixed``: a one-line ``AutoparError`` for pinned values it cannot run.
-- ``share``: the unit costs as one of its ranks runs them (context and expert parallelism split a unit's work).
+- ``share`` and ``shares_at``: the unit costs as one of its ranks runs them, and the degree it splits them at
+  (context and expert parallelism split a unit's work; 1: not applied).
 - ``unit_step``: its part of one unit's load per micro-batch, written into a ``UnitLoadDraft``.
 - ``time_bound_s`` and ``memory_bound_bytes``: its terms of the search's lower bounds (``autopar.inter_op.bound``),
   each never more than its part of the estimate.
@@ -127,6 +128,10 @@ class Technique:
     unit_step: Callable[[UnitLoadDraft], None] | None = None
     time_bound_s: Callable[[UnitTotals, Layout, Links, Cluster, PassContext], float] | None = None
     memory_bound_bytes: Callable[[UnitTotals, Layout, PassContext], float] | None = None
+
+    def __post_init__(self) -> None:
+        if (self.share is None) != (self.shares_at is None):
+            raise ValueError(f"technique {self.name}: share and shares_at go together")
 
 
 __all__ = ["Partial", "SearchSpace", "Technique", "UnitLoadDraft", "UnitTotals", "check_divides", "divisors"]

@@ -7,7 +7,7 @@ micro-batch size and the sequence-parallel switch, one intra-op ILP over the who
 this module then reads off, per unit, what the pipeline and data-parallel models need: forward/backward
 compute, tensor-parallel communication, parameters per device, saved activations, the unit's input
 (what a pipeline boundary sends and full recomputation keeps) and the attention core (what selective
-recomputation drops).  Data parallelism is applied analytically on top (``autopar.inter_op.estimate``).
+recomputation drops).  Data parallelism is priced on top, per layout (``autopar.inter_op.data_parallel``).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from autopar.intra_op.sharding_costs import (
     grad_placements,
     host_s,
     local_bytes,
+    local_tensor_bytes,
     op_timing,
     operand_bytes,
     output_bytes,
@@ -172,7 +173,8 @@ def solve_tp(graph: OpGraph, cluster: Cluster, ctx: PassContext, tp: int, mbs: i
              memory_slack: float | None = None, built: dict[tuple, IntraOpProblem] | None = None,
              ) -> tuple[MeshSpec, dict[str, Strategy], IntraOpSolution | None]:
     """Every op's strategy on the ``tp`` mesh at micro-batch ``mbs`` (all replicated when ``tp == 1``).
-    ``built``: ILPs built by earlier calls, by ``(tp, mbs, sp)``: the fast and the lean solve share one."""
+    ``built``: ILPs built by earlier calls, keyed by ``(tp, mbs, sp)`` and the solve settings: the fast and the
+    lean solve share one."""
     mesh = MeshSpec.on_cluster(cluster, ("tp",), (tp,))
     ops = [n.name for n in graph.ops()]
     if tp == 1:
@@ -343,8 +345,7 @@ def _forward_transient_bytes(graph: OpGraph, names: list[str], strategies: dict[
         for j, t in enumerate(node.outputs):
             if t is None or f"{name}:{j}" in saved:
                 continue
-            nbytes = (t.numel_at(mbs) * graph.width(t, ctx.precision.activation_bytes)
-                      / shard_factor(tuple(ax.outputs[j] for ax in strat), mesh))
+            nbytes = local_tensor_bytes(graph, t, tuple(ax.outputs[j] for ax in strat), mesh, mbs, ctx)
             change[i] += nbytes
             change[last + 1] -= nbytes
     peak = live = 0.0

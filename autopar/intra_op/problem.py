@@ -9,8 +9,8 @@ Steps (each a function below):
    producer has a matching strategy of the follower (Alpa's merging of element-wise and view ops); the
    others are *anchors* with their own decision.  Graph inputs (the batch) are anchors too: the data
    loader can hand each device any slice of the batch for free.
-3. ``_group_costs``: per group strategy, compute time of every member, parameter synchronization and
-   ZeRO traffic, and per-device memory (model state plus saved activations).
+3. ``_group_costs``: per group strategy, compute time of every member, parameter synchronization, and
+   per-device memory (model state plus saved activations).
 4. ``_edge_costs``: every edge between groups gets a matrix of forward + backward resharding costs,
    accumulated over all the layers that map onto it.
 

@@ -19,9 +19,9 @@ All costs are per device, in seconds or bytes, for one micro-batch unless stated
   enters a column-parallel op).
 - **Parameters** have no decision of their own: each takes the placement its consumer requires.  The
   same gradient rule gives their synchronization on every axis where they are replicated but the work is
-  split (data parallelism: an all-reduce; ZeRO-2/3 on the ``dp`` axis: a reduce-scatter), once per
-  iteration.  ZeRO-3 also all-gathers the parameter in forward and again in backward, per micro-batch.
-  These collectives are bucketed, so each parameter pays its bytes and its share of a bucket's latency.
+  split (an all-reduce, once per iteration), bucketed, so each parameter pays its bytes and its share of a
+  bucket's latency (``param_cost``).  Data parallelism and ZeRO are priced per layout, outside the ILP
+  (``autopar.inter_op.data_parallel``).
 """
 
 from __future__ import annotations

@@ -7,8 +7,7 @@ A checkpoint holds what torchtitan's does:
   layers), under the model's own FQNs (``clean_fqn``: no wrapper prefix);
 - the optimizer's state of every parameter under ``optimizer.<FQN>.<name>`` (AdamW's moments laid out as the
   parameter, so that they reshard with it, and its step count);
-- the step reached, the samples consumed (global, so that the data position survives a change of dp) and the
-  world size;
+- the step reached and the samples consumed (global, so that the data position survives a change of dp);
 - every rank's RNG states (restored only under the same world size: another plan draws other streams anyway).
 
 Loading lays the saved tensors onto whatever the current plan shards, optimizer state included, so a run can stop
@@ -23,13 +22,13 @@ from __future__ import annotations
 
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (
@@ -42,7 +41,8 @@ from torch.distributed.checkpoint.state_dict import (
 from autopar.errors import AutoparError
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
-_OPTIMIZER = "optimizer."
+_RNG_CPU = re.compile(r"^rng\.rank\d+\.cpu$")
+OPTIMIZER_PREFIX = "optimizer."
 _TRAIN = "train."
 
 
@@ -82,10 +82,16 @@ def resolve(path: str | Path) -> Path:
 def save(trainer: object, root: str | Path, position: Position, keep: int | None = None) -> Path:
     """Write the run's state at ``position`` as ``root/step-N`` (every rank its part), commit it, and keep the
     ``keep`` newest (all when ``None``); returns the committed folder."""
+    _check_keep(keep)
     partial, final = _prepare(root, position)
     dcp.save(_state(trainer, position), checkpoint_id=str(partial))
     _commit(partial, final, keep)
     return final
+
+
+def _check_keep(keep: int | None) -> None:
+    if keep is not None and keep < 1:
+        raise AutoparError(f"--keep must be >= 1 (the newest checkpoint is the one to resume from), not {keep}")
 
 
 class Checkpointer:
@@ -95,6 +101,7 @@ class Checkpointer:
 
     def __init__(self, trainer: object, root: str | Path, keep: int | None = None,
                  asynchronous: bool = False) -> None:
+        _check_keep(keep)
         self.trainer, self.root, self.keep, self.asynchronous = trainer, Path(root), keep, asynchronous
         self._group = dist.new_group(backend="gloo") if asynchronous and dist.is_initialized() else None
         self._pending: tuple[object, Path, Path] | None = None
@@ -123,36 +130,57 @@ def _prepare(root: str | Path, position: Position) -> tuple[Path, Path]:
     """The partial folder this save writes (cleared of a save killed before) and the folder it commits to."""
     final = step_dir(root, position.step)
     partial = Path(root) / f".{final.name}.partial"
-    if _rank() == 0:
+
+    def clear() -> None:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True, exist_ok=True)
-    _barrier()
+
+    _on_first_rank(clear, f"cannot write the checkpoint {partial}")
     return partial, final
 
 
 def _commit(partial: Path, final: Path, keep: int | None) -> None:
     """Once every rank has written its part: the partial folder becomes the checkpoint; the oldest go."""
     _barrier()
-    if _rank() == 0:
+
+    def rename() -> None:
         if final.exists():
             shutil.rmtree(final)
         partial.rename(final)
         if keep is not None:
             for old in complete_checkpoints(final.parent)[:-keep]:
                 shutil.rmtree(old)
-    _barrier()
+
+    _on_first_rank(rename, f"cannot commit the checkpoint {final}")
+
+
+def _on_first_rank(work: Callable[[], None], what: str) -> None:
+    """Run ``work`` (file system changes) on rank 0; every rank raises if it failed, none waits on it."""
+    problem = None
+    if _rank() == 0:
+        try:
+            work()
+        except OSError as exc:
+            problem = f"{what}: {exc}"
+    _agree(problem, f"{what} (rank 0 says why)")
+
+
+def saved_shapes(path: str | Path) -> tuple[Path, dict[str, tuple[int, ...]]]:
+    """The checkpoint ``path`` resolves to, and the global shape of every tensor in it, from its metadata."""
+    found = resolve(path)
+    saved = dcp.FileSystemReader(str(found)).read_metadata().state_dict_metadata
+    return found, {key: tuple(getattr(meta, "size", ())) for key, meta in saved.items()}
 
 
 def load(trainer: object, path: str | Path) -> Position:
     """Read the run's state from ``path`` (a checkpoint, or a folder of them: the latest), resharded to the
     current plan; returns where the run stood."""
-    path = resolve(path)
-    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    path, saved = saved_shapes(path)
     optimizer = trainer.optimizer
-    if any(k.startswith(_OPTIMIZER) for k in saved):
+    if any(k.startswith(OPTIMIZER_PREFIX) for k in saved):
         _init_optim_state(optimizer)  # the moments to load into (AdamW creates them at its first step)
     state = _state(trainer, Position(0, 0))
-    same_world = int(saved_world_size(path)) == _world_size()
+    same_world = sum(1 for k in saved if _RNG_CPU.match(k)) == _world_size()  # each rank saved its own
     wanted = {k: v for k, v in state.items() if k in saved and (same_world or not k.startswith("rng."))}
     copies: list[tuple[str, str]] = []  # (key loaded, key of a tied copy that takes the same values)
     problem = None
@@ -179,10 +207,11 @@ def load(trainer: object, path: str | Path) -> Position:
         set_model_state_dict(part, {k: state[k] for k in own}, options=StateDictOptions(strict=True))
     # the optimizer's tensors were loaded in place; the learning rate follows the step
     step, samples = int(wanted[_TRAIN + "step"]), int(wanted[_TRAIN + "samples"])
-    trainer.scheduler.last_epoch = step
-    for group, lr in zip(optimizer.param_groups, trainer.scheduler.get_lr(), strict=True):
-        group["lr"] = lr
-    trainer.scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
+    scheduler = trainer.scheduler  # a LambdaLR: the rate at ``step`` is the base rate times its factor
+    scheduler.last_epoch = step
+    for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True):
+        group["lr"] = base * factor(step)
+    scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
     if same_world:
         torch.set_rng_state(wanted[f"rng.rank{_rank()}.cpu"])
         if torch.cuda.is_available() and f"rng.rank{_rank()}.cuda" in wanted:
@@ -202,18 +231,11 @@ def _agree(problem: str | None, elsewhere: str) -> None:
         raise AutoparError(problem or elsewhere)
 
 
-def saved_world_size(path: str | Path) -> int:
-    """The number of ranks that wrote checkpoint ``path``."""
-    state = {_TRAIN + "world_size": torch.zeros((), dtype=torch.int64)}
-    dcp.load(state, checkpoint_id=str(resolve(path)), planner=DefaultLoadPlanner(allow_partial_load=True))
-    return int(state[_TRAIN + "world_size"])
-
-
 def _tied_twin(key: str, tied: object) -> str | None:
     """The key of the other copy of a tied weight (or of its optimizer state), if ``key`` names one."""
     for fqn, alias in tied:
         for a, b in ((alias, fqn), (fqn, alias)):
-            for prefix in ("", _OPTIMIZER):
+            for prefix in ("", OPTIMIZER_PREFIX):
                 if key == prefix + a or key.startswith(f"{prefix}{a}."):
                     return prefix + b + key[len(prefix + a):]
     return None
@@ -222,24 +244,19 @@ def _tied_twin(key: str, tied: object) -> str | None:
 def _state(trainer: object, position: Position) -> dict[str, torch.Tensor]:
     """The flat state dict this rank saves (or loads into)."""
     state: dict[str, torch.Tensor] = {}
-    for part in _parts(trainer):
+    for part in trainer.parts:
         state.update(get_model_state_dict(part))
     optimizer = trainer.optimizer
     for fqn, p in trainer.named_parameters():
         for name, value in optimizer.state.get(p, {}).items():
             if isinstance(value, torch.Tensor):
-                state[f"{_OPTIMIZER}{fqn}.{name}"] = value
+                state[f"{OPTIMIZER_PREFIX}{fqn}.{name}"] = value
     state[_TRAIN + "step"] = torch.tensor(position.step, dtype=torch.int64)
     state[_TRAIN + "samples"] = torch.tensor(position.samples, dtype=torch.int64)
-    state[_TRAIN + "world_size"] = torch.tensor(_world_size(), dtype=torch.int64)
     state[f"rng.rank{_rank()}.cpu"] = torch.get_rng_state()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state[f"rng.rank{_rank()}.cuda"] = torch.cuda.get_rng_state()
     return state
-
-
-def _parts(trainer: object) -> list[nn.Module]:
-    return list(trainer.parts)
 
 
 def _rank() -> int:
@@ -255,5 +272,5 @@ def _barrier() -> None:
         dist.barrier()
 
 
-__all__ = ["Checkpointer", "Position", "complete_checkpoints", "load", "resolve", "save", "saved_world_size",
-           "step_dir"]
+__all__ = ["OPTIMIZER_PREFIX", "Checkpointer", "Position", "complete_checkpoints", "load", "resolve", "save",
+           "saved_shapes", "step_dir"]
