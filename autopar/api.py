@@ -80,11 +80,13 @@ def _fixed(fix: str | dict[str, Any] | None) -> dict[str, Any]:
 
 def setup(cluster: str | Cluster, gpus: int | None, gpus_per_node: int | None, inter_node_gbps: float | None,
           global_batch: int | None, time_limit_s: float, memory_limit_gb: float | None, attention: str,
-          framework: str, precision: str = "bf16") -> tuple[Cluster, PassContext, int, float]:
+          framework: str, precision: str = "bf16", compile: bool | None = None,
+          ) -> tuple[Cluster, PassContext, int, float]:
     """Check the planning options; the cluster, the pass context, the global batch (default max(256, GPUs))
     and the per-device memory budget in bytes (default the cluster's usable memory).  ``precision``: the
     training precision of the context (``bf16`` or ``fp8``; ``auto`` gives a bf16 context, and
-    ``training_precisions`` says what to search)."""
+    ``training_precisions`` says what to search).  ``compile``: whether the blocks run ``torch.compile``d
+    (``None``: wherever the framework compiles them)."""
     if global_batch is not None and global_batch < 1:
         raise AutoparError("global batch (--global-batch) must be >= 1")
     if time_limit_s <= 0:
@@ -100,7 +102,8 @@ def setup(cluster: str | Cluster, gpus: int | None, gpus_per_node: int | None, i
         spec = cluster_from_args(cluster, gpus, gpus_per_node, inter_node_gbps)
     fw = load_framework(framework)
     training_precisions(precision, spec, fw)
-    ctx = PassContext(cluster=spec, attention=attention, framework=fw,
+    compiled = fw.compiles(compile, gpu=spec.inductor_backend == "triton")
+    ctx = PassContext(cluster=spec, attention=attention, framework=fw, compile=compiled,
                       precision=PrecisionPolicy(training="bf16" if precision == "auto" else precision))
     batch = global_batch if global_batch is not None else max(256, spec.gpus)
     budget = memory_limit_gb * 2**30 if memory_limit_gb is not None else spec.usable_memory_bytes
@@ -133,12 +136,14 @@ def plan_model(model: ModelLike, *, config: dict[str, Any] | None = None,
                memory_limit_gb: float | None = None, attention: str = "flash", solver: str = "cbc",
                time_limit_s: float | None = None, top: int = 1, framework: str = DEFAULT_FRAMEWORK,
                every_layer: bool = False, on_progress: Callable[[str], None] | None = None,
-               precision: str = "bf16", exhaustive: bool = False, jobs: int = 1) -> Planning:
+               precision: str = "bf16", exhaustive: bool = False, jobs: int = 1,
+               compile: bool | None = None) -> Planning:
     """Trace ``model``, search its layouts on ``cluster`` and build the plan(s); raises ``AutoparError`` with
     a one-line message when the input is bad or nothing fits.  ``on_progress`` is told what runs now (the
     trace, each intra-op solve, the search's count).  ``precision`` ``auto`` searches bf16 and, where the
     cluster and framework can, fp8, and keeps the faster.  ``exhaustive``: estimate every layout, with no bound
-    or cut-off (slow; the same plan).  ``jobs``: processes that solve the intra-op ILPs (the same plan)."""
+    or cut-off (slow; the same plan).  ``jobs``: processes that solve the intra-op ILPs (the same plan).
+    ``compile``: plan for blocks run ``torch.compile``d (``None``: wherever the framework compiles them)."""
     if jobs < 1:
         raise AutoparError("jobs (--jobs) must be >= 1")
     fixed = _fixed(fix)
@@ -146,7 +151,7 @@ def plan_model(model: ModelLike, *, config: dict[str, Any] | None = None,
         raise AutoparError("top (--top) must be >= 1")
     time_limit_s = DEFAULT_TIME_LIMIT_S if time_limit_s is None else time_limit_s
     spec, ctx, batch, budget = setup(cluster, gpus, gpus_per_node, inter_node_gbps, global_batch, time_limit_s,
-                                     memory_limit_gb, attention, framework, precision)
+                                     memory_limit_gb, attention, framework, precision, compile)
     ref, built = model_ref(model)
     inputs_ref = factory_ref(example_inputs) if example_inputs is not None else None
     if on_progress is not None:
@@ -193,19 +198,22 @@ def plan(model: ModelLike, *, config: dict[str, Any] | None = None,
          gpus: int | None = None, gpus_per_node: int | None = None, global_batch: int | None = None,
          seq_len: int | None = None, fix: str | dict[str, Any] | None = None, memory_limit_gb: float | None = None,
          attention: str = "flash", solver: str = "cbc", time_limit_s: float | None = None, top: int = 1,
-         framework: str = DEFAULT_FRAMEWORK, precision: str = "bf16") -> Plan | list[Plan]:
+         framework: str = DEFAULT_FRAMEWORK, precision: str = "bf16", compile: bool | None = None,
+         ) -> Plan | list[Plan]:
     """Plan ``model`` (a zoo name, a model file, an ``nn.Module`` class or factory, or a built module) as
     ``autopar plan`` does: the best Plan, or with ``top > 1`` a list of the best distinct ones, best first.
 
     ``config`` goes to the factory (or ``build_model``); ``example_inputs(batch_size, seq_len, **config)``,
     a top-level function, replaces the model's own; ``fix`` pins layout keys (``"tp=8,pp=2"`` or a dict);
     ``precision`` is the training precision: ``bf16`` (default), ``fp8`` (the layers' Linears, on devices
-    with FP8 tensor cores) or ``auto`` (the faster of the two);
+    with FP8 tensor cores) or ``auto`` (the faster of the two); ``compile`` runs each block ``torch.compile``d
+    (default: wherever the framework does, as ``torch`` and ``torchtitan`` do);
     the defaults are those of the CLI (``a100-80gb``, all its GPUs, a global batch of max(256, GPUs))."""
     planning = plan_model(model, config=config, example_inputs=example_inputs, cluster=cluster, gpus=gpus,
                           gpus_per_node=gpus_per_node, global_batch=global_batch, seq_len=seq_len, fix=fix,
                           memory_limit_gb=memory_limit_gb, attention=attention, solver=solver,
-                          time_limit_s=time_limit_s, top=top, framework=framework, precision=precision)
+                          time_limit_s=time_limit_s, top=top, framework=framework, precision=precision,
+                          compile=compile)
     return planning.plan if top == 1 else planning.plans
 
 

@@ -64,6 +64,9 @@ def _add_framework_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", choices=("bf16", "fp8", "auto"), default="bf16",
                    help="training precision: bf16 (default), fp8 (the layers' Linears in FP8, on devices with FP8 "
                         "tensor cores) or auto (plan: the faster of the two)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile each block, and price what Inductor fuses (default: on where the framework "
+                        "compiles, as torch and torchtitan do)")
 
 
 def _add_cluster_args(p: argparse.ArgumentParser) -> None:
@@ -190,6 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "as the plan prices training")
     ver.add_argument("--memory", action="store_true",
                      help="also measure each stage's activation memory (torch's MemTracker) against the plan's")
+    ver.add_argument("--compile", action="store_true",
+                     help="torch.compile each block on the ranks (Inductor's CPU backend, which needs a C++ "
+                          "compiler) and compare with the eager single process")
     ver.add_argument("--tolerance", type=float, default=None,
                      help="max relative difference (default 1e-4 for fp32, 2e-2 for bf16)")
     ver.add_argument("--json", action="store_true",
@@ -203,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _setup(args: argparse.Namespace) -> tuple[Cluster, PassContext, TracedModel, int, float]:
     cluster, ctx, batch, budget = setup(args.cluster, args.gpus, args.gpus_per_node, args.inter_node_gbps,
                                         args.global_batch, args.time_limit, args.memory_limit, args.attention,
-                                        args.framework, args.precision)
+                                        args.framework, args.precision, args.compile)
     traced = trace_model(args.model, parse_config(args.config), args.seq_len, ctx, args.trace_every_layer)
     return cluster, ctx, traced, batch, budget
 
@@ -231,7 +237,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                               memory_limit_gb=args.memory_limit, attention=args.attention, solver=args.solver,
                               time_limit_s=args.time_limit, top=args.top, framework=args.framework,
                               every_layer=args.trace_every_layer, on_progress=tick, precision=args.precision,
-                              exhaustive=args.exhaustive, jobs=args.jobs)
+                              exhaustive=args.exhaustive, jobs=args.jobs, compile=args.compile)
     finally:
         if progress is not None:
             progress.stop()
@@ -392,7 +398,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if args.steps < 1:
         raise AutoparError("--steps must be >= 1")
     results = verify_many(args.plan, steps=args.steps, tolerance=args.tolerance, numerics=args.numerics,
-                          memory=args.memory)
+                          memory=args.memory, compile=args.compile)
     reports = []
     for path, res in zip(args.plan, results):
         reports.append({"plan": path, "ok": res.ok, "numerics": args.numerics, "losses": res.losses,
@@ -400,6 +406,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
                         "grad_rel_diff": res.grad_rel_diff, "param_rel_diff": res.param_rel_diff,
                         "tolerance": res.tolerance, "sharded_parameters": res.sharded_parameters,
                         "placements": res.placements, "dropout_off": res.dropout_off})
+        if args.compile:
+            reports[-1]["compiled"] = res.compiled
         if args.memory:
             reports[-1]["activations"] = [{"stage": k, "measured_bytes": got, "estimated_bytes": want}
                                           for k, (got, want) in sorted(res.activations.items())]
@@ -414,6 +422,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
                           f"max relative difference: loss {res.loss_rel_diff:.2e}, grads {res.grad_rel_diff:.2e}, "
                           f"params {res.param_rel_diff:.2e} (tolerance {res.tolerance:.0e}): "
                           f"{'OK' if res.ok else 'FAILED'}")
+            if res.compiled:
+                console.print(f"  compiled: {res.compiled['graphs']} graphs by Inductor on rank 0, "
+                              f"{res.compiled['breaks']} graph breaks")
             if res.dropout_off:
                 console.print(f"  dropout was off for the check in both runs ({res.dropout_off} dropout "
                               "probabilities of the model set to 0: the runs would draw different masks); "

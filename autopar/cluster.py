@@ -39,7 +39,7 @@ _INTEGERS = ("gpus", "gpus_per_node", "sm_count", "attention_block", "nics_per_n
              "nccl_channels", "nccl_network_channels")
 #: Keys a cluster file may leave out, and their values then.
 _DEFAULTS = {"nvlink_domain_size": 0, "peak_fp8_flops": 0.0, "fp8_gemm_efficiency": 0.0, "fp8_gemm_k_overhead": 0.0,
-             "mamf_fp8_flops": 0.0, "mamf_fp8_shape": ()}
+             "mamf_fp8_flops": 0.0, "mamf_fp8_shape": (), "inductor_backend": "triton"}
 #: Attention kernels (``PassContext.attention``) a cluster's ``attention_kernels`` tables describe.
 FLASH_KERNELS = ("flash1", "flash", "flash3")
 
@@ -209,11 +209,15 @@ class Cluster:
     """GPUs on one NVLink (NVSwitch) domain, a whole number of nodes: the intra-node bandwidth and latencies
     hold inside it, the network's between domains.  0: one node (``gpus_per_node``), as in DGX/HGX
     systems; 72 for a GB200 NVL72 rack of 18 four-GPU trays."""
+    inductor_backend: str = "triton"
+    """What ``torch.compile``'s Inductor generates for the device's element-wise work: ``triton`` kernels (GPUs:
+    the fusion ``autopar.passes.fusion`` prices, and plans compile by default) or ``cpp`` loops (CPUs: plans
+    compile only when asked)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in ("name", "device", "inter_node_fabric"):
+            if f.name in ("name", "device", "inter_node_fabric", "inductor_backend"):
                 continue
             if f.name in _TRIPLES:
                 _check_numbers(self.name, f.name, value, 3)
@@ -271,6 +275,8 @@ class Cluster:
                 raise ClusterSpecError(f"cluster {self.name}: attention kernel {kernel} needs fwd and bwd tables")
         if self.pod_oversubscription < 1:
             raise ClusterSpecError(f"cluster {self.name}: pod_oversubscription must be >= 1 (1 = full bisection)")
+        if self.inductor_backend not in ("triton", "cpp"):
+            raise ClusterSpecError(f"cluster {self.name}: inductor_backend must be triton or cpp")
         if self.inter_node_fabric not in FABRICS:
             raise ClusterSpecError(f"cluster {self.name}: inter_node_fabric must be one of {', '.join(FABRICS)}, "
                                    f"got {self.inter_node_fabric!r}")

@@ -52,6 +52,7 @@ class _Options:
     replan: bool
     training: Any
     precision: str = "bf16"
+    compile: bool | None = None
     cache: dict[str, Plan] = field(default_factory=dict)
 
 
@@ -66,7 +67,7 @@ def _planned(factory: Callable[..., nn.Module], config: dict[str, Any], opts: _O
     return plan_model(factory, config=config, cluster=opts.cluster, gpus=gpus, gpus_per_node=opts.gpus_per_node,
                       global_batch=opts.global_batch, seq_len=opts.seq_len, fix=opts.fix,
                       memory_limit_gb=opts.memory_limit_gb, attention=opts.attention,
-                      framework=opts.framework, precision=opts.precision).plan
+                      framework=opts.framework, precision=opts.precision, compile=opts.compile).plan
 
 
 def _mismatch(plan: Plan, factory: Callable[..., nn.Module], config: dict[str, Any], opts: _Options,
@@ -179,13 +180,13 @@ def parallelize(*, cluster: str = DEFAULT_CLUSTER, gpus: int | None = None, gpus
                 global_batch: int | None = None, seq_len: int | None = None, plan: str = "plan.json",
                 fix: str | dict[str, Any] | None = None, memory_limit_gb: float | None = None,
                 attention: str = "flash", framework: str = DEFAULT_FRAMEWORK, replan: bool = False,
-                training: Any = None, precision: str = "bf16") -> Callable[[Any], Any]:
+                training: Any = None, precision: str = "bf16", compile: bool | None = None) -> Callable[[Any], Any]:
     """Decorate a model class or factory (see the module docstring).  The planning options are those of
-    ``autopar.plan`` (``precision``: ``bf16``, ``fp8`` or ``auto``); ``plan`` is the plan file torchrun runs
-    share; ``training`` an ``autopar.runtime.TrainingConfig`` for the Trainer."""
+    ``autopar.plan`` (``precision``: ``bf16``, ``fp8`` or ``auto``; ``compile``); ``plan`` is the plan file
+    torchrun runs share; ``training`` an ``autopar.runtime.TrainingConfig`` for the Trainer."""
     opts = _Options(cluster=cluster, gpus=gpus, gpus_per_node=gpus_per_node, global_batch=global_batch,
                     seq_len=seq_len, plan=plan, fix=fix, memory_limit_gb=memory_limit_gb, attention=attention,
-                    framework=framework, replan=replan, training=training, precision=precision)
+                    framework=framework, replan=replan, training=training, precision=precision, compile=compile)
 
     def decorate(target: Any) -> Any:
         if isinstance(target, type) and issubclass(target, nn.Module):

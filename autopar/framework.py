@@ -31,6 +31,7 @@ FRAMEWORKS = ("torch", "torchtitan", "megatron-lm", "megatron-core", "nemo", "de
               "llama3")
 ZeroUnit = Literal["block", "module", "parameter"]
 ZERO_UNITS: tuple[ZeroUnit, ...] = ("block", "module", "parameter")
+FP8_SCALINGS = ("none", "torchao", "dynamic", "delayed")
 
 
 class FrameworkSpecError(AutoparError):
@@ -137,14 +138,19 @@ class Framework:
     """How the ``interleaved`` schedule groups micro-batches: in torch's rounds (``ScheduleInterleaved1F1B``,
     Megatron-LM's ``p``), or in groups of a tunable size ``N`` the search chooses (Llama 3's pipeline, sec. 3.3.2;
     Megatron-Core's ``microbatch_group_size_per_vp_stage``): fewer micro-batches in flight for a longer wait."""
-    fp8_scaling: Literal["none", "eager", "dynamic", "delayed"] = "none"
-    """How it trains Linears in FP8 (``autopar.intra_op.fp8``): ``eager`` (torchao's float8 training without
-    ``torch.compile``: every step of a cast is its own kernel), ``dynamic`` (torchao compiled: an amax pass,
-    then one fused cast), ``delayed`` (Transformer Engine's DelayedScaling: the scale comes from the amax
-    history and the cast records the new amax), ``none`` (no FP8 training: ``--precision fp8`` is refused)."""
+    fp8_scaling: Literal["none", "torchao", "dynamic", "delayed"] = "none"
+    """How it trains Linears in FP8 (``autopar.intra_op.fp8``): ``torchao`` (torchao's float8 training, tensorwise
+    dynamic scaling written in torch ops: every step of a cast its own kernel, unless the plan compiles the
+    blocks), ``dynamic`` (hand-written kernels of current scaling, Transformer Engine's Float8CurrentScaling: an
+    amax pass, then one fused cast), ``delayed`` (Transformer Engine's DelayedScaling: the scale comes from the
+    amax history and the cast records the new amax), ``none`` (no FP8 training: ``--precision fp8`` is
+    refused)."""
     fp8_param_gather: bool = False
     """Whether ZeRO-3 all-gathers the FP8 Linears' weights in FP8, cast on the shard (torchao's
     ``enable_fsdp_float8_all_gather``, Megatron's ``--fp8-param-gather``): one byte per element on the wire."""
+    compiles_blocks: bool = False
+    """Whether the runtime can ``torch.compile`` each block of the stack (torchtitan's ``apply_compile``), which a
+    plan does when it says ``compile`` (``autopar.passes.fusion`` prices what Inductor fuses)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -179,8 +185,8 @@ class Framework:
                                      "attention_module")
         if self.interleaved_groups not in ("rounds", "tunable"):
             raise FrameworkSpecError(f"framework {self.name}: interleaved_groups must be rounds or tunable")
-        if self.fp8_scaling not in ("none", "eager", "dynamic", "delayed"):
-            raise FrameworkSpecError(f"framework {self.name}: fp8_scaling must be none, eager, dynamic or delayed")
+        if self.fp8_scaling not in FP8_SCALINGS:
+            raise FrameworkSpecError(f"framework {self.name}: fp8_scaling must be one of {', '.join(FP8_SCALINGS)}")
         if self.zero3_unit not in ZERO_UNITS:
             raise FrameworkSpecError(f"framework {self.name}: zero3_unit must be one of {', '.join(ZERO_UNITS)}")
 
@@ -192,6 +198,14 @@ class Framework:
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v for f in fields(self)}
+
+    def compiles(self, wanted: bool | None, gpu: bool = True) -> bool:
+        """Whether a plan compiles its blocks: ``wanted``; ``None``: wherever this framework can, on GPUs
+        (``gpu``: the devices' Inductor backend is Triton).  A ``True`` the framework cannot run is an error."""
+        if wanted and not self.compiles_blocks:
+            raise FrameworkSpecError(f"framework {self.name} does not torch.compile its blocks in autopar's model "
+                                     "(compiles_blocks = false); drop --compile, or use --framework torch")
+        return self.compiles_blocks and gpu if wanted is None else bool(wanted)
 
     def zero_allowed(self, zero: int, pp: int) -> bool:
         return zero in (self.zero_levels_with_pp if pp > 1 else self.zero_levels)
@@ -215,6 +229,7 @@ TECHNIQUE_KEYS: dict[str, tuple[str, ...]] = {
     "recompute": ("recompute_early_stop", "selective_recompute"),
     "loss": ("fused_cross_entropy",),
     "fp8": ("fp8_scaling", "fp8_param_gather"),
+    "compile": ("compiles_blocks",),
     "host": ("host_op_s",),
 }
 
@@ -225,7 +240,8 @@ def load_framework(spec: str) -> Framework:
     values, origin = load_spec(spec, what="framework", folder="frameworks", presets=FRAMEWORKS, fields=_FIELDS,
                                base_values=lambda b: load_framework(b).to_dict(), error=FrameworkSpecError,
                                defaults={"fp8_scaling": "none", "fp8_param_gather": False, "tp_overlap_comm_sms": 0,
-                                         "interleaved_groups": "rounds"}, sections=TECHNIQUE_KEYS)
+                                         "interleaved_groups": "rounds",
+                                         "compiles_blocks": False}, sections=TECHNIQUE_KEYS)
     for key in ("schedules", "zero_levels", "zero_levels_with_pp"):
         if isinstance(values.get(key), list):
             values[key] = tuple(values[key])
@@ -239,4 +255,5 @@ def load_framework(spec: str) -> Framework:
 
 DEFAULT_FRAMEWORK = "torch"
 
-__all__ = ["DEFAULT_FRAMEWORK", "FRAMEWORKS", "TECHNIQUE_KEYS", "Framework", "FrameworkSpecError", "load_framework"]
+__all__ = ["DEFAULT_FRAMEWORK", "FP8_SCALINGS", "FRAMEWORKS", "TECHNIQUE_KEYS", "Framework", "FrameworkSpecError",
+           "load_framework"]

@@ -137,6 +137,17 @@ def iter_refs(obj: Any) -> Iterator[Ref]:
             yield from iter_refs(x)
 
 
+def tensor_refs(node: Node) -> list[Ref]:
+    """The node's tensor arguments in the order strategies list them (positional, lists flattened)."""
+    refs: list[Ref] = []
+    for a in node.args:
+        if isinstance(a, Ref):
+            refs.append(a)
+        elif isinstance(a, (list, tuple)):
+            refs.extend(x for x in a if isinstance(x, Ref))
+    return refs
+
+
 @dataclass(frozen=True, slots=True)
 class ParamInfo:
     """A parameter (tied parameters appear once, under their first FQN, with the others as aliases)."""

@@ -96,8 +96,11 @@ class Plan:
     attention: str = "flash"
     precision: dict[str, Any] = field(default_factory=lambda: {"training": "bf16"})
     """``training`` (``bf16`` or ``fp8``); for fp8 also ``fp8_linears`` (the FQNs of the Linears that train in
-    FP8), ``fp8_scaling`` (the framework's: ``eager``, ``dynamic`` or ``delayed``) and ``fp8_param_gather``
+    FP8), ``fp8_scaling`` (the framework's: ``torchao``, ``dynamic`` or ``delayed``) and ``fp8_param_gather``
     (ZeRO-3 gathers their weights in FP8)."""
+    compile: bool = False
+    """Whether each block of the stack runs ``torch.compile``d, as the estimate priced it (files without the key
+    were priced eager)."""
     schema_version: int = SCHEMA_VERSION
     autopar_version: str = __version__
 
@@ -108,7 +111,7 @@ class Plan:
             "seq_len": self.seq_len, "mesh": self.mesh, "layout": self.layout, "stages": self.stages,
             "schedule": self.schedule, "zero": self.zero, "parameters": self.parameters,
             "estimate": self.estimate, "op_strategies": self.op_strategies, "attention": self.attention,
-            "precision": self.precision,
+            "precision": self.precision, "compile": self.compile,
         }
         return _round_floats(json.loads(json.dumps(body)))
 
@@ -149,7 +152,9 @@ class Plan:
                 raise PlanError(f"{origin}: plan field {key!r} is missing or not a {kind.__name__}")
         if checksum != _checksum(data):
             raise PlanError(f"{origin}: plan file was modified after it was written (checksum mismatch)")
-        fields = {k: data[k] for k in (*REQUIRED, "op_strategies", "attention") if k in data}
+        if not isinstance(data.get("compile", False), bool):
+            raise PlanError(f"{origin}: plan field 'compile' is not true or false")
+        fields = {k: data[k] for k in (*REQUIRED, "op_strategies", "attention", "compile") if k in data}
         return cls(**fields)
 
     @classmethod

@@ -77,10 +77,13 @@ def render_show(plan: Plan, console: Console) -> None:
     if plan.fp8:
         detail = est.get("compute_detail", {})
         head.add_row("precision", f"fp8: {len(plan.precision.get('fp8_linears', []))} Linears "
-                                  f"({plan.precision.get('fp8_scaling')} scaling); casts "
+                                  f"({plan.precision.get('fp8_scaling')} scaling"
+                                  f"{', compiled' if plan.compile else ''}); casts "
                                   f"{human_time(detail.get('fp8_casts_s', 0.0))} of the compute")
     else:
         head.add_row("precision", "bf16")
+    head.add_row("compile", "each block torch.compile'd (Inductor fuses its element-wise work)" if plan.compile
+                 else "eager (no torch.compile)")
     console.print(head)
 
     stages = Table(title="Stages", title_justify="left")
@@ -209,7 +212,7 @@ def plan_changes(a: Plan, b: Plan) -> list[Change]:
     for key in (*first, *sorted((set(a.cluster) | set(b.cluster)) - set(first))):
         if a.cluster.get(key) != b.cluster.get(key):
             out.append(Change(f"cluster {key}", a.cluster.get(key), b.cluster.get(key)))
-    for key in ("global_batch", "seq_len", "attention"):
+    for key in ("global_batch", "seq_len", "attention", "compile"):
         if getattr(a, key) != getattr(b, key):
             out.append(Change(key, getattr(a, key), getattr(b, key)))
     if a.precision.get("training") != b.precision.get("training"):

@@ -40,6 +40,7 @@ def replan(plan: Plan, gpus: int, framework: str | None = None, jobs: int = 1,
         return plan_model(model, config=plan.model.get("config") or {}, cluster=cluster,
                           global_batch=plan.global_batch, seq_len=plan.seq_len, attention=plan.attention,
                           precision=plan.precision.get("training", "bf16"), framework=framework,
+                          compile=plan.compile,
                           memory_limit_gb=memory_limit_bytes(plan) / 2**30, jobs=jobs)
     except AutoparError as exc:
         if plan.global_batch % gpus == 0:

@@ -4,7 +4,8 @@ The runtime builds ``parallelize_module`` styles from a plan's placements and re
 (``autopar.runtime.support.check_runnable``: sequence parallelism around a row-parallel projection, a
 HuggingFace architecture it cannot split into stages, ...).  Such an intra-op solution must not be
 chosen, so the search asks this filter before it keeps a candidate.  The answer depends only on the
-intra-op solution, on whether there are pipeline stages and on whether there is context parallelism, so it
+intra-op solution, on whether there are pipeline stages, context and expert parallelism, and, for a plan that
+compiles its blocks, on whether its schedule splits the backward and whether it recomputes selectively, so it
 is computed once per combination.
 """
 
@@ -21,6 +22,7 @@ from autopar.intra_op.strategies import Strategy
 from autopar.ir import OpGraph
 from autopar.passes.context import PassContext
 from autopar.runtime.support import check_runnable, model_on_meta
+from autopar.solvers.pipeline import SPLIT_BACKWARD
 
 
 class RuntimeFilter:
@@ -32,12 +34,13 @@ class RuntimeFilter:
         self._plan_args = {"graph": graph, "model_ref": model_ref, "config": config, "cluster": cluster, "ctx": ctx,
                            "global_batch": global_batch, "example_inputs": example_inputs}
         self._model = None
-        self._verdicts: dict[tuple[int, bool, bool, bool], str | None] = {}
+        self._verdicts: dict[tuple[int, bool, bool, bool, bool, bool], str | None] = {}
         self.reasons: list[str] = []
 
     def accept(self, estimate: Estimate, strategies: dict[str, Strategy]) -> bool:
         lay = estimate.layout
-        key = (id(strategies), lay.pp > 1, lay.cp > 1, lay.ep > 1)
+        key = (id(strategies), lay.pp > 1, lay.cp > 1, lay.ep > 1, lay.schedule in SPLIT_BACKWARD,
+               lay.recompute == "selective")
         if key not in self._verdicts:
             self._verdicts[key] = self._refusal(estimate, strategies)
             if self._verdicts[key] is not None:

@@ -33,7 +33,11 @@ WIDER = (("llm_foundry_tables", "MosaicML llm-foundry's MPT benchmark tables (FS
          ("nvidia_h100_tables", "NVIDIA's published H100 BF16 and FP8 runs (DGX Cloud recipes, NeMo 24.07, "
           "Megatron-Bridge 25.09; 8-2048 GPUs)",
           "python benchmarks/calibration.py --references benchmarks/reference/nvidia_h100_tables.json "
-          "--output benchmarks/results/nvidia_h100_tables.json"))
+          "--output benchmarks/results/nvidia_h100_tables.json"),
+         ("torchtitan_h100_tables", "torchtitan's H100 runs of Llama 3.1 8B eager, compiled and compiled with Float8 "
+          "(FSDP, 8 and 128 GPUs; what torch.compile and compiled FP8 casts buy)",
+          "python benchmarks/calibration.py --references benchmarks/reference/torchtitan_h100_tables.json "
+          "--output benchmarks/results/torchtitan_h100_tables.json"))
 
 
 def _load(name: str) -> dict[str, Any]:
@@ -166,12 +170,14 @@ def _wider_checks() -> list[str]:
 
 
 def _by_gpu(rows: list[dict[str, Any]]) -> list[str]:
-    """One line per GPU (and training precision): errors' medians, rows within 10 %, beyond 20 %, too slow."""
+    """One line per GPU (and training precision, compiled or not): errors' medians, rows within 10 %, beyond 20 %,
+    too slow."""
     lines = ["| GPU | precision | runs | median signed error | median abs. error | within 10 % | beyond 20 % | "
              "too slow | refused |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in rows:
-        groups.setdefault((r.get("cluster") or "?", r.get("precision") or "bf16"), []).append(r)
+        precision = (r.get("precision") or "bf16") + (", compiled" if r.get("compile") else "")
+        groups.setdefault((r.get("cluster") or "?", precision), []).append(r)
     for (cluster, precision), group in sorted(groups.items()):
         errors = [r["error"] for r in group if r["error"] is not None]
         refused = sum(r["error"] is None or r.get("fits") is False for r in group)

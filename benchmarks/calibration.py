@@ -41,15 +41,15 @@ PER_LAYER_VARIANTS = (("baseline_no_recompute", False, "none"), ("sequence_paral
 
 
 class TraceCache:
-    """One trace per (model, config, attention, framework) and one set of unit costs per tensor-parallel
-    fabric on top: rows of the same model share the trace and the intra-op solves."""
+    """One trace per (model, config, attention, framework, compile) and one set of unit costs per device and
+    tensor-parallel fabric on top: rows of the same model share the trace and the intra-op solves."""
 
     def __init__(self) -> None:
         self._traces: dict[tuple, TracedModel] = {}
         self._units: dict[tuple, UnitCostCache] = {}
 
     def _key(self, run: ReferenceRun) -> tuple:
-        return (*run.model_key, run.framework, tuple(sorted(run.framework_overrides.items())))
+        return (*run.model_key, run.framework, tuple(sorted(run.framework_overrides.items())), run.compile)
 
     def get(self, run: ReferenceRun) -> TracedModel:
         key = self._key(run)
@@ -58,9 +58,11 @@ class TraceCache:
         return self._traces[key]
 
     def unit_costs(self, run: ReferenceRun, ctx: PassContext) -> UnitCostCache:
-        """Unit costs depend on the tp group's links, which only the node size and its fabric decide."""
+        """Unit costs depend on the device (a row may name a variant of its preset's) and the tp group's links,
+        which only the node size and its fabric decide."""
         c = run.cluster
-        key = (self._key(run), c.name, c.gpus_per_node, c.intra_node_bandwidth_bytes_per_s)
+        key = (self._key(run), c.name, c.hbm_bandwidth_bytes_per_s, c.power_cap_w, c.gpus_per_node,
+               c.intra_node_bandwidth_bytes_per_s)
         if key not in self._units:
             self._units[key] = UnitCostCache(self.get(run).graph, c, ctx, "cbc", 60.0)
         return self._units[key]
@@ -84,7 +86,7 @@ def estimate_run(run: ReferenceRun, traces: TraceCache) -> dict[str, Any]:
                 "error": None, "fits": False, "note": "no layout of the search space matches the published one"}
     est = res.best.estimate
     return {"case_id": run.case_id, "framework": run.framework, "attention": run.attention,
-            "precision": run.precision,
+            "precision": run.precision, "compile": run.compile,
             "gpus": run.cluster.gpus, "cluster": run.cluster.name, "fixed": run.fixed, "searched": list(run.searched),
             "layout": est.layout.to_dict(), "estimate_s": est.iteration_time_s, "measured_s": run.measured_s,
             "error": est.iteration_time_s / run.measured_s - 1, "mfu": est.mfu, "hfu": est.hfu,

@@ -66,12 +66,15 @@ class ReferenceRun:
     """For per-layer rows: measured forward/backward milliseconds of one layer per variant."""
     precision: str = "bf16"
     """What the layers' Linears trained in: ``bf16`` or ``fp8``."""
+    compile: bool = False
+    """Whether the run ``torch.compile``d its blocks (``compile_of``)."""
 
     def context(self) -> PassContext:
-        """The pass context of the row: its cluster, attention kernel, framework and training precision."""
+        """The pass context of the row: its cluster, attention kernel, framework, training precision and whether
+        its blocks ran compiled."""
         framework = load_framework(self.framework).with_overrides(**self.framework_overrides)
         return PassContext(cluster=self.cluster, attention=self.attention, framework=framework,
-                           precision=PrecisionPolicy(training=self.precision))
+                           precision=PrecisionPolicy(training=self.precision), compile=framework.compiles(self.compile))
 
     @property
     def model_key(self) -> tuple:
@@ -102,10 +105,10 @@ def framework_of(case: dict[str, Any]) -> str:
     if "ptd-p" in case_id:
         return "megatron-lm"  # Narayanan et al.'s own PTD-P rows (their Table 2 compares it with ZeRO-3)
     text = _lower(case.get("source"), lay.get("framework"), lay.get("dp_type"), case.get("case_id"))
+    if "torchtitan" in text:  # before Llama 3's own stack: torchtitan's benchmarks train Llama 3 models
+        return "torchtitan"
     if "llama 3" in text or "llama team" in text:
         return "llama3"  # Meta's PyTorch-native FSDP + TP + PP stack with its own pipeline schedule (sec. 3.3.2)
-    if "torchtitan" in text:
-        return "torchtitan"
     if "hagemann" in text or "aleph alpha" in text:
         return "aa-scaling"  # Hagemann et al. 2023 measured their sweeps on Aleph Alpha's Scaling codebase
     if "llm-foundry" in text or "mosaicml" in text:
@@ -186,6 +189,8 @@ def model_of(case: dict[str, Any]) -> tuple[str, dict[str, Any]]:
             # its train_configs of the performance.md commit (2024-04, aea510d) set norm_type fused_rmsnorm
             # (a Triton kernel) for the 7B/8B/13B models and rmsnorm (on x.float()) for the 70B ones
             cfg.update(rope="fp32", rms_norm="fp32" if m["hidden"] >= 8192 else "fused")
+        if m.get("rms_norm"):  # the row names its RMSNorm ("fp32": on x.float(), op by op)
+            cfg["rms_norm"] = m["rms_norm"]
         return "llama", cfg
     cfg: dict[str, Any] = {"layers": m["layers"], "hidden": m["hidden"], "heads": m["heads"], "vocab": m["vocab"],
                            "seq_len": m["seq_len"]}
@@ -213,6 +218,13 @@ def cluster_of(case: dict[str, Any]) -> Cluster:
     rate = c.get("inter_node_bw_Gbps_per_gpu") or c.get("inter_node_bw")
     if rate:
         overrides["inter_node_bandwidth_bytes_per_s"] = float(rate) * 1e9 / 8
+    # a variant of the GPU the row names (Grand Teton's H100s: 96 GB of HBM2e at 2.4 TB/s, capped at 500 W)
+    if c.get("hbm_gbps"):
+        overrides["hbm_bandwidth_bytes_per_s"] = float(c["hbm_gbps"]) * 1e9
+    if c.get("hbm_gb"):
+        overrides["hbm_bytes"] = int(float(c["hbm_gb"]) * 2**30)
+    if c.get("power_limit_w"):
+        overrides["power_cap_w"] = float(c["power_limit_w"])
     return cluster.with_overrides(**overrides)
 
 
@@ -332,7 +344,19 @@ def reference_run(case: dict[str, Any]) -> ReferenceRun:
         framework=framework_of(case), framework_overrides=framework_overrides_of(case), attention=attention,
         global_batch=case.get("global_batch") or 0,
         fixed=fixed, measured_s=measured_time_s(case), searched=searched,
-        per_layer_ms=case.get("measured_per_layer_ms", {}), precision=precision_of(case["layout"]))
+        per_layer_ms=case.get("measured_per_layer_ms", {}), precision=precision_of(case["layout"]),
+        compile=compile_of(case["layout"]))
+
+
+def compile_of(lay: dict[str, Any]) -> bool:
+    """Whether the row ran its blocks ``torch.compile``d: its layout says so (``compile: true``, or
+    ``torch.compile`` among its techniques); a row that does not say ran eagerly (the frameworks' defaults of
+    their day: torchtitan's train configs set ``compile = false`` until 2025, Megatron and DeepSpeed do not
+    compile)."""
+    flag = lay.get("compile")
+    if isinstance(flag, bool):
+        return flag
+    return "torch.compile" in _lower(lay.get("techniques"))
 
 
 def precision_of(lay: dict[str, Any]) -> str:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from autopar.passes.activations import annotate_activations_pass
 from autopar.passes.context import PassContext, PrecisionPolicy
 from autopar.passes.flops import annotate_flops_pass
+from autopar.passes.fusion import annotate_fusion_pass
 from autopar.passes.state_memory import annotate_state_memory_pass
 from autopar.passes.traffic import annotate_traffic_pass
 
@@ -25,7 +26,8 @@ Pass = Callable[[OpGraph, PassContext], OpGraph]
 
 DEFAULT_PIPELINE: tuple[Pass, ...] = (
     annotate_flops_pass,  # needs only the traced shapes
-    annotate_traffic_pass,  # needs the traced shapes and view aliasing
+    annotate_fusion_pass,  # what compiled blocks fuse: needs the FLOPs (products and attention are not fused)
+    annotate_traffic_pass,  # needs the traced shapes, view aliasing and the fusion
     annotate_activations_pass,  # needs view aliasing; independent of the two above
     annotate_state_memory_pass,  # needs only the parameter table
 )

@@ -63,6 +63,9 @@ class PassContext:
     """Byte counts of weights, gradients, optimizer state and activations."""
     framework: Framework = field(default_factory=lambda: load_framework(DEFAULT_FRAMEWORK))
     """The runtime that trains the plan: how it buckets, overlaps and stores (``autopar.framework``)."""
+    compile: bool = False
+    """Whether each block of the stack runs ``torch.compile``d (Inductor fuses its element-wise work and the FP8
+    casts: ``autopar.passes.fusion``); the embedding, the head and the loss run eagerly either way."""
     disabled_passes: frozenset[str] = frozenset()
     """Names of passes to skip (exact function names)."""
     verify_ir: bool = False

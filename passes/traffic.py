@@ -1,20 +1,27 @@
 """Bytes read and written per node (forward and backward) and kernel counts.
 
 Annotation ``traffic`` = ``NodeTraffic``.  Floating-point tensors are costed at the precision policy's
-activation width (16-bit); integer and boolean tensors at their own width.  View ops launch no kernel
-and move no bytes.  Backward of an op reads the output gradient and the inputs it saved and writes the
-gradients of the inputs that need one: ``out + in + in_needing_grad``.  Math attention adds the
+activation width (16-bit); integer and boolean tensors at their own width.  View ops, and ops that return
+no tensor (``_assert_tensor_metadata``, a check on metadata), launch no kernel and move no bytes.  Backward
+of an op reads the output gradient and the inputs it saved and writes the gradients of the inputs that need
+one: ``out + in + in_needing_grad``.  Math attention adds the
 ``s x s`` score, softmax and dropout tensors its separate kernels write and read (see ``math_attention_bytes``).
-Dropout with ``p = 0`` is free; the loss moves what its fp32 passes move (``loss_traffic``).
+Dropout with ``p = 0`` is free; the loss moves what its fp32 passes move (``loss_traffic``).  Inside a
+compiled block, a fused op moves its part of its group's traffic (``fused_traffic``, ``autopar.passes.fusion``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from autopar.passes.context import PassContext
 
-from autopar.ir import BatchLinear, Node, OpGraph, TensorInfo, iter_refs
+from autopar.ir import BatchLinear, Node, OpGraph, TensorInfo, iter_refs, tensor_refs
+
+if TYPE_CHECKING:
+    from autopar.passes.fusion import FusedIO
 
 ZERO = BatchLinear()
 
@@ -25,6 +32,13 @@ class NodeTraffic:
     bwd_bytes: BatchLinear
     fwd_kernels: int
     bwd_kernels: int
+    reads: tuple[int, ...] | None = None
+    """Of a fused op (``autopar.passes.fusion``): the tensor arguments (``tensor_refs`` indices) its group's
+    kernels read from memory; ``None``: all of them."""
+    writes: tuple[int, ...] | None = None
+    """... and the outputs they write; ``None``: all of them."""
+    dispatched: bool = True
+    """Whether the host dispatches the op itself (eager: ``Framework.host_op_s``); compiled code does not."""
 
 
 NO_TRAFFIC = NodeTraffic(ZERO, ZERO, 0, 0)
@@ -124,13 +138,39 @@ def loss_traffic(graph: OpGraph, node: Node, ctx: PassContext) -> NodeTraffic:
     return NodeTraffic(scale(fwd), scale(bwd), kernels, kernels)
 
 
+def fused_traffic(graph: OpGraph, node: Node, fused: FusedIO, ctx: PassContext) -> NodeTraffic:
+    """An op's part of its fused group's traffic (``autopar.passes.fusion``): the tensors it brings in from
+    outside the group and the outputs it hands out, forward; their gradients and the saved inputs, backward."""
+    refs = tensor_refs(node)
+    ins = [graph.tensor(refs[i]) for i in fused.reads]
+    outs = [node.outputs[j] for j in fused.writes if j < len(node.outputs)]
+    in_bytes = sum((tensor_bytes(t, ctx, graph) for t in ins), ZERO)
+    grad_in = sum((tensor_bytes(t, ctx, graph) for t in ins if t is not None and t.requires_grad), ZERO)
+    out_bytes = sum((tensor_bytes(t, ctx, graph) for t in outs), ZERO)
+    needs_backward = any(t is not None and t.requires_grad for t in node.outputs)
+    bwd = out_bytes + in_bytes + grad_in if needs_backward else ZERO
+    return NodeTraffic(in_bytes + out_bytes, bwd, fused.fwd_kernels, fused.bwd_kernels, fused.reads, fused.writes,
+                       dispatched=False)
+
+
 def node_traffic(graph: OpGraph, node: Node, ctx: PassContext) -> NodeTraffic:
+    traffic = _eager_traffic(graph, node, ctx)
+    if ctx.compile and node.layer is not None and traffic.dispatched:
+        return dataclasses.replace(traffic, dispatched=False)  # issued by the compiled block's wrapper
+    return traffic
+
+
+def _eager_traffic(graph: OpGraph, node: Node, ctx: PassContext) -> NodeTraffic:
     if node.alias_of is not None:
         return NO_TRAFFIC
     if node.op in DROPOUT_OPS and dropout_is_identity(node):
         return NO_TRAFFIC
+    if not any(t is not None for t in node.outputs):  # a check on metadata (_assert_tensor_metadata): no kernel
+        return NO_TRAFFIC
     if node.op in LOSS_OPS:
         return loss_traffic(graph, node, ctx)
+    if (fused := node.annotations.get("fusion")) is not None:
+        return fused_traffic(graph, node, fused, ctx)
     inputs = [graph.tensor(r) for r in dict.fromkeys(iter_refs((node.args, node.kwargs)))]
     in_bytes = sum((tensor_bytes(t, ctx, graph) for t in inputs), ZERO)
     grad_in = sum((tensor_bytes(t, ctx, graph) for t in inputs if t is not None and t.requires_grad), ZERO)

@@ -100,7 +100,7 @@ def test_fp8_speeds_up_a_llama_70b_layout_and_says_where_the_speed_up_goes(tmp_p
     # the layers' Linears train in FP8; the embedding and the head stay in bf16
     linears = fp8["precision"]["fp8_linears"]
     assert len(linears) == 80 * 7 and "head" not in linears and "blocks.79.ffn.down" in linears
-    assert fp8["precision"]["fp8_scaling"] == "dynamic" and bf16["precision"] == {"training": "bf16"}
+    assert fp8["precision"]["fp8_scaling"] == "torchao" and fp8["compile"] and bf16["precision"] == {"training": "bf16"}
 
 
 def test_auto_keeps_the_faster_precision_and_the_api_writes_the_cli_bytes(tmp_path):
@@ -135,7 +135,7 @@ def test_verify_refuses_an_fp8_plan_in_one_line(tmp_path, capsys):
     assert len(err) == 1 and "trains in FP8" in err[0] and "--precision bf16" in err[0]
     # show says it, diff against the bf16 plan of the same layout names it
     assert main(["show", str(out / "plan.json")]) == 0
-    assert "fp8: 14 Linears (eager scaling)" in capsys.readouterr().out  # torchao uncompiled, as the runtime runs
+    assert "fp8: 14 Linears (torchao scaling, compiled)" in capsys.readouterr().out  # in the compiled blocks
     bf16 = tmp_path / "bf16"
     assert main(["plan", "llama", "--config", ",".join(f"{k}={v}" for k, v in SMALL_LLAMA.items()), "--cluster",
                  "h100-80gb", "--gpus", "4", "--global-batch", "8", "--fix", "dp=2,tp=2,sp=off", "-o", str(bf16),

@@ -391,7 +391,7 @@ def test_generated_script_runs_the_plan(tmp_path, capsys, examples, model, confi
     script = tmp_path / "train.py"
     text = script.read_text()
     # the runtime's code, the plan's literals
-    assert "from autopar.runtime.parallelize import MESH_DIMS, context_of, parallelize" in text
+    assert "from autopar.runtime.parallelize import MESH_DIMS, compiled_blocks, context_of, parallelize" in text
     assert all(e in text for e in expect), [e for e in expect if e not in text]
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
                            str(script), "--steps", "3", "--precision", "fp32", "--log-every", "1"],

@@ -30,6 +30,8 @@ def main():
     ap.add_argument("--metrics", default=str(Path(__file__).with_name("metrics.jsonl")), metavar="FILE",
                     help="JSON lines of the logged steps (appended; default: metrics.jsonl beside this script)")
     ap.add_argument("--tensorboard", metavar="DIR", help="also write them to TensorBoard (the tensorboard extra)")
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=COMPILE,
+                    help="torch.compile each block (default: as the plan priced it)")
     ap.add_argument("--resume", metavar="PATH", help="continue from a checkpoint (or the latest under a folder; "
                     "default: the latest under --checkpoint, if any)")
     args = ap.parse_args()
@@ -53,13 +55,15 @@ def main():
     chunks = rank_chunks(SCHEDULE, mesh.get_local_rank("pp"), MESH_SHAPE[0], len(STAGE_LAYERS))
     report = StepReport(ESTIMATE, GLOBAL_BATCH * SEQ_LEN, math.prod(MESH_SHAPE), PEAK_FLOPS, device)
 
-    # 1. pipeline split, 2. tensor parallelism, 3. expert parallelism, 4. activation checkpointing, 5. data
-    # parallelism at the ZeRO level; all on the meta device, then this rank's shards are allocated and initialized.
+    # 1. pipeline split, 2. tensor parallelism, 3. expert parallelism, 4. activation checkpointing, 5. compile,
+    # 6. data parallelism at the ZeRO level; all on the meta device, then this rank's shards are allocated and
+    # initialized.
     parts = parallelize(build, mesh, device, args.seed, stage_layers=STAGE_LAYERS, chunks=chunks,
                         container=LAYER_CONTAINER, ends=STACK_ENDS,
                         tp_styles=lambda chunk, part: TP_PLAN.get(chunk, {}),
                         tied=TIED, recompute=RECOMPUTE, zero=ZERO, precision=args.precision, context=context,
-                        fp8_linears=FP8_LINEARS, fp8_param_gather=FP8_PARAM_GATHER, ep=EP, experts=EXPERTS)
+                        fp8_linears=FP8_LINEARS, fp8_param_gather=FP8_PARAM_GATHER, ep=EP, experts=EXPERTS,
+                        compile=args.compile)
     config = TrainingConfig(lr=args.lr, warmup_steps=args.warmup_steps,
                             decay_steps=max(1, args.steps - args.warmup_steps), max_grad_norm=args.max_grad_norm,
                             precision=args.precision)
@@ -87,6 +91,8 @@ def main():
                                   start_step=begin)
     if first:
         print(f"data: {source}", flush=True)
+        if args.compile:
+            print(f"compile: {compiled_blocks(parts, LAYER_CONTAINER)} blocks torch.compile'd", flush=True)
     if begin >= args.steps:  # a run restarted after its last save
         if first:
             print(f"the checkpoint is at step {begin}: nothing left of --steps {args.steps}", flush=True)

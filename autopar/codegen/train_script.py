@@ -47,7 +47,7 @@ from autopar.runtime.apply import device_for_rank, init_distributed
 from autopar.runtime.data import run_batches
 from autopar.runtime.fp8 import check_fp8_device
 from autopar.runtime.materialize import build_on_meta
-from autopar.runtime.parallelize import MESH_DIMS, context_of, parallelize
+from autopar.runtime.parallelize import MESH_DIMS, compiled_blocks, context_of, parallelize
 from autopar.runtime.pipeline import rank_chunks
 from autopar.runtime.report import MetricsLog, StepReport, return_freed_tensors_to_the_os
 from autopar.runtime.training import Trainer, TrainingConfig
@@ -142,6 +142,7 @@ def generate_train_script(plan: Plan, script_name: str = "train.py") -> str:
         "# Linears that train in FP8 (torchao float8; CUDA with compute capability >= 8.9): empty in a bf16 plan\n"
         f"FP8_LINEARS = {pprint.pformat(fp8_linears, compact=True, width=116)}\n"
         f"FP8_PARAM_GATHER = {bool(plan.precision.get('fp8_param_gather'))}  # ZeRO-3 gathers their weights in FP8\n"
+        f"COMPILE = {plan.compile}  # torch.compile each block (what the estimate priced); --compile/--no-compile\n"
     )
     kinds = {kind for specs in plans.values() for kind, _ in specs.values()}
     torch_styles = sorted(kinds - set(AUTOPAR_STYLES))

@@ -204,7 +204,7 @@ def build_plan(*, graph: OpGraph, model_ref: str, config: dict[str, Any], cluste
                                  "stage_to_rank": stage_to_rank},
         zero=lay.zero, parameters=parameters, op_strategies=ops,
         estimate={**estimate.to_dict(), **({"memory_limit_bytes": memory_limit_bytes} if memory_limit_bytes else {})},
-        attention=ctx.attention, precision=_precision(graph, ctx, tp_place, lay.tp),
+        attention=ctx.attention, precision=_precision(graph, ctx, tp_place, lay.tp), compile=ctx.compile,
     )
 
 

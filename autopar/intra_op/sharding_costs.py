@@ -32,13 +32,14 @@ from functools import lru_cache
 
 from autopar.cluster import Cluster, MeshSpec
 from autopar.collectives import all_reduce_s, bucket_share_s, collective_s
-from autopar.intra_op.fp8 import cast_cost, fp8_eligible, layer_linear_weight
+from autopar.intra_op.fp8 import cast_cost, cast_kind, fp8_eligible, layer_linear_weight
 from autopar.intra_op.strategies import PARTIAL, R, Strategy, shard_dim, tensor_refs
 from autopar.ir import Node, OpGraph, TensorInfo
 from autopar.kernels import FLASH_BACKWARD_FLOPS, flash_attention_s, gemm_s, memory_s
 from autopar.passes.activations import SavedTensor, storage_key
 from autopar.passes.context import PassContext
 from autopar.passes.flops import NodeFlops, is_causal
+from autopar.passes.fusion import fused_neighbours
 from autopar.passes.traffic import LOSS_OPS, NodeTraffic, softmax_passes_bytes
 from autopar.power import PowerMix, product_demand, tensor_demand
 
@@ -238,15 +239,21 @@ def param_cost(t: TensorInfo, required: Placements, consumer: Strategy, mesh: Me
 
 def local_bytes(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec, batch: int,
                 ctx: PassContext) -> tuple[float, float]:
-    """(forward, backward) bytes moved by the local kernel, from local tensor sizes."""
+    """(forward, backward) bytes moved by the local kernel, from local tensor sizes; of an op a compiled block
+    fuses, its part of its group's (``NodeTraffic.reads`` / ``writes``, ``autopar.passes.fusion``)."""
+    traffic: NodeTraffic | None = node.annotations.get("traffic")
+    reads = traffic.reads if traffic is not None else None
     in_bytes = grad_in = 0.0
     for i, r in enumerate(tensor_refs(node)):
+        if reads is not None and i not in reads:
+            continue
         t = graph.tensor(r)
         b = local_tensor_bytes(graph, t, tuple(s.inputs[i] for s in strategy), mesh, batch, ctx)
         in_bytes += b
         if t.requires_grad:
             grad_in += b
-    out_bytes = output_bytes(node, graph, strategy, mesh, batch, ctx)
+    out_bytes = output_bytes(node, graph, strategy, mesh, batch, ctx,
+                             traffic.writes if traffic is not None else None)
     fwd = in_bytes + out_bytes
     needs_bwd = any(t is not None and t.requires_grad for t in node.outputs)
     bwd = out_bytes + in_bytes + grad_in if needs_bwd else 0.0
@@ -261,10 +268,11 @@ def operand_bytes(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec
     return 0.0 if t is None else local_tensor_bytes(graph, t, tuple(s.inputs[k] for s in strategy), mesh, batch, ctx)
 
 
-def output_bytes(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec, batch: int, ctx: PassContext) -> float:
-    """Local bytes of ``node``'s outputs under ``strategy``."""
+def output_bytes(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec, batch: int, ctx: PassContext,
+                 only: tuple[int, ...] | None = None) -> float:
+    """Local bytes of ``node``'s outputs under ``strategy`` (``only``: of those outputs)."""
     return sum(local_tensor_bytes(graph, t, tuple(s.outputs[j] for s in strategy), mesh, batch, ctx)
-               for j, t in enumerate(node.outputs) if t is not None)
+               for j, t in enumerate(node.outputs) if t is not None and (only is None or j in only))
 
 
 @dataclass(frozen=True, slots=True)
@@ -412,8 +420,10 @@ def fp8_linear(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec, b
     return _fp8_forward(node, graph, strategy, mesh, batch, ctx) is not None
 
 
-def _cast_s(g: Gemm, cluster: Cluster, ctx: PassContext) -> tuple[float, float]:
-    c = cast_cost(g.batch * g.m, g.n, g.k, ctx.framework.fp8_scaling)
+def _cast_s(node: Node, graph: OpGraph, g: Gemm, cluster: Cluster, ctx: PassContext) -> tuple[float, float]:
+    kind = cast_kind(ctx.framework.fp8_scaling, ctx.compile and node.layer is not None)
+    fused = fused_neighbours(graph, node) if kind == "compiled" else (False, False)
+    c = cast_cost(g.batch * g.m, g.n, g.k, kind, *fused)
     return (memory_s(cluster, c.fwd_bytes) + c.fwd_kernels * cluster.kernel_gap_s,
             memory_s(cluster, c.bwd_bytes) + c.bwd_kernels * cluster.kernel_gap_s)
 
@@ -422,7 +432,7 @@ def fp8_cast_s(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec, b
                ctx: PassContext) -> tuple[float, float]:
     """(forward, backward) time of the FP8 casts of ``node``'s operands; zero unless it trains in FP8."""
     g = _fp8_forward(node, graph, strategy, mesh, batch, ctx)
-    return (0.0, 0.0) if g is None else _cast_s(g, cluster, ctx)
+    return (0.0, 0.0) if g is None else _cast_s(node, graph, g, cluster, ctx)
 
 
 @dataclass(frozen=True, slots=True)
@@ -487,11 +497,13 @@ def _attention_s(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec,
 def host_s(node: Node, ctx: PassContext) -> tuple[float, float]:
     """(forward, backward) CPU time of issuing ``node``: the framework's per-op dispatch (``Framework.host_op_s``)
     and one driver call per kernel it launches (``Cluster.kernel_launch_s``).  A view dispatches on the host and
-    launches nothing; a backward costs the host only where the op launches backward kernels."""
+    launches nothing; a backward costs the host only where the op launches backward kernels; compiled code
+    (``NodeTraffic.dispatched`` false) pays the launches only."""
     traffic: NodeTraffic = node.annotations["traffic"]
     fw, cluster = ctx.framework, ctx.cluster
-    fwd = fw.host_op_s + traffic.fwd_kernels * cluster.kernel_launch_s
-    bwd = (fw.host_op_s + traffic.bwd_kernels * cluster.kernel_launch_s) if traffic.bwd_kernels else 0.0
+    dispatch = fw.host_op_s if traffic.dispatched else 0.0
+    fwd = dispatch + traffic.fwd_kernels * cluster.kernel_launch_s
+    bwd = (dispatch + traffic.bwd_kernels * cluster.kernel_launch_s) if traffic.bwd_kernels else 0.0
     return fwd, bwd
 
 
@@ -512,7 +524,7 @@ def op_timing(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec, ba
     (``autopar.power``)."""
     flops: NodeFlops = node.annotations["flops"]
     traffic: NodeTraffic = node.annotations["traffic"]
-    if node.alias_of is not None or traffic.fwd_kernels == traffic.bwd_kernels == 0:
+    if node.alias_of is not None or (traffic.fwd_kernels == traffic.bwd_kernels == 0 and traffic.reads is None):
         return OpTiming(0.0, 0.0)  # a view, or an op that launches nothing (dropout with p = 0)
     scale = graph.scale(node, batch)
     split = math.prod(n for a, n in enumerate(mesh.shape)
@@ -543,6 +555,6 @@ def op_timing(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec, ba
     tensor_f = fwd_c if flops.fwd > 0 and fwd_c >= mem_f else 0.0
     tensor_b = bwd_c if flops.fwd > 0 and bwd_c >= mem_b else 0.0
     if fp8_g is not None:
-        cast_f, cast_b = _cast_s(fp8_g, cluster, ctx)
+        cast_f, cast_b = _cast_s(node, graph, fp8_g, cluster, ctx)
         fwd, bwd = fwd + cast_f, bwd + cast_b
     return OpTiming(fwd, bwd, tensor_f, tensor_b, product_demand(cluster, fp8))

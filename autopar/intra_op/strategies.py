@@ -45,7 +45,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
 from torch.distributed.tensor._ops._einsum_strategy import gen_einsum_strategies
 
-from autopar.ir import BatchScaled, Node, OpGraph, Ref, TensorInfo
+from autopar.ir import BatchScaled, Node, OpGraph, Ref, TensorInfo, tensor_refs
 
 log = logging.getLogger(__name__)
 
@@ -74,17 +74,6 @@ class AxisStrategy:
 Strategy = tuple[AxisStrategy, ...]
 
 _WARNED: set[str] = set()
-
-
-def tensor_refs(node: Node) -> list[Ref]:
-    """The node's tensor arguments in the order strategies list them (positional, lists flattened)."""
-    refs: list[Ref] = []
-    for a in node.args:
-        if isinstance(a, Ref):
-            refs.append(a)
-        elif isinstance(a, (list, tuple)):
-            refs.extend(x for x in a if isinstance(x, Ref))
-    return refs
 
 
 @functools.lru_cache(maxsize=1)

@@ -9,6 +9,7 @@ the plan holds; generated ``train.py`` scripts call the same steps with the same
   placements (``autopar.runtime.tensor_parallel``); a plan that keeps every parameter replicated on
   ``tp`` uses that axis for the batch, and runs it as data parallelism;
 - activation checkpointing per the plan's recompute mode;
+- ``torch.compile`` of each block where the plan compiles;
 - data parallelism on ``dp`` (and ``cp``, whose ranks hold the same weights) at the plan's ZeRO level
   (``autopar.runtime.parallelize.apply_dp``);
 - context parallelism on ``cp``: each rank a load-balanced slice of every sequence
@@ -123,7 +124,8 @@ def plan_builder(plan: Plan) -> Callable[[], nn.Module]:
 
 def apply(plan: Plan, loss_fn: Callable[..., torch.Tensor] | None = None, *,
           build: Callable[[], nn.Module] | None = None, config: TrainingConfig | None = None,
-          seed: int = 0, mesh: DeviceMesh | None = None, device: torch.device | None = None) -> Trainer:
+          seed: int = 0, mesh: DeviceMesh | None = None, device: torch.device | None = None,
+          compile: bool | None = None) -> Trainer:
     """Build ``plan``'s model on this rank as the plan lays it out; returns its ``Trainer``.
 
     ``build`` makes the model (default: the plan's model file and config); it is called on the meta device,
@@ -132,7 +134,8 @@ def apply(plan: Plan, loss_fn: Callable[..., torch.Tensor] | None = None, *,
     the model file's.  ``mesh``: a ``(pp, dp, cp, tp)`` device mesh of the plan's shape to use instead of
     building one.  ``device``: where this rank's shards
     live (default: its GPU, else the CPU; ``meta`` lays out the shards without allocating or initializing
-    them, to check what a rank would hold).
+    them, to check what a rank would hold).  ``compile``: run each block ``torch.compile``d (default: as the plan
+    says).
     """
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -173,7 +176,7 @@ def apply(plan: Plan, loss_fn: Callable[..., torch.Tensor] | None = None, *,
                         reference=whole, context=context,
                         fp8_linears=plan.precision.get("fp8_linears", ()) if plan.fp8 else (),
                         fp8_param_gather=bool(plan.precision.get("fp8_param_gather")), ep=plan.layout.get("ep", 1),
-                        experts=planned_experts(plan))
+                        experts=planned_experts(plan), compile=plan.compile if compile is None else compile)
     sharded_loss = shape.tp > 1 and runs_loss_parallel(specs)
     return Trainer(parts, mesh, loss_fn, chunks=chunks, num_chunks=len(ranges), schedule=plan.layout["schedule"],
                    num_microbatches=plan.layout["num_microbatches"], micro_batch=shape.micro_batch, zero=plan.zero,

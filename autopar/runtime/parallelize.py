@@ -1,4 +1,4 @@
-"""The steps that lay a plan onto a model, in torchtitan's order: pipeline split, TP, EP, AC, data
+"""The steps that lay a plan onto a model, in torchtitan's order: pipeline split, TP, EP, AC, compile, data
 parallelism (over ``dp x cp``: context-parallel ranks hold the same weights; the experts over the ``dp / ep``
 ranks holding the same ones), then this rank's position tables under context parallelism
 (``autopar.runtime.context_parallel``).
@@ -47,6 +47,7 @@ from autopar.runtime.fp8 import check_fp8_regions, convert_linears_to_fp8
 from autopar.runtime.materialize import MetaModel, build_on_meta, clean_fqn, materialize
 from autopar.runtime.recompute import apply_recompute
 from autopar.runtime.stages import prune
+from autopar.runtime.support import check_compiled_recompute
 
 
 def apply_pp(build: Callable[[], nn.Module], stage_layers: list[tuple[int, int]], chunks: Iterable[int],
@@ -76,9 +77,31 @@ def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, styles: Mapping[str, Parall
             setattr(module.get_submodule(owner), attr, getattr(module.get_submodule(src_owner), src_attr))
 
 
-def apply_ac(module: nn.Module, container: str | None, recompute: str) -> None:
-    """Activation checkpointing of the block stack (``none``, ``selective``, ``op`` or ``full``)."""
-    apply_recompute(module, container, recompute)
+def apply_ac(module: nn.Module, container: str | None, recompute: str, compiled: bool = False) -> None:
+    """Activation checkpointing of the block stack (``none``, ``selective``, ``op`` or ``full``), for blocks that
+    run ``torch.compile``d where ``compiled``."""
+    apply_recompute(module, container, recompute, compiled)
+
+
+def apply_compile(module: nn.Module, container: str | None) -> int:
+    """``torch.compile`` each block of the stack in place (``Module.compile``, as torchtitan's ``apply_compile``:
+    the parameter names stay the model's, no ``_orig_mod.``); returns how many were compiled.  Applied after
+    activation checkpointing (the compiled block holds its checkpointing) and before FSDP2, whose hooks run
+    around it.  What Inductor then fuses is what the plan priced (``autopar.passes.fusion``)."""
+    if not container:
+        return 0
+    blocks = list(module.get_submodule(container).children())
+    for block in blocks:
+        block.compile()
+    return len(blocks)
+
+
+def compiled_blocks(parts: Iterable[nn.Module], container: str | None) -> int:
+    """How many blocks of the stack ``apply_compile`` compiled, over this rank's ``parts``."""
+    if not container:
+        return 0
+    return sum(getattr(block, "_compiled_call_impl", None) is not None
+               for part in parts for block in part.get_submodule(container).children())
 
 
 def mixed_precision(precision: str):  # -> MixedPrecisionPolicy
@@ -173,7 +196,7 @@ def parallelize(build: Callable[[], nn.Module], mesh: DeviceMesh, device: torch.
                 recompute: str, zero: int, precision: str, reference: MetaModel | None = None,
                 context: ContextParallel | None = None, ends: Mapping[str, list[str]] | None = None,
                 fp8_linears: Collection[str] = (), fp8_param_gather: bool = False, ep: int = 1,
-                experts: Mapping[str, bool] | None = None) -> list[nn.Module]:
+                experts: Mapping[str, bool] | None = None, compile: bool = False) -> list[nn.Module]:
     """This rank's parts of the model (one per pipeline chunk it runs), split, tensor-parallel, checkpointed,
     data-parallel and only then allocated on ``device`` with the weights of ``seed``.
 
@@ -183,6 +206,7 @@ def parallelize(build: Callable[[], nn.Module], mesh: DeviceMesh, device: torch.
     ``fp8_linears``: the Linears an FP8 plan trains in FP8 (``autopar.runtime.fp8``), swapped first;
     ``fp8_param_gather``: ZeRO-3 gathers their weights in FP8.  ``ep``: expert parallelism on the
     ``experts`` modules (name -> whether tp splits them too, ``autopar.runtime.expert_parallel``).
+    ``compile``: each block runs ``torch.compile``d (``apply_compile``).
     """
     reference = reference or build_on_meta(build)
     if mesh["pp"].size() > 1:
@@ -202,7 +226,16 @@ def parallelize(build: Callable[[], nn.Module], mesh: DeviceMesh, device: torch.
             apply_tp(part, mesh["tp"], tp_styles(chunk, part), tied)
         if ep_mesh is not None:
             apply_ep(part, ep_mesh, experts or {})
-        apply_ac(part, container, recompute)
+        if compile and context is not None:
+            # a compiled backward would recompute attention over this rank's keys only: checkpoint the compiled
+            # blocks eagerly instead, recomputing in the context-parallel attention (autopar.runtime.recompute)
+            check_compiled_recompute(recompute, compile)
+            apply_compile(part, container)
+            apply_ac(part, container, recompute)
+        else:
+            apply_ac(part, container, recompute, compile)
+            if compile:
+                apply_compile(part, container)
         apply_dp(part, dp_mesh, container, zero, precision,
                  (ep_mesh["dp_mod_ep"], list(experts or {})) if ep_mesh is not None else None)
         materialize(part, reference, device, seed, aliases)
@@ -212,5 +245,5 @@ def parallelize(build: Callable[[], nn.Module], mesh: DeviceMesh, device: torch.
     return parts
 
 
-__all__ = ["MESH_DIMS", "apply_ac", "apply_dp", "apply_pp", "apply_tp", "context_of", "mixed_precision",
-           "parallelize", "replica_mesh", "set_micro_batch"]
+__all__ = ["MESH_DIMS", "apply_ac", "apply_compile", "apply_dp", "apply_pp", "apply_tp", "compiled_blocks",
+           "context_of", "mixed_precision", "parallelize", "replica_mesh", "set_micro_batch"]

@@ -7,9 +7,12 @@
   kept, except every second one, and so are attention's; everything else is recomputed.  This is what the
   cost model prices as ``recompute=op`` (``autopar.inter_op.unit_costs``).
 
-Which children and products each mode keeps is ``autopar.recompute_policy``'s.  Every recomputation
+Which children and products each mode keeps is ``autopar.recompute_policy``'s.  Every eager recomputation
 runs in ``autopar.runtime.context_parallel.recompute_context``: under context parallelism, attention is
-recomputed over the whole sequence's keys and values, as it ran in forward.
+recomputed over the whole sequence's keys and values, as it ran in forward.  Checkpointing inside a
+compiled block (``compiled``, torchtitan's order: checkpoint, then compile) is traced with the block, and
+``torch.compile`` takes only the selective-checkpointing dispatch modes as ``context_fn``; under context
+parallelism the runtime checkpoints compiled blocks eagerly instead (``autopar.runtime.parallelize``).
 """
 
 from __future__ import annotations
@@ -41,8 +44,9 @@ def _saved_by_op_checkpointing() -> tuple[set, set]:
     return products, attention
 
 
-def op_checkpoint_context():
-    """Contexts for ``torch.utils.checkpoint``: keep every other product's output and attention's."""
+def op_checkpoint_contexts():
+    """``torch.utils.checkpoint``'s selective-checkpointing modes: keep every other product's output and
+    attention's."""
     products, attention = _saved_by_op_checkpointing()
     counts = {"forward": 0, "recompute": 0}
 
@@ -53,7 +57,13 @@ def op_checkpoint_context():
             return CheckpointPolicy.MUST_SAVE if product_is_saved(counts[key]) else CheckpointPolicy.PREFER_RECOMPUTE
         return CheckpointPolicy.MUST_SAVE if func in attention else CheckpointPolicy.PREFER_RECOMPUTE
 
-    forward, recompute = create_selective_checkpoint_contexts(policy)
+    return create_selective_checkpoint_contexts(policy)
+
+
+def op_checkpoint_context():
+    """Contexts for eager ``torch.utils.checkpoint``: ``op_checkpoint_contexts``, recomputing in the
+    context-parallel attention."""
+    forward, recompute = op_checkpoint_contexts()
     return forward, _both(recompute, recompute_context())
 
 
@@ -68,28 +78,23 @@ def _contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractC
     return contextlib.nullcontext(), recompute_context()
 
 
-def _checkpointed(module: nn.Module) -> nn.Module:
-    return checkpoint_wrapper(module, context_fn=_contexts)
-
-
-def _op_checkpointed(block: nn.Module) -> nn.Module:
-    return checkpoint_wrapper(block, context_fn=op_checkpoint_context)
-
-
-def apply_recompute(module: nn.Module, container: str | None, mode: str) -> None:
-    """Checkpoint the blocks of ``module``'s stack ``container`` per ``mode`` (none/selective/op/full)."""
+def apply_recompute(module: nn.Module, container: str | None, mode: str, compiled: bool = False) -> None:
+    """Checkpoint the blocks of ``module``'s stack ``container`` per ``mode`` (none/selective/op/full);
+    ``compiled``: the blocks will run ``torch.compile``d (see the module docstring)."""
     if mode == "none" or not container:
         return
+    whole = {} if compiled else {"context_fn": _contexts}
     blocks = module.get_submodule(container)
     for key, block in list(blocks.named_children()):
         if mode == "full":
-            blocks.register_module(key, _checkpointed(block))
+            blocks.register_module(key, checkpoint_wrapper(block, **whole))
         elif mode == "op":
-            blocks.register_module(key, _op_checkpointed(block))
+            contexts = op_checkpoint_contexts if compiled else op_checkpoint_context
+            blocks.register_module(key, checkpoint_wrapper(block, context_fn=contexts))
         else:  # selective: the attention of every block
             for name, child in list(block.named_children()):
                 if is_attention_module(name, type(child).__name__):
-                    block.register_module(name, _checkpointed(child))
+                    block.register_module(name, checkpoint_wrapper(child, **whole))
 
 
-__all__ = ["apply_recompute", "op_checkpoint_context"]
+__all__ = ["apply_recompute", "op_checkpoint_context", "op_checkpoint_contexts"]

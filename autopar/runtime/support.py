@@ -11,6 +11,7 @@ from autopar.inter_op.expert_parallel import expert_parallel_refuses
 from autopar.plan_file import Plan
 from autopar.runtime.expert_parallel import planned_experts
 from autopar.runtime.tensor_parallel import StyleSpec, tp_style_specs
+from autopar.solvers.pipeline import SPLIT_BACKWARD
 
 
 def model_on_meta(plan: Plan) -> nn.Module:
@@ -20,11 +21,18 @@ def model_on_meta(plan: Plan) -> nn.Module:
         return modelfile.build(module, dict(plan.model["config"]), plan.model["ref"])
 
 
-def check_runnable(plan: Plan, model: nn.Module) -> dict[str, StyleSpec] | None:
-    """Raise a one-line ``AutoparError`` for a plan the runtime cannot run; returns its tp styles."""
+def check_runnable(plan: Plan, model: nn.Module, compiled: bool | None = None) -> dict[str, StyleSpec] | None:
+    """Raise a one-line ``AutoparError`` for a plan the runtime cannot run (``compiled``: with its blocks
+    compiled or not, default as the plan says); returns its tp styles."""
     lay = plan.layout
+    compiled = plan.compile if compiled is None else compiled
+    if compiled and lay["schedule"] in SPLIT_BACKWARD:
+        raise AutoparError(f"schedule={lay['schedule']} splits each backward in two autograd passes, which a "
+                           "compiled block's single backward cannot take: plan with --no-compile, or another "
+                           "--fix schedule")
     if lay.get("cp", 1) > 1:
         check_context_parallel(plan, model)
+        check_compiled_recompute(lay["recompute"], compiled)
     if lay.get("ep", 1) > 1:
         check_expert_parallel(plan, model)
     return tp_style_specs(plan, model) if lay["tp"] > 1 else None
@@ -44,6 +52,16 @@ def check_expert_parallel(plan: Plan, model: nn.Module) -> None:
     for name in experts:
         if name not in present:
             raise AutoparError(f"the plan's experts module {name} is not in the model")
+
+
+def check_compiled_recompute(recompute: str, compiled: bool) -> None:
+    """Under context parallelism, refuse ``selective`` recomputation in compiled blocks: the runtime checkpoints
+    compiled blocks eagerly there (``autopar.runtime.parallelize``), so that recomputation runs in the
+    context-parallel attention, and a checkpointed attention module inside a compiled block cannot (a compiled
+    backward recomputes attention over this rank's keys only)."""
+    if compiled and recompute == "selective":
+        raise AutoparError("context parallelism with recompute=selective cannot run in compiled blocks in autopar's "
+                           "runtime: plan with --no-compile, or another --fix recompute")
 
 
 def check_context_parallel(plan: Plan, model: nn.Module) -> None:

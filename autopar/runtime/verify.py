@@ -39,6 +39,9 @@ class VerifyResult:
     activations: dict[int, tuple[int | None, float]] = field(default_factory=dict)
     """With ``memory``: per pipeline stage, the activation bytes its first rank measured in the last step
     (``None`` where torch's tracker cannot follow the stage) and the plan's ``estimated_activation_bytes``."""
+    compiled: dict[str, int] = field(default_factory=dict)
+    """With ``compile``: what the first rank compiled, ``graphs`` (forward-backward graphs Inductor built) and
+    ``breaks`` (graph breaks: code Dynamo left to run eagerly between them)."""
 
     @property
     def sharded_parameters(self) -> bool:
@@ -82,10 +85,11 @@ _EXCEPTION_LINE = re.compile(r"^(?:\[rank\d+\]: )?(\w+(?:Error|Exception): .*)$"
 
 def run_plans(plan_paths: Sequence[str | Path], steps: int, *, seed: int = 0, lr: float = 0.1, start_step: int = 0,
               resume: str | Path | None = None, checkpoint: str | Path | None = None, numerics: str = "fp32",
-              memory: bool = False, timeout_s: float = 600) -> list[dict]:
+              memory: bool = False, timeout_s: float = 600, compile: bool = False) -> list[dict]:
     """Launch the plans (all of one world size) in turn on local CPU ranks, with one launch of torch's
     launcher; per plan, the losses and every stage's grads and params (and, with ``memory``, every
-    stage's measured activation peak of the last step)."""
+    stage's measured activation peak of the last step).  ``compile``: each block runs ``torch.compile``d
+    (Inductor's CPU backend); otherwise eagerly, whatever the plan says."""
     sizes = {Plan.load(path).num_devices for path in plan_paths}
     if len(sizes) != 1:
         raise AutoparError(f"plans run in one launch need one world size; these have {sorted(sizes)}")
@@ -100,6 +104,7 @@ def run_plans(plan_paths: Sequence[str | Path], steps: int, *, seed: int = 0, lr
         cmd += ["--resume", str(resume)] if resume else []
         cmd += ["--checkpoint", str(checkpoint)] if checkpoint else []
         cmd += ["--memory"] if memory else []
+        cmd += ["--compile"] if compile else []
         env = {**os.environ, "OMP_NUM_THREADS": "1", "AUTOPAR_DEVICE": "cpu"}
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s * len(plan_paths))
         done = all((out / str(i) / "rank0.pt").exists() for i in range(len(plan_paths)))
@@ -143,18 +148,37 @@ TOLERANCE = {"fp32": 1e-4, "bf16": 2e-2}
 CHECK_LR = {"fp32": 0.1, "bf16": 1e-4}
 
 
+def inductor_cpu_missing() -> str | None:
+    """Why Inductor cannot compile for the CPU here (``None``: it can): its C++ backend needs a compiler."""
+    import shutil
+
+    from torch._inductor import cpp_builder
+
+    try:
+        cxx = cpp_builder.get_cpp_compiler()
+    except Exception as exc:  # torch raises its own errors (RuntimeError, InvalidCxxCompiler, ...)
+        return f"Inductor finds no C++ compiler ({str(exc).splitlines()[0]})"
+    if shutil.which(cxx) is None and not Path(cxx).is_file():
+        return f"Inductor's C++ compiler {cxx!r} is not installed"
+    return None
+
+
 def verify(plan_path: str | Path, steps: int = 3, seed: int = 0, lr: float | None = None,
            tolerance: float | None = None, numerics: str = "fp32", memory: bool = False,
-           timeout_s: float = 600) -> VerifyResult:
+           timeout_s: float = 600, compile: bool = False) -> VerifyResult:
     """Run the plan on local ranks and one process; compare losses, gradients and parameters (and, with
-    ``memory``, measure the activation memory the plan estimates)."""
-    return verify_many([plan_path], steps, seed, lr, tolerance, numerics, memory, timeout_s)[0]
+    ``memory``, measure the activation memory the plan estimates; with ``compile``, run the blocks
+    ``torch.compile``d on the ranks)."""
+    return verify_many([plan_path], steps, seed, lr, tolerance, numerics, memory, timeout_s, compile)[0]
 
 
 def verify_many(plan_paths: Sequence[str | Path], steps: int = 3, seed: int = 0, lr: float | None = None,
                 tolerance: float | None = None, numerics: str = "fp32", memory: bool = False,
-                timeout_s: float = 600) -> list[VerifyResult]:
+                timeout_s: float = 600, compile: bool = False) -> list[VerifyResult]:
     """``verify`` for several plans, with one launch per world size; every plan is checked before any runs."""
+    if compile and (why := inductor_cpu_missing()) is not None:
+        raise AutoparError(f"verify --compile compiles the blocks on the CPU ranks, and {why}: verify without "
+                           "--compile, or install a C++ compiler (g++ or clang++)")
     plans = [Plan.load(path) for path in plan_paths]
     traces: dict[tuple[str, str, int], object] = {}  # plans of one model share its trace (seconds each)
     for path, plan in zip(plan_paths, plans):
@@ -171,7 +195,7 @@ def verify_many(plan_paths: Sequence[str | Path], steps: int = 3, seed: int = 0,
             # the plan's own config: tracing at the plan's sequence length adds it to a config that left it to
             # the model's default, and the graph already says whether the two build the same model
             plan.check_model(traced.graph, dict(plan.model["config"]))
-            check_runnable(plan, model_on_meta(plan))
+            check_runnable(plan, model_on_meta(plan), compiled=compile)
         except AutoparError as exc:
             raise AutoparError(f"{path}: {exc}" if len(plans) > 1 else str(exc)) from None
     lr = CHECK_LR[numerics] if lr is None else lr
@@ -180,7 +204,7 @@ def verify_many(plan_paths: Sequence[str | Path], steps: int = 3, seed: int = 0,
     for n in sorted({plan.num_devices for plan in plans}):
         group = [i for i, plan in enumerate(plans) if plan.num_devices == n]
         ran = run_plans([plan_paths[i] for i in group], steps, seed=seed, lr=lr, numerics=numerics,
-                        memory=memory, timeout_s=timeout_s)
+                        memory=memory, timeout_s=timeout_s, compile=compile)
         got.update(zip(group, ran))
     floor = ZERO_FLOOR[numerics]
     results = []
@@ -192,5 +216,6 @@ def verify_many(plan_paths: Sequence[str | Path], steps: int = 3, seed: int = 0,
                                     _max_rel(got[i]["grads"], want["grads"], floor),
                                     _max_rel(got[i]["params"], want["params"], floor), tolerance,
                                     got[i]["placements"], want["dropout_off"],
-                                    _activations(plan, got[i]) if memory else {}))
+                                    _activations(plan, got[i]) if memory else {},
+                                    got[i].get("compiled", {}) if compile else {}))
     return results

@@ -38,9 +38,13 @@ def _placements(p: torch.Tensor) -> dict[str, str]:
 
 def run_one(plan_path: str, out: Path, args: argparse.Namespace) -> None:
     """Train one plan for ``args.steps`` steps and write this rank's file under ``out``."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
     plan = Plan.load(plan_path)
     session = build_model(plan, None)  # structure only: the synthetic data's vocabulary
-    trainer = apply(plan, session.loss_fn, config=check_config(args.numerics, args.lr), seed=args.seed)
+    trainer = apply(plan, session.loss_fn, config=check_config(args.numerics, args.lr), seed=args.seed,
+                    compile=args.compile)
     for part in trainer.parts:  # the reference run draws other masks: both sides run without dropout
         disable_dropout(part)
     start = args.start_step
@@ -68,8 +72,10 @@ def run_one(plan_path: str, out: Path, args: argparse.Namespace) -> None:
     mesh, rank = trainer.mesh, dist.get_rank()
     if rank == 0 or all(mesh.get_local_rank(axis) == 0 for axis in ("dp", "cp", "tp")):
         out.mkdir(parents=True, exist_ok=True)
+        compiled = {"graphs": counters["aot_autograd"].get("ok", 0), "breaks": sum(counters["graph_break"].values())}
         torch.save({"losses": losses, "grads": grads, "params": params, "placements": placements,
-                    "activation_peak": {mesh.get_local_rank("pp"): peak}}, out / f"rank{rank}.pt")
+                    "activation_peak": {mesh.get_local_rank("pp"): peak}, "compiled": compiled},
+                   out / f"rank{rank}.pt")
     dist.barrier()
 
 
@@ -87,6 +93,7 @@ def main() -> int:
     ap.add_argument("--resume", help="load the run's state from this checkpoint (or the latest in this folder) "
                                      "and continue from its step (one plan only)")
     ap.add_argument("--checkpoint", help="save the run's state under this folder at the end (one plan only)")
+    ap.add_argument("--compile", action="store_true", help="torch.compile each block (eager otherwise)")
     args = ap.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
