@@ -1,12 +1,10 @@
 """``compile``: what Inductor fuses in a compiled block and how the estimate prices it, the plan's switch, and the
-runtime compiling exactly the blocks (train.py, ``autopar verify --compile``)."""
+runtime compiling exactly the blocks (``autopar verify --compile``; train.py's in
+``test_weights_and_bad_steps.py``)."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 from autopar.passes import PassContext
@@ -108,10 +106,15 @@ def test_compiled_fp8_casts_fuse_their_amax_into_the_producer():
     assert cast_cost(m, n, k, "eager").fwd_bytes == 33 * (x + w)
 
 
+#: The issue's case is ``--fix tp=8,pp=4``; the search then picks this layout under all four settings (pinned
+#: here to save the test four searches)
+LAYOUT_70B = "tp=8,pp=4,cp=2,dp=1,mbs=1,schedule=1f1b,recompute=op,sp=off,zero=0"
+
+
 def _estimate(tmp_path, name: str, *options: str) -> dict:
     out = tmp_path / name
     argv = ["plan", "llama", "--config", LLAMA_70B, "--seq-len", "8192", "--cluster", "h100-80gb", "--gpus", "64",
-            "--global-batch", "64", "--fix", "tp=8,pp=4", "--framework", "torch", *options, "-o", str(out), "-q"]
+            "--global-batch", "64", "--fix", LAYOUT_70B, "--framework", "torch", *options, "-o", str(out), "-q"]
     assert main(argv) == 0
     return json.loads((out / "plan.json").read_text())
 
@@ -182,21 +185,3 @@ def test_verify_compile_refuses_in_one_line_without_a_cxx_compiler(tmp_path, cap
     assert main(["verify", str(out / "plan.json"), "--compile"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "C++ compiler '/nonexistent/c++' is not installed" in err
-
-
-@pytest.mark.slow
-def test_train_script_compiles_its_blocks_and_keeps_the_models_names(tmp_path, capsys):
-    assert main(["plan", "llama", "--config", "layers=2,hidden=64,heads=4,vocab=128,seq_len=16", "--cluster", "cpu",
-                 "--gpus", "2", "--global-batch", "4", "--fix", "dp=1,tp=2", "--compile", "-o", str(tmp_path),
-                 "-q"]) == 0
-    capsys.readouterr()
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           str(tmp_path / "train.py"), "--steps", "2", "--precision", "fp32", "--checkpoint",
-                           str(tmp_path / "ck")], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "compile: 2 blocks torch.compile'd" in proc.stdout
-    from torch.distributed.checkpoint import FileSystemReader
-
-    keys = list(FileSystemReader(str(next((tmp_path / "ck").glob("step-*")))).read_metadata().state_dict_metadata)
-    assert "blocks.0.attn.q.weight" in keys and not any("_orig_mod" in k for k in keys)

@@ -33,9 +33,10 @@ CONFIGS = {name: "layers=6,hidden=256,heads=4,vocab=8192,seq_len=128" for name i
 def planned(request, tmp_path_factory):
     out = tmp_path_factory.mktemp("".join(c if c.isalnum() else "_" for c in request.param))
     trace = out / "trace.json"
+    # autopar's runtime splits a backward in two (the zero-bubble schedules) only in eager blocks
+    eager = ["--no-compile"] if any(s in CASES[request.param] for s in ("_zb", "zbv", "dualpipev")) else []
     assert main(["plan", "gpt", "--config", CONFIGS.get(request.param, GPT), "--gpus", "16", "--global-batch", "64",
-                 "--fix",
-                 CASES[request.param], "-o", str(out), "--trace", str(trace), "--json"]) == 0
+                 "--fix", CASES[request.param], *eager, "-o", str(out), "--trace", str(trace), "--json"]) == 0
     return Plan.load(out / "plan.json"), json.loads(trace.read_text())
 
 

@@ -30,6 +30,10 @@ def main():
     ap.add_argument("--metrics", default=str(Path(__file__).with_name("metrics.jsonl")), metavar="FILE",
                     help="JSON lines of the logged steps (appended; default: metrics.jsonl beside this script)")
     ap.add_argument("--tensorboard", metavar="DIR", help="also write them to TensorBoard (the tensorboard extra)")
+    ap.add_argument("--init-from", metavar="DIR", help="initial weights: a HuggingFace folder of .safetensors files "
+                    "(the model's own parameter names) or a DCP checkpoint (its model only); ignored when resuming")
+    ap.add_argument("--max-bad-steps", type=int, default=10, metavar="N",
+                    help="steps with a non-finite loss or gradient norm are skipped; stop after more than N")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=COMPILE,
                     help="torch.compile each block (default: as the plan priced it)")
     ap.add_argument("--resume", metavar="PATH", help="continue from a checkpoint (or the latest under a folder; "
@@ -76,14 +80,24 @@ def main():
     resume = args.resume
     if resume is None and args.checkpoint and checkpoint.complete_checkpoints(args.checkpoint):
         resume = args.checkpoint  # a run restarted (torchrun --max-restarts) goes on from its latest checkpoint
-    if resume:  # the whole state: weights, AdamW's moments, the step, the data position, the RNG
-        position = checkpoint.load(trainer, resume)
-        if position.samples != position.step * GLOBAL_BATCH:
-            raise SystemExit(f"the checkpoint consumed {position.samples} samples in {position.step} steps; this "
-                             f"plan's global batch is {GLOBAL_BATCH}")
-        begin = position.step
+    try:
+        if resume:  # the whole state: weights, AdamW's moments, the step, the data position, the RNG
+            position = checkpoint.load(trainer, resume)
+            if position.samples != position.step * GLOBAL_BATCH:
+                raise AutoparError(f"the checkpoint consumed {position.samples} samples in {position.step} steps; "
+                                   f"this plan's global batch is {GLOBAL_BATCH}")
+            begin = position.step
+            if first:
+                print(f"resumed at step {begin}", flush=True)
+        elif args.init_from:  # the weights only
+            loaded = checkpoint.init_weights(trainer, args.init_from)
+            if first:
+                print(f"initial weights: {loaded}", flush=True)
+    except AutoparError as exc:  # every rank raised it (the ranks agree before reading): one line, every rank stops
         if first:
-            print(f"resumed at step {begin}", flush=True)
+            print(f"train.py: error: {exc}", file=sys.stderr, flush=True)
+        dist.destroy_process_group()
+        raise SystemExit(2) from None
     saver = checkpoint.Checkpointer(trainer, args.checkpoint, keep=args.keep, asynchronous=args.async_checkpoint) \
         if args.checkpoint else None
     batches, source = run_batches(module, build_on_meta(build).model, CONFIG, GLOBAL_BATCH, SEQ_LEN,
@@ -103,17 +117,22 @@ def main():
     for step in range(begin, args.steps):
         loss = trainer.step(next(batches), sync=False)
         since, done = since + 1, step + 1
-        if step == begin or done == args.steps or done % max(1, args.log_every) == 0:
+        logs = step == begin or done == args.steps or done % max(1, args.log_every) == 0
+        saves = saver and (done == args.steps or (args.checkpoint_every and done % args.checkpoint_every == 0))
+        if (logs or saves) and int(trainer.bad_steps) > args.max_bad_steps:
+            stop_for_bad_steps(int(trainer.bad_steps), args.max_bad_steps, step, saver, args.checkpoint, first)
+        if logs:
             loss = float(loss)  # the one wait on the device of the interval
             norm = None if trainer.last_grad_norm is None else float(trainer.last_grad_norm)
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            line = report.step(step, loss, (time.perf_counter() - start) / since, since, norm)
+            line = report.step(step, loss, (time.perf_counter() - start) / since, since, norm,
+                               int(trainer.bad_steps))
             if first:
                 print(line, flush=True)
                 metrics.write(report.records[-1])
             since, start = 0, time.perf_counter()
-        if saver and (done == args.steps or (args.checkpoint_every and done % args.checkpoint_every == 0)):
+        if saves:
             saving = time.perf_counter()
             saver.save(checkpoint.Position(done, done * GLOBAL_BATCH))
             start += time.perf_counter() - saving  # the steps' time, not the save's
@@ -126,6 +145,19 @@ def main():
         print(summary, flush=True)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def stop_for_bad_steps(bad: int, limit: int, step: int, saver, root: str | None, first: bool) -> None:
+    """End the run, every rank, with no further checkpoint: the last one stays the latest."""
+    if saver:
+        saver.wait()  # the save in flight holds good weights: a skipped step changes none
+    if first:
+        latest = checkpoint.complete_checkpoints(root)[-1:] if root else []
+        where = f"the latest checkpoint is {latest[0]}" if latest else "no checkpoint was saved"
+        print(f"train.py: error: {bad} steps had a non-finite loss or gradient norm, more than --max-bad-steps "
+              f"{limit}; stopped at step {step} ({where})", file=sys.stderr, flush=True)
+    dist.destroy_process_group()
+    raise SystemExit(3)
 
 
 if __name__ == "__main__":

@@ -181,30 +181,8 @@ def load(trainer: object, path: str | Path) -> Position:
         _init_optim_state(optimizer)  # the moments to load into (AdamW creates them at its first step)
     state = _state(trainer, Position(0, 0))
     same_world = sum(1 for k in saved if _RNG_CPU.match(k)) == _world_size()  # each rank saved its own
-    wanted = {k: v for k, v in state.items() if k in saved and (same_world or not k.startswith("rng."))}
-    copies: list[tuple[str, str]] = []  # (key loaded, key of a tied copy that takes the same values)
-    problem = None
-    for key in sorted(k for k in state if k not in saved and not k.startswith("rng.")):
-        twin = _tied_twin(key, getattr(trainer, "tied", ()))
-        if twin is None or twin not in saved:
-            problem = f"{path}: the checkpoint has no {key} (another model, or another optimizer)"
-            break
-        if twin in wanted:
-            copies.append((twin, key))
-        else:  # a pipeline's second copy of a tied weight, saved once by a plan that holds it once
-            wanted[twin] = state[key]
-    _agree(problem, f"{path}: the checkpoint does not fit this model (another rank says what it lacks)")
-    try:
-        dcp.load(wanted, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=True))
-    except (Exception, CheckpointException) as exc:  # each rank's failure: a shape that differs, a truncated file
-        lines = [line.strip() for line in str(exc).splitlines()]
-        detail = next((line for line in lines if "size" in line or "shape" in line), type(exc).__name__)[:200]
-        raise AutoparError(f"{path}: the checkpoint does not fit this model and plan ({detail})") from None
-    for source, copy in copies:
-        state[copy].copy_(wanted[source])
-    for part in trainer.parts:
-        own = get_model_state_dict(part)
-        set_model_state_dict(part, {k: state[k] for k in own}, options=StateDictOptions(strict=True))
+    wanted = _load_into(trainer, state, saved, dcp.FileSystemReader(str(path)), str(path),
+                        lambda k: same_world or not k.startswith("rng."), "(another model, or another optimizer)")
     # the optimizer's tensors were loaded in place; the learning rate follows the step
     step, samples = int(wanted[_TRAIN + "step"]), int(wanted[_TRAIN + "samples"])
     scheduler = trainer.scheduler  # a LambdaLR: the rate at ``step`` is the base rate times its factor
@@ -217,6 +195,60 @@ def load(trainer: object, path: str | Path) -> Position:
         if torch.cuda.is_available() and f"rng.rank{_rank()}.cuda" in wanted:
             torch.cuda.set_rng_state(wanted[f"rng.rank{_rank()}.cuda"])
     return Position(step, samples)
+
+
+def init_weights(trainer: object, path: str | Path) -> str:
+    """Start a run from the weights at ``path``, resharded to the current plan as they load; returns what was
+    read.  ``path``: a HuggingFace folder of ``*.safetensors`` files (DCP's ``HuggingFaceStorageReader``: the
+    tensors keep the file's names, which must be the model's FQNs, and are cast to the parameters' dtype), or a
+    DCP checkpoint (or a folder of them: the latest), of which only the model is read: the optimizer, the
+    step, the data position and the RNG start afresh."""
+    path = Path(path)
+    if path.is_dir() and any(path.glob("*.safetensors")):
+        from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+        reader, source = HuggingFaceStorageReader(str(path)), f"{path} (safetensors)"
+    else:
+        found = resolve(path)
+        reader, source = dcp.FileSystemReader(str(found)), str(found)
+    saved = set(reader.read_metadata().state_dict_metadata)
+    state: dict[str, torch.Tensor] = {}
+    for part in trainer.parts:
+        state.update(get_model_state_dict(part))
+    _load_into(trainer, state, saved, reader, source, lambda k: True, "(weights of another model?)")
+    return source
+
+
+def _load_into(trainer: object, state: dict[str, torch.Tensor], saved: set[str] | dict, reader: object,
+               source: str, take: Callable[[str], bool], hint: str) -> dict[str, torch.Tensor]:
+    """Load the keys of ``state`` that ``saved`` holds (and ``take`` accepts) with ``reader``, a tied weight's
+    second copy from its first; every key of ``state`` but the RNG's must be there.  The model's parameters
+    take the values; returns what was loaded (the optimizer's and the run's tensors were loaded in place)."""
+    wanted = {k: v for k, v in state.items() if k in saved and take(k)}
+    copies: list[tuple[str, str]] = []  # (key loaded, key of a tied copy that takes the same values)
+    problem = None
+    for key in sorted(k for k in state if k not in saved and not k.startswith("rng.")):
+        twin = _tied_twin(key, getattr(trainer, "tied", ()))
+        if twin is None or twin not in saved:
+            problem = f"{source}: the checkpoint has no {key} {hint}"
+            break
+        if twin in wanted:
+            copies.append((twin, key))
+        else:  # a pipeline's second copy of a tied weight, saved once by a plan that holds it once
+            wanted[twin] = state[key]
+    _agree(problem, f"{source}: the checkpoint does not fit this model (another rank says what it lacks)")
+    try:
+        dcp.load(wanted, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=True))
+    except (Exception, CheckpointException) as exc:  # each rank's failure: a shape that differs, a truncated file
+        lines = [line.strip() for line in str(exc).splitlines()]
+        detail = next((line for line in lines if "size" in line or "shape" in line), type(exc).__name__)[:200]
+        raise AutoparError(f"{source}: the checkpoint does not fit this model and plan ({detail})") from None
+    for key, copy in copies:
+        state[copy].copy_(wanted[key])
+    for part in trainer.parts:
+        own = get_model_state_dict(part)
+        set_model_state_dict(part, {k: state[k] for k in own}, options=StateDictOptions(strict=True))
+    return wanted
 
 
 def _agree(problem: str | None, elsewhere: str) -> None:
@@ -272,5 +304,5 @@ def _barrier() -> None:
         dist.barrier()
 
 
-__all__ = ["OPTIMIZER_PREFIX", "Checkpointer", "Position", "complete_checkpoints", "load", "resolve", "save",
-           "saved_shapes", "step_dir"]
+__all__ = ["OPTIMIZER_PREFIX", "Checkpointer", "Position", "complete_checkpoints", "init_weights", "load", "resolve",
+           "save", "saved_shapes", "step_dir"]

@@ -67,16 +67,19 @@ class StepReport:
     def __post_init__(self) -> None:
         self.baseline_bytes = self.peak_memory_all_ranks()
 
-    def step(self, index: int, loss: float, time_s: float, steps: int = 1, grad_norm: float | None = None) -> str:
+    def step(self, index: int, loss: float, time_s: float, steps: int = 1, grad_norm: float | None = None,
+             bad_steps: int = 0) -> str:
         """Record a logged step: its loss (and grad norm), and the mean time of the ``steps`` steps since the
-        last logged one (``time_s``); returns the line rank 0 prints."""
+        last logged one (``time_s``), and the steps skipped so far for a non-finite loss or gradient norm
+        (``bad_steps``); returns the line rank 0 prints."""
         self.times_s.extend([time_s] * steps)
         self.losses.append(loss)
         mem = self.peak_memory_all_ranks()
         self.records.append({"step": index, "loss": loss, "grad_norm": grad_norm, "time_s": time_s,
                              "tokens_per_s": self.tokens_per_step / time_s, "mfu": self.mfu(time_s),
-                             "peak_memory_bytes": mem})
+                             "peak_memory_bytes": mem, "skipped_steps": bad_steps})
         norm = f" grad norm {grad_norm:.4g}" if grad_norm is not None else ""
+        norm += f" ({bad_steps} non-finite steps skipped so far)" if bad_steps else ""
         return (f"step {index} loss {loss:.6f}{norm} | {self.tokens_per_step / time_s:,.0f} tokens/s, "
                 f"MFU {100 * self.mfu(time_s):.3g}%, {time_s:.4g} s (plan {self.estimate['iteration_time_s']:.4g} s), "
                 f"peak memory {mem / 2**30:.3f} GiB (plan {self.estimate['peak_memory_bytes'] / 2**30:.3f} GiB)")

@@ -207,6 +207,8 @@ class Trainer:
         self._stage_ranks = mesh["dp"].size() * mesh["cp"].size() * mesh["tp"].size()
         self._replicas = replica_mesh(mesh)  # the loss is averaged over dp x cp, as the gradients are
         self.last_grad_norm: torch.Tensor | None = None
+        self.bad_steps = torch.zeros((), dtype=torch.int64, device=device)
+        """Steps skipped for a non-finite loss or gradient norm (a device tensor: reading it waits on the device)."""
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """This rank's parameters under their model FQNs."""
@@ -233,16 +235,28 @@ class Trainer:
 
     def update(self, loss: torch.Tensor, sync: bool = True) -> float | torch.Tensor:
         """The second half of ``step``: clip, update the weights and the learning rate; returns the global
-        mean of ``loss`` (``forward_backward``'s), a float or (``sync=False``) a tensor."""
-        if self.config.max_grad_norm is not None:
-            norm = grad_norm(self.named_parameters(), self._stage_ranks, self._tied_copies, self.device)
-            self.last_grad_norm = norm.detach()  # a tensor: reading it is a host sync, left to the caller
-            clip_grads(self.named_parameters(), self.config.max_grad_norm, norm)
-        self.optimizer.step()
-        self.scheduler.step()
+        mean of ``loss`` (``forward_backward``'s), a float or (``sync=False``) a tensor.
+
+        A step whose loss or gradient norm is not finite leaves the weights and the optimizer's state as they
+        were and counts in ``bad_steps``; its batch is consumed and the learning rate moves on.  A fused
+        optimizer (CUDA) skips it on the device, as ``GradScaler`` has it do (its ``found_inf``), with no
+        wait; the others wait for the flag."""
         if self._replicas.size() > 1:
             dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=self._replicas.get_group())
             loss /= self._replicas.size()
+        finite = torch.isfinite(loss.detach().float())
+        if self.config.max_grad_norm is not None:
+            norm = grad_norm(self.named_parameters(), self._stage_ranks, self._tied_copies, self.device)
+            self.last_grad_norm = norm.detach()  # a tensor: reading it is a host sync, left to the caller
+            finite = finite & torch.isfinite(norm)
+            clip_grads(self.named_parameters(), self.config.max_grad_norm, norm)
+        self.bad_steps += (~finite).to(torch.int64)
+        if self.optimizer.defaults.get("fused"):
+            self.optimizer.found_inf = (~finite).float()
+            self.optimizer.step()
+        elif bool(finite):
+            self.optimizer.step()
+        self.scheduler.step()
         return float(loss) if sync else loss
 
     def _loss_context(self) -> contextlib.AbstractContextManager:
