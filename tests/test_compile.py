@@ -12,12 +12,13 @@ from autopar.passes.fusion import _transparent, fused_groups, fusible
 
 from autopar.cli import main
 from autopar.cluster import load_cluster
+from autopar.errors import AutoparError
 from autopar.framework import load_framework
 from autopar.frontend import trace_model
 from autopar.intra_op.fp8 import cast_cost
 from autopar.ir import OpGraph
 from autopar.plan_file import Plan
-from autopar.runtime.support import check_compiled_recompute
+from autopar.runtime.support import check_compiled
 
 H100 = load_cluster("h100-80gb").with_overrides(gpus=8)
 LLAMA = {"layers": 2, "hidden": 256, "heads": 4, "kv_heads": 2, "vocab": 256, "seq_len": 64}
@@ -155,11 +156,15 @@ def test_the_plan_says_whether_it_compiles(tmp_path, capsys):
     assert not Plan.from_json(_canonical({**body, "checksum": _checksum(body)})).compile
 
 
-def test_context_parallel_refuses_only_a_checkpointed_attention_inside_a_compiled_block():
-    check_compiled_recompute("selective", compiled=False)
-    check_compiled_recompute("full", compiled=True)  # checkpointed eagerly around the compiled block
-    with pytest.raises(Exception, match="plan with --no-compile, or another --fix recompute"):
-        check_compiled_recompute("selective", compiled=True)
+def test_compiled_blocks_refuse_split_backwards_and_a_checkpointed_attention_under_cp():
+    check_compiled("1f1b", cp=2, recompute="full", compiled=True)  # checkpointed eagerly around the block
+    check_compiled("zbv", cp=2, recompute="selective", compiled=False)
+    with pytest.raises(AutoparError, match="plan with --no-compile, or another --fix recompute"):
+        check_compiled("1f1b", cp=2, recompute="selective", compiled=True)
+    check_compiled("1f1b", cp=1, recompute="selective", compiled=True)
+    for schedule in ("interleaved_zb", "zbv", "dualpipev"):
+        with pytest.raises(AutoparError, match=f"schedule={schedule} splits each backward in two"):
+            check_compiled(schedule, cp=1, recompute="none", compiled=True)
 
 
 @pytest.mark.slow

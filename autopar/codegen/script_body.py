@@ -40,13 +40,16 @@ def main():
                     "default: the latest under --checkpoint, if any)")
     args = ap.parse_args()
     device = device_for_rank()
-    if FP8_LINEARS:
-        try:
+    try:
+        check_compiled(SCHEDULE, MESH_SHAPE[2], RECOMPUTE, args.compile)
+        if FP8_LINEARS:
             check_fp8_device(device)
-        except AutoparError as exc:  # one line, from the first rank; every rank stops
-            if os.environ.get("RANK", "0") == "0":
-                print(f"train.py: error: {exc}", file=sys.stderr, flush=True)
-            raise SystemExit(2) from None
+    except AutoparError as exc:  # one line, from the first rank; every rank stops
+        if os.environ.get("RANK", "0") == "0":
+            print(f"train.py: error: {exc}", file=sys.stderr, flush=True)
+        else:
+            time.sleep(2)  # torchrun stops every rank when one fails: the first one prints before the others end
+        raise SystemExit(2) from None
     if device.type == "cpu":
         return_freed_tensors_to_the_os()  # so that peak RSS measures live tensors
     init_distributed(device)  # a run torchrun restarted meets in a store of its own

@@ -50,6 +50,7 @@ from autopar.runtime.materialize import build_on_meta
 from autopar.runtime.parallelize import MESH_DIMS, compiled_blocks, context_of, parallelize
 from autopar.runtime.pipeline import rank_chunks
 from autopar.runtime.report import MetricsLog, StepReport, return_freed_tensors_to_the_os
+from autopar.runtime.support import check_compiled
 from autopar.runtime.training import Trainer, TrainingConfig
 """
 

@@ -25,14 +25,9 @@ def check_runnable(plan: Plan, model: nn.Module, compiled: bool | None = None) -
     """Raise a one-line ``AutoparError`` for a plan the runtime cannot run (``compiled``: with its blocks
     compiled or not, default as the plan says); returns its tp styles."""
     lay = plan.layout
-    compiled = plan.compile if compiled is None else compiled
-    if compiled and lay["schedule"] in SPLIT_BACKWARD:
-        raise AutoparError(f"schedule={lay['schedule']} splits each backward in two autograd passes, which a "
-                           "compiled block's single backward cannot take: plan with --no-compile, or another "
-                           "--fix schedule")
+    check_compiled(lay["schedule"], lay.get("cp", 1), lay["recompute"], plan.compile if compiled is None else compiled)
     if lay.get("cp", 1) > 1:
         check_context_parallel(plan, model)
-        check_compiled_recompute(lay["recompute"], compiled)
     if lay.get("ep", 1) > 1:
         check_expert_parallel(plan, model)
     return tp_style_specs(plan, model) if lay["tp"] > 1 else None
@@ -52,6 +47,16 @@ def check_expert_parallel(plan: Plan, model: nn.Module) -> None:
     for name in experts:
         if name not in present:
             raise AutoparError(f"the plan's experts module {name} is not in the model")
+
+
+def check_compiled(schedule: str, cp: int, recompute: str, compiled: bool) -> None:
+    """What compiled blocks cannot run in autopar's runtime: a schedule that splits each backward in two autograd
+    passes (a compiled block has one backward), and ``check_compiled_recompute``'s case."""
+    if compiled and schedule in SPLIT_BACKWARD:
+        raise AutoparError(f"schedule={schedule} splits each backward in two autograd passes, which a compiled "
+                           "block's single backward cannot take: plan with --no-compile, or another --fix schedule")
+    if cp > 1:
+        check_compiled_recompute(recompute, compiled)
 
 
 def check_compiled_recompute(recompute: str, compiled: bool) -> None:
