@@ -267,6 +267,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                     "gpus_per_node": cluster.gpus_per_node},
         "layout": best.estimate.layout.to_dict(),
         "estimate": best.estimate.to_dict(),
+        "compile": plan.compile,
         "solve": {"time_s": res.solve_time_s, "solver": args.solver, "status": res.ilp_status,
                   "gap": res.ilp_gap, "layouts_enumerated": res.enumerated, "layouts_pruned_by_bound": res.pruned_bound,
                   "layouts_pruned_by_memory": res.pruned_memory, "layouts_evaluated": res.evaluated,

@@ -95,6 +95,9 @@ def render_plan(result: dict[str, Any], console: Console) -> None:
     table.add_row("precision", est.get("precision", "bf16") + (" (the layers' Linears; attention, norms, embedding "
                                                              "and head in bf16)" if est.get("precision") == "fp8"
                                                              else ""))
+    if "compile" in result:
+        table.add_row("compile", "each block torch.compile'd (Inductor fuses its element-wise work)"
+                      if result["compile"] else "eager (no torch.compile)")
     for key, value in est["breakdown"].items():
         table.add_row(f"  {key.removesuffix('_s').replace('_', ' ')}", human_time(value))
         if key == "compute_s":
