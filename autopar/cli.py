@@ -286,6 +286,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _changes_json(changes: list) -> list[dict[str, Any]]:
+    """``autopar diff``'s and ``replan``'s changes, as their ``--json`` prints them."""
+    return [{"what": c.what, "before": c.before, "after": c.after} for c in changes]
+
+
 def cmd_evaluate(args: argparse.Namespace) -> int:
     path = Path(args.layouts)
     try:
@@ -351,8 +356,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
     a, b = Plan.load(args.before), Plan.load(args.after)
     changes = plan_changes(a, b)
     if args.json:
-        print(json.dumps({"same": not changes, "changes": [{"what": c.what, "before": c.before, "after": c.after}
-                                                           for c in changes],
+        print(json.dumps({"same": not changes, "changes": _changes_json(changes),
                           "iteration_time_s": [a.estimate["iteration_time_s"], b.estimate["iteration_time_s"]],
                           "peak_memory_bytes": [a.estimate["peak_memory_bytes"], b.estimate["peak_memory_bytes"]]},
                          indent=2, sort_keys=True))
@@ -380,7 +384,7 @@ def cmd_replan(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"plan_file": written, "devices": [old.num_devices, new.num_devices],
                           "layout": new.layout, "estimate": new.estimate,
-                          "changes": [{"what": c.what, "before": c.before, "after": c.after} for c in changes],
+                          "changes": _changes_json(changes),
                           "checkpoint": None if checked is None else {"path": str(checked[0]),
                                                                       "tensors_checked": checked[1]}},
                          indent=2, sort_keys=True))

@@ -10,7 +10,8 @@ scheduler fuses pointwise and reduction nodes that share iteration space, which 
 significant speedups come from fusion"; torchtitan's Llama 3.1 8B on 8 H100s measures 5,762 tokens/s per
 GPU eager and 6,667 compiled, benchmarks/llama3_h100_202412_torchtitan.md).
 
-The model of it, per block (``annotations["fusion"]`` = ``FusedIO`` on each op a fused kernel absorbs):
+The model of it, per block (``annotations["fusion"]`` = ``FusedIO`` on each op a fused kernel absorbs, and
+``annotations["fused_neighbours"]`` on each product, ``fused_neighbours``'s answer):
 
 - an op is fusible if it has no FLOPs by the flops pass (not a product, a convolution or attention), is not a
   view (views cost nothing either way) and is not the loss (outside the blocks);
@@ -159,6 +160,7 @@ def annotate_fusion_pass(graph: OpGraph, ctx: PassContext) -> OpGraph:
     """Set ``annotations["fusion"]`` on every op a compiled block fuses (nothing without ``ctx.compile``)."""
     for node in graph.ops():
         node.annotations.pop("fusion", None)
+        node.annotations.pop("fused_neighbours", None)
     if not ctx.compile:
         return graph
     group = fused_groups(graph, ctx)
@@ -196,6 +198,9 @@ def annotate_fusion_pass(graph: OpGraph, ctx: PassContext) -> OpGraph:
         for k, (node, reads, writes) in enumerate(io):
             node.annotations["fusion"] = FusedIO(gid, reads, writes, fwd if k == last else 0,
                                                  bwd if k == last else 0)
+    for node in graph.ops():  # once here, not in the cost loops that price an FP8 cast per strategy
+        if node.layer is not None and node.annotations["flops"].fwd > 0:
+            node.annotations["fused_neighbours"] = fused_neighbours(graph, node)
     return graph
 
 

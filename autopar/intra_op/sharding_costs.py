@@ -39,7 +39,6 @@ from autopar.kernels import FLASH_BACKWARD_FLOPS, flash_attention_s, gemm_s, mem
 from autopar.passes.activations import SavedTensor, storage_key
 from autopar.passes.context import PassContext
 from autopar.passes.flops import NodeFlops, is_causal
-from autopar.passes.fusion import fused_neighbours
 from autopar.passes.traffic import LOSS_OPS, NodeTraffic, softmax_passes_bytes
 from autopar.power import PowerMix, product_demand, tensor_demand
 
@@ -420,9 +419,9 @@ def fp8_linear(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec, b
     return _fp8_forward(node, graph, strategy, mesh, batch, ctx) is not None
 
 
-def _cast_s(node: Node, graph: OpGraph, g: Gemm, cluster: Cluster, ctx: PassContext) -> tuple[float, float]:
+def _cast_s(node: Node, g: Gemm, cluster: Cluster, ctx: PassContext) -> tuple[float, float]:
     kind = cast_kind(ctx.framework.fp8_scaling, ctx.compile and node.layer is not None)
-    fused = fused_neighbours(graph, node) if kind == "compiled" else (False, False)
+    fused = node.annotations.get("fused_neighbours", (False, False)) if kind == "compiled" else (False, False)
     c = cast_cost(g.batch * g.m, g.n, g.k, kind, *fused)
     return (memory_s(cluster, c.fwd_bytes) + c.fwd_kernels * cluster.kernel_gap_s,
             memory_s(cluster, c.bwd_bytes) + c.bwd_kernels * cluster.kernel_gap_s)
@@ -432,7 +431,7 @@ def fp8_cast_s(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec, b
                ctx: PassContext) -> tuple[float, float]:
     """(forward, backward) time of the FP8 casts of ``node``'s operands; zero unless it trains in FP8."""
     g = _fp8_forward(node, graph, strategy, mesh, batch, ctx)
-    return (0.0, 0.0) if g is None else _cast_s(node, graph, g, cluster, ctx)
+    return (0.0, 0.0) if g is None else _cast_s(node, g, cluster, ctx)
 
 
 @dataclass(frozen=True, slots=True)
@@ -555,6 +554,6 @@ def op_timing(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec, ba
     tensor_f = fwd_c if flops.fwd > 0 and fwd_c >= mem_f else 0.0
     tensor_b = bwd_c if flops.fwd > 0 and bwd_c >= mem_b else 0.0
     if fp8_g is not None:
-        cast_f, cast_b = _cast_s(node, graph, fp8_g, cluster, ctx)
+        cast_f, cast_b = _cast_s(node, fp8_g, cluster, ctx)
         fwd, bwd = fwd + cast_f, bwd + cast_b
     return OpTiming(fwd, bwd, tensor_f, tensor_b, product_demand(cluster, fp8))

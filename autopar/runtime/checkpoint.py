@@ -179,9 +179,10 @@ def load(trainer: object, path: str | Path) -> Position:
     optimizer = trainer.optimizer
     if any(k.startswith(OPTIMIZER_PREFIX) for k in saved):
         _init_optim_state(optimizer)  # the moments to load into (AdamW creates them at its first step)
-    state = _state(trainer, Position(0, 0))
+    models = _model_states(trainer)
+    state = _state(trainer, Position(0, 0), models)
     same_world = sum(1 for k in saved if _RNG_CPU.match(k)) == _world_size()  # each rank saved its own
-    wanted = _load_into(trainer, state, saved, dcp.FileSystemReader(str(path)), str(path),
+    wanted = _load_into(trainer, models, state, saved, dcp.FileSystemReader(str(path)), str(path),
                         lambda k: same_world or not k.startswith("rng."), "(another model, or another optimizer)")
     # the optimizer's tensors were loaded in place; the learning rate follows the step
     step, samples = int(wanted[_TRAIN + "step"]), int(wanted[_TRAIN + "samples"])
@@ -212,18 +213,19 @@ def init_weights(trainer: object, path: str | Path) -> str:
         found = resolve(path)
         reader, source = dcp.FileSystemReader(str(found)), str(found)
     saved = set(reader.read_metadata().state_dict_metadata)
-    state: dict[str, torch.Tensor] = {}
-    for part in trainer.parts:
-        state.update(get_model_state_dict(part))
-    _load_into(trainer, state, saved, reader, source, lambda k: True, "(weights of another model?)")
+    models = _model_states(trainer)
+    state = {k: v for own in models for k, v in own.items()}
+    _load_into(trainer, models, state, saved, reader, source, lambda k: True, "(weights of another model?)")
     return source
 
 
-def _load_into(trainer: object, state: dict[str, torch.Tensor], saved: set[str] | dict, reader: object,
-               source: str, take: Callable[[str], bool], hint: str) -> dict[str, torch.Tensor]:
+def _load_into(trainer: object, models: list[dict[str, torch.Tensor]], state: dict[str, torch.Tensor],
+               saved: set[str] | dict, reader: object, source: str, take: Callable[[str], bool],
+               hint: str) -> dict[str, torch.Tensor]:
     """Load the keys of ``state`` that ``saved`` holds (and ``take`` accepts) with ``reader``, a tied weight's
-    second copy from its first; every key of ``state`` but the RNG's must be there.  The model's parameters
-    take the values; returns what was loaded (the optimizer's and the run's tensors were loaded in place)."""
+    second copy from its first; every key of ``state`` but the RNG's must be there.  Each part's parameters take
+    the values of its model state dict (``models``, in ``state`` too); returns what was loaded (the optimizer's
+    and the run's tensors were loaded in place)."""
     wanted = {k: v for k, v in state.items() if k in saved and take(k)}
     copies: list[tuple[str, str]] = []  # (key loaded, key of a tied copy that takes the same values)
     problem = None
@@ -245,9 +247,8 @@ def _load_into(trainer: object, state: dict[str, torch.Tensor], saved: set[str] 
         raise AutoparError(f"{source}: the checkpoint does not fit this model and plan ({detail})") from None
     for key, copy in copies:
         state[copy].copy_(wanted[key])
-    for part in trainer.parts:
-        own = get_model_state_dict(part)
-        set_model_state_dict(part, {k: state[k] for k in own}, options=StateDictOptions(strict=True))
+    for part, own in zip(trainer.parts, models, strict=True):
+        set_model_state_dict(part, own, options=StateDictOptions(strict=True))
     return wanted
 
 
@@ -273,11 +274,17 @@ def _tied_twin(key: str, tied: object) -> str | None:
     return None
 
 
-def _state(trainer: object, position: Position) -> dict[str, torch.Tensor]:
-    """The flat state dict this rank saves (or loads into)."""
+def _model_states(trainer: object) -> list[dict[str, torch.Tensor]]:
+    """Each part's model state dict (DCP's ``get_model_state_dict``: the model's own FQNs)."""
+    return [get_model_state_dict(part) for part in trainer.parts]
+
+
+def _state(trainer: object, position: Position,
+           models: list[dict[str, torch.Tensor]] | None = None) -> dict[str, torch.Tensor]:
+    """The flat state dict this rank saves (or loads into); ``models``: ``_model_states``, if made already."""
     state: dict[str, torch.Tensor] = {}
-    for part in trainer.parts:
-        state.update(get_model_state_dict(part))
+    for own in _model_states(trainer) if models is None else models:
+        state.update(own)
     optimizer = trainer.optimizer
     for fqn, p in trainer.named_parameters():
         for name, value in optimizer.state.get(p, {}).items():

@@ -83,17 +83,15 @@ def apply_ac(module: nn.Module, container: str | None, recompute: str, compiled:
     apply_recompute(module, container, recompute, compiled)
 
 
-def apply_compile(module: nn.Module, container: str | None) -> int:
+def apply_compile(module: nn.Module, container: str | None) -> None:
     """``torch.compile`` each block of the stack in place (``Module.compile``, as torchtitan's ``apply_compile``:
-    the parameter names stay the model's, no ``_orig_mod.``); returns how many were compiled.  Applied after
+    the parameter names stay the model's, no ``_orig_mod.``; ``compiled_blocks`` counts them).  Applied after
     activation checkpointing (the compiled block holds its checkpointing) and before FSDP2, whose hooks run
     around it.  What Inductor then fuses is what the plan priced (``autopar.passes.fusion``)."""
     if not container:
-        return 0
-    blocks = list(module.get_submodule(container).children())
-    for block in blocks:
+        return
+    for block in module.get_submodule(container).children():
         block.compile()
-    return len(blocks)
 
 
 def compiled_blocks(parts: Iterable[nn.Module], container: str | None) -> int:
