@@ -128,24 +128,35 @@ def test_four_steps_equal_two_then_resume_and_two_more(tmp_path, capsys, model, 
 
 @pytest.mark.slow
 def test_the_generated_script_saves_every_n_steps_and_resumes_where_it_stopped(tmp_path, capsys):
-    """train.py, 4 steps with a checkpoint every 2 written in the background, then again from the step-2
-    checkpoint: ``--steps`` counts the whole run, so the resumed run trains steps 2 and 3, with the losses of the
-    straight run."""
+    """train.py on shuffled parquet shards with document masking, 4 steps with a checkpoint every 2 written in
+    the background, then again from the step-2 checkpoint: ``--steps`` counts the whole run, so the resumed run
+    trains steps 2 and 3 on the batches the straight run read there, with its losses."""
     import os
     import re
     import subprocess
     import sys
 
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     assert main(["plan", "gpt", *DEEP, "--global-batch", "8", "--fix", "dp=2,tp=2,sp=off,zero=3",
                  "-o", str(tmp_path)]) == 0
     capsys.readouterr()
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    rng = np.random.default_rng(0)
+    for k in range(2):  # 2 x 40 documents of 5-30 tokens: about 8 steps of windows
+        docs = [rng.integers(0, 256, rng.integers(5, 30)).tolist() for _ in range(40)]
+        pq.write_table(pa.table({"input_ids": docs}), shards / f"part-{k}.parquet")
 
     def run(*extra: str) -> dict[int, float]:
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
                                str(tmp_path / "train.py"), "--steps", "4", "--precision", "fp32", "--log-every", "1",
-                               *extra],
+                               "--data", str(shards), "--data-seed", "5", "--document-masking", *extra],
                               capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
         assert proc.returncode == 0, proc.stderr[-2000:]
+        assert f"data: {shards}" in proc.stdout
         return {int(m.group(1)): float(m.group(2)) for m in re.finditer(r"^step (\d+) loss ([\d.]+)", proc.stdout,
                                                                           re.MULTILINE)}
 

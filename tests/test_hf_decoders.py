@@ -1,5 +1,6 @@
 """Sixteen HuggingFace decoders (``examples/hf_decoder.py``) plan, and split into pipeline stages that compute
-what the whole model computes: one general route (``autopar.runtime.stages.hf_stage``), no per-family code.
+what the whole model computes, a padding mask reaching every stage, and hand the loss the model's own output
+type: one general route (``autopar.runtime.stages.hf_stage``), no per-family code.
 Verify on 4 ranks runs for a subset in ``tests/test_runtime.py``; all sixteen in ``benchmarks/runtime_matrix.py``."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from autopar import modelfile
 from autopar.cli import main
 from autopar.plan_file import Plan
+from autopar.runtime.pipeline import model_output
 from autopar.runtime.stages import prune, stage_layer_ranges
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "hf_decoder.py"
@@ -44,6 +46,12 @@ def plans(tmp_path_factory) -> dict[str, Plan]:
     return out
 
 
+def _padded_loss(output, ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """A loss as HuggingFace training code writes it: ``output.logits``, the padded targets skipped."""
+    targets = ids[:, 1:].masked_fill(attention_mask[:, 1:] == 0, -100)
+    return torch.nn.functional.cross_entropy(output.logits[:, :-1].flatten(0, 1), targets.flatten())
+
+
 @pytest.mark.parametrize("arch", sorted(DECODER.ARCHS))
 def test_every_decoder_plans_and_its_stages_chain_to_the_whole_model(plans, arch):
     if not _available(arch):
@@ -52,7 +60,9 @@ def test_every_decoder_plans_and_its_stages_chain_to_the_whole_model(plans, arch
     torch.manual_seed(0)
     model = DECODER.build_model(**plan.model["config"], dropout=0.0).eval()
     ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
-    whole = model(ids).logits
+    mask = torch.ones_like(ids)
+    mask[0, 20:] = 0  # a right-padded sample: the mask must reach every stage's attention
+    whole = model(ids, attention_mask=mask)
     container, ends = plan.model["layer_container"], plan.model["stack_ends"]
     # the plan's two stages, and four chunks of which the first holds only the embeddings and the last only
     # the final norm and head (as interleaved and V schedules may place them)
@@ -61,8 +71,11 @@ def test_every_decoder_plans_and_its_stages_chain_to_the_whole_model(plans, arch
         for k, (lo, hi) in enumerate(cuts):
             stage = prune(copy.deepcopy(model), lo, hi, k == 0, k == len(cuts) - 1, container, ends)
             params.append({n for n, _ in stage.named_parameters()})
-            x = stage(x)
-        torch.testing.assert_close(x, whole, rtol=1e-5, atol=1e-5)
+            x = stage(x, attention_mask=mask)  # as the pipeline runner passes inputs after the first
+        out = model_output(stage, x)  # what the loss gets: the model's own output type
+        assert type(out) is type(whole)
+        torch.testing.assert_close(out.logits, whole.logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(_padded_loss(out, ids, mask), _padded_loss(whole, ids, mask))
         # each stage holds its own layers under the whole model's names; the tied head is the last stage's copy
         assert set().union(*params) <= {n for n, _ in model.named_parameters()} | {"lm_head.weight"}
         assert not params[0] & params[-1]

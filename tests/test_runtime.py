@@ -99,6 +99,10 @@ VERIFIED = {
        for arch, name, fix in (("gpt2", "dp2-tp2", "dp=2,tp=2"), ("falcon", "dp2-tp2", "dp=2,tp=2"),
                                ("opt", "pp2-dp2", "pp=2,dp=2"), ("bloom", "pp2-dp2", "pp=2,dp=2"),
                                ("gemma2", "pp2-dp2", "pp=2,dp=2"), ("mixtral", "pp2-dp2", "pp=2,dp=2"))},
+    # two inputs (ids and a padding mask) and a loss reading output.logits, as HF training code has them
+    "hf-padded-pp2-dp2": (str(ROOT / "tests" / "fixtures" / "hf_padded.py"),
+                          ["--config", "layers=4,hidden=64,heads=4,vocab=128,seq_len=32", "--cluster", "cpu"], 8,
+                          "pp=2,dp=2"),
     # grouped-query attention with fewer K/V heads than tp (8 query, 2 kv, tp=4): query heads split, K/V whole
     "hf-llama-gqa-tp4": (str(EXAMPLES / "hf_decoder.py"), ["--config", "arch=llama,layers=2,hidden=128,heads=8,"
                                                            "kv_heads=2,vocab=128,seq_len=32", "--cluster", "cpu"], 8,
@@ -370,18 +374,25 @@ def test_checkpoint_moves_between_plans(tmp_path, capsys, model, config, fixes):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("model", "config", "fix", "expect"), [
-    ("gpt", DEEP, "pp=2,tp=2,sp=on,schedule=1f1b", ["MESH_SHAPE = (2, 1, 1, 2)", "ColwiseParallel()",
-                                                     "SCHEDULE = '1f1b'", "SequenceParallel(use_local_output=True)"]),
+    ("gpt", DEEP, "pp=2,tp=2,sp=on,schedule=1f1b,recompute=full",
+     ["MESH_SHAPE = (2, 1, 1, 2)", "ColwiseParallel()", "SCHEDULE = '1f1b'",
+      "SequenceParallel(use_local_output=True)", "RECOMPUTE = 'full'"]),
     ("hf_llama", ["--config", "layers=2,hidden=256,heads=8,ffn=512,vocab=256,seq_len=16", "--cluster", "cpu"],
      "dp=2,tp=2,sp=on,zero=3", ["MESH_SHAPE = (1, 2, 1, 2)", "from autopar.runtime.styles import PrepareActivation",
                                 "ZERO = 3"]),
-], ids=["gpt-pp2xtp2-sp", "hf-llama-dp2xtp2-sp-fsdp"])
+], ids=["gpt-pp2xtp2-sp-full-recompute-documents", "hf-llama-dp2xtp2-sp-fsdp"])
 def test_generated_script_runs_the_plan(tmp_path, capsys, examples, model, config, fix, expect):
+    """The script trains the plan as one process trains the model: the GPT case on shuffled token shards with
+    document masking (each micro-batch's mask reaching both pipeline stages and the recomputed blocks), the
+    HuggingFace case on synthetic tokens."""
     import os
     import subprocess
     import sys
 
+    import numpy as np
+
     from autopar.plan_file import Plan
+    from autopar.runtime.data import TokenData, token_batches
     from autopar.runtime.session import reference_run
     from autopar.runtime.training import TrainingConfig
 
@@ -393,8 +404,15 @@ def test_generated_script_runs_the_plan(tmp_path, capsys, examples, model, confi
     # the runtime's code, the plan's literals
     assert "from autopar.runtime.parallelize import MESH_DIMS, compiled_blocks, context_of, parallelize" in text
     assert all(e in text for e in expect), [e for e in expect if e not in text]
+    data, documents = [], None
+    if model == "gpt":  # documents of 3-12 tokens, each ending with token 0
+        rng = np.random.default_rng(0)
+        docs = [np.append(rng.integers(1, 256, rng.integers(2, 12)), 0) for _ in range(60)]
+        np.save(tmp_path / "tokens.npy", np.concatenate(docs).astype(np.uint16))
+        data = ["--data", str(tmp_path / "tokens.npy"), "--eos-id", "0", "--document-masking"]
+        documents = TokenData(str(tmp_path / "tokens.npy"), eos_id=0, documents=True)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-                           str(script), "--steps", "3", "--precision", "fp32", "--log-every", "1"],
+                           str(script), "--steps", "3", "--precision", "fp32", "--log-every", "1", *data],
                           capture_output=True, text=True,
                           timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -405,7 +423,13 @@ def test_generated_script_runs_the_plan(tmp_path, capsys, examples, model, confi
     assert summary["steps"] == 3 and summary["tokens_per_s"] > 0 and summary["peak_memory_bytes"] > 0
     # AdamW with the script's defaults (lr 3e-4, clipping at 1, cosine over the 3 steps), in one process
     adamw = TrainingConfig(lr=3e-4, decay_steps=3, max_grad_norm=1.0, precision="fp32")
-    ref_losses = reference_run(Plan.load(tmp_path / "plan.json"), 3, 0, adamw)["losses"]
+    plan = Plan.load(tmp_path / "plan.json")
+
+    def batches(step: int):  # the whole global batch, as one data-parallel rank would read it
+        ids, ids_documents = next(token_batches(documents, plan.global_batch, plan.seq_len, 0, 1, start_step=step))
+        return (ids,), ids_documents
+
+    ref_losses = reference_run(plan, 3, 0, adamw, batches if documents else None)["losses"]
     assert losses == pytest.approx(ref_losses, rel=1e-5)
 
 
@@ -476,6 +500,13 @@ def test_verify_huggingface_decoders(verified, name):
     _, out = _verified(verified, name)
     # GPT-2 and OPT have dropout on by default: verify ran both sides without it, and says so
     assert (out["dropout_off"] > 0) == any(arch in name for arch in ("gpt2", "opt"))
+
+
+@pytest.mark.slow
+def test_under_pipelining_the_loss_gets_the_models_output_and_every_input(verified):
+    """The model file's loss_fn(output, ids, attention_mask) reads output.logits; the mask reaches both stages."""
+    plan, _ = _verified(verified, "hf-padded-pp2-dp2")
+    assert plan["layout"]["pp"] == 2
 
 
 @pytest.mark.slow

@@ -18,8 +18,17 @@ def main():
     ap.add_argument("--max-grad-norm", type=float, default=1.0)
     ap.add_argument("--precision", choices=("bf16", "fp32"), default="bf16", help="bf16: what the plan priced")
     ap.add_argument("--seed", type=int, default=0, help="initial weights (the same for every layout)")
-    ap.add_argument("--data", help="flat file of token ids (.bin, or .npy with its own dtype)")
-    ap.add_argument("--data-dtype", choices=("uint16", "uint32"), default="uint16")
+    ap.add_argument("--data", metavar="PATH", help="token shards: a file, a folder or a glob of .bin/.npy token "
+                    "files or parquet/Arrow files of token lists (HF datasets)")
+    ap.add_argument("--data-dtype", choices=("uint16", "uint32"), default="uint16", help="of .bin shards")
+    ap.add_argument("--data-column", default="input_ids", help="the token column of parquet/Arrow shards")
+    ap.add_argument("--eos-id", type=int, metavar="ID", help="the token that ends each document of .bin/.npy shards")
+    ap.add_argument("--shuffle", action=argparse.BooleanOptionalAction, default=True,
+                    help="read the windows of --data in a seeded random order (a new one each epoch)")
+    ap.add_argument("--data-seed", type=int, default=0, help="the order --shuffle reads the data in")
+    ap.add_argument("--data-workers", type=int, default=0, metavar="N", help="loader worker processes per rank")
+    ap.add_argument("--document-masking", action="store_true", help="attention within each document of a sample "
+                    "only (block-causal; --data's boundaries; SDPA with an explicit mask, eager blocks)")
     ap.add_argument("--checkpoint", metavar="DIR", help="save the run's state under DIR/step-N at the end (and every "
                     "--checkpoint-every steps): model, optimizer, step, data position, RNG")
     ap.add_argument("--checkpoint-every", type=int, default=0, metavar="N", help="also save every N steps")
@@ -42,6 +51,8 @@ def main():
     device = device_for_rank()
     try:
         check_compiled(SCHEDULE, MESH_SHAPE[2], RECOMPUTE, args.compile)
+        if args.document_masking:
+            check_document_masking(args.data, MESH_SHAPE[2], args.compile)
         if FP8_LINEARS:
             check_fp8_device(device)
     except AutoparError as exc:  # one line, from the first rank; every rank stops
@@ -96,16 +107,18 @@ def main():
             loaded = checkpoint.init_weights(trainer, args.init_from)
             if first:
                 print(f"initial weights: {loaded}", flush=True)
-    except AutoparError as exc:  # every rank raised it (the ranks agree before reading): one line, every rank stops
+        data = TokenData(args.data, args.data_dtype, args.data_column, args.eos_id, args.shuffle, args.data_seed,
+                         documents=args.document_masking, workers=args.data_workers) if args.data else None
+        batches, source = run_batches(module, build_on_meta(build).model, CONFIG, GLOBAL_BATCH, SEQ_LEN,
+                                      mesh.get_local_rank("dp"), MESH_SHAPE[1], args.seed, data, start_step=begin)
+    except AutoparError as exc:  # every rank raised it (the ranks agree before reading; every rank opens the
+        # same data): one line, every rank stops
         if first:
             print(f"train.py: error: {exc}", file=sys.stderr, flush=True)
         dist.destroy_process_group()
         raise SystemExit(2) from None
     saver = checkpoint.Checkpointer(trainer, args.checkpoint, keep=args.keep, asynchronous=args.async_checkpoint) \
         if args.checkpoint else None
-    batches, source = run_batches(module, build_on_meta(build).model, CONFIG, GLOBAL_BATCH, SEQ_LEN,
-                                  mesh.get_local_rank("dp"), MESH_SHAPE[1], args.seed, args.data, args.data_dtype,
-                                  start_step=begin)
     if first:
         print(f"data: {source}", flush=True)
         if args.compile:
@@ -118,7 +131,13 @@ def main():
     metrics = MetricsLog(args.metrics, args.tensorboard) if first else None
     since, start = 0, time.perf_counter()
     for step in range(begin, args.steps):
-        loss = trainer.step(next(batches), sync=False)
+        try:
+            batch = next(batches)
+        except AutoparError as exc:  # this rank's data (ids beyond the vocabulary): torchrun stops the others
+            print(f"train.py: error: rank {dist.get_rank()}: {exc}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
+        documents = batch[-1] if args.document_masking else None  # the data's last tensor: document ids
+        loss = trainer.step(batch[:-1] if args.document_masking else batch, sync=False, documents=documents)
         since, done = since + 1, step + 1
         logs = step == begin or done == args.steps or done % max(1, args.log_every) == 0
         saves = saver and (done == args.steps or (args.checkpoint_every and done % args.checkpoint_every == 0))

@@ -44,13 +44,13 @@ from autopar.modelfile import build as build_from
 from autopar.modelfile import load_module, loss_fn_of
 from autopar.runtime import checkpoint
 from autopar.runtime.apply import device_for_rank, init_distributed
-from autopar.runtime.data import run_batches
+from autopar.runtime.data import TokenData, run_batches
 from autopar.runtime.fp8 import check_fp8_device
 from autopar.runtime.materialize import build_on_meta
 from autopar.runtime.parallelize import MESH_DIMS, compiled_blocks, context_of, parallelize
 from autopar.runtime.pipeline import rank_chunks
 from autopar.runtime.report import MetricsLog, StepReport, return_freed_tensors_to_the_os
-from autopar.runtime.support import check_compiled
+from autopar.runtime.support import check_compiled, check_document_masking
 from autopar.runtime.training import Trainer, TrainingConfig
 """
 

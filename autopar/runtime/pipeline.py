@@ -7,17 +7,29 @@ holds chunks ``k`` and ``2 pp - 1 - k``, so the first rank holds the first and t
 Tied parameters shared by the first and last chunk (embedding and head) get one copy per chunk; their
 gradients are summed before the optimizer step: over a dedicated group of the two ranks, or on the rank
 itself when a V puts both chunks there.
+
+The loss sees what it sees in one process: ``loss_fn(output, *inputs)`` with the model's own output type
+(the last stage's ``output_type``, a HuggingFace ``ModelOutput``, rebuilt around its logits) and every input
+of the micro-batch.  The schedule hands the loss a target per micro-batch: the runner makes it the
+micro-batch's sample indices, by which the loss takes its rows of every input.  Inputs after the first reach
+every stage as keyword arguments under the model's ``forward`` parameter names (torch's schedules split
+``step``'s keyword arguments per micro-batch and pass them to each stage); the first input enters the first
+stage, and the stages after it take hidden states in its place.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from autopar.errors import AutoparError
 from autopar.plan_file import Plan
+from autopar.runtime.document_masking import DocumentMask
 from autopar.runtime.materialize import clean_fqn
 from autopar.solvers.pipeline import MULTI_CHUNK, rank_of_chunk
 
@@ -39,6 +51,53 @@ def tied_pairs(plan: Plan) -> list[tuple[str, str]]:
     return [(fqn, alias) for fqn, p in plan.parameters.items() for alias in p.get("aliases", [])]
 
 
+def input_names(module: nn.Module, count: int) -> list[str]:
+    """The ``forward`` parameter names of a model's inputs ``1 .. count - 1`` (input 0 enters the first stage
+    by position)."""
+    if count <= 1:
+        return []
+    params = list(inspect.signature(type(module).forward).parameters.values())[1:]  # after self
+    names = []
+    for i in range(1, count):
+        if i >= len(params) or params[i].kind not in (inspect.Parameter.POSITIONAL_ONLY,
+                                                      inspect.Parameter.POSITIONAL_OR_KEYWORD):
+            raise AutoparError(f"pipelining passes input {i} to every stage by its name in "
+                               f"{type(module).__name__}.forward, which names no parameter {i} it can take by "
+                               "keyword")
+        if params[i].kind is inspect.Parameter.POSITIONAL_ONLY:
+            raise AutoparError(f"pipelining passes input {i} to every stage by name; {type(module).__name__}."
+                               f"forward takes its parameter {params[i].name!r} by position only")
+        names.append(params[i].name)
+    return names
+
+
+#: The keyword the runner passes a micro-batch's document ids to every stage under; a hook of the stage takes
+#: it out and runs the stage in its document mask (``autopar.runtime.document_masking``).
+DOCUMENTS_KWARG = "_autopar_document_ids"
+
+
+def _enter_document_mask(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    documents = kwargs.pop(DOCUMENTS_KWARG, None)
+    if documents is not None:
+        mask = DocumentMask(documents)
+        mask.__enter__()
+        module._autopar_document_masks = [*getattr(module, "_autopar_document_masks", []), mask]
+    return args, kwargs
+
+
+def _exit_document_mask(module: nn.Module, *_: object) -> None:
+    masks = getattr(module, "_autopar_document_masks", [])
+    if masks:
+        masks.pop().__exit__(None, None, None)
+
+
+def model_output(stage: nn.Module, output: Any) -> Any:
+    """What the whole model returns, from what its last stage returns: the stage's ``output_type`` (a
+    HuggingFace ``ModelOutput``) around its logits, else the output as it is."""
+    output_type = getattr(stage, "output_type", None)
+    return output if output_type is None else output_type(logits=output)
+
+
 def _laid_out_as(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """``grad`` with ``like``'s placements (DTensors), or as it is."""
     return grad.redistribute(like.device_mesh, like.placements) if hasattr(like, "placements") else grad
@@ -54,16 +113,22 @@ class PipelineRunner:
         from torch.distributed.pipelining import PipelineStage, schedules
 
         self.modules, self.mesh, self.device, self.tied = modules, mesh, device, tied
+        self.loss_fn = loss_fn
+        self._inputs: Sequence[torch.Tensor] | None = None  # this step's batch, which the loss indexes
         self.pp = mesh["pp"].size()
         group = mesh["pp"].get_group()
         self.stages = [PipelineStage(m, c, num_chunks, device, group=group) for m, c in zip(modules, chunks)]
+        for m in modules:  # a micro-batch's document ids, if any, mask its attention (``step(documents=)``)
+            m.register_forward_pre_hook(_enter_document_mask, with_kwargs=True)
+            m.register_forward_hook(_exit_document_mask, always_call=True)
         self.has_first = 0 in chunks
         self.has_last = num_chunks - 1 in chunks
         self.first_rank = rank_of_chunk(schedule, 0, self.pp)  # pipeline ranks of the first and last chunk
         self.last_rank = rank_of_chunk(schedule, num_chunks - 1, self.pp)
         cls = getattr(schedules, SCHEDULE_CLASSES[schedule])
         stages = self.stages if schedule in MULTI_CHUNK else self.stages[0]
-        self.schedule = cls(stages, n_microbatches=num_microbatches, loss_fn=loss_fn)
+        self.last_module = modules[chunks.index(num_chunks - 1)] if self.has_last else None
+        self.schedule = cls(stages, n_microbatches=num_microbatches, loss_fn=self._loss)
         self._tie_group = self._make_tie_group()
 
     def _make_tie_group(self) -> dist.ProcessGroup | None:
@@ -85,20 +150,36 @@ class PipelineRunner:
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         return [(clean_fqn(n), p) for m in self.modules for n, p in m.named_parameters()]
 
-    def step(self, local_inputs: list[torch.Tensor], target: torch.Tensor | None = None) -> torch.Tensor:
+    def _loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
+        if self._inputs is None:  # a target of the caller's (context parallelism's labels)
+            return self.loss_fn(output, target)
+        rows = [x.index_select(0, target) for x in self._inputs]  # the micro-batch's samples of every input
+        return self.loss_fn(model_output(self.last_module, output), *rows)
+
+    def step(self, local_inputs: Sequence[torch.Tensor], target: torch.Tensor | None = None,
+             documents: torch.Tensor | None = None) -> torch.Tensor:
         """Run the schedule on this dp rank's batch; returns the mean loss (on every pipeline rank).
-        ``target``: what the loss reads beside the output (default: the token ids)."""
+        ``target``: what the loss reads beside the output, split per micro-batch (default: every input of the
+        micro-batch, as in one process).  ``documents``: each token's document index, for document masking."""
         ids = local_inputs[0]
-        target = ids if target is None else target
+        extras = dict(zip(input_names(self.modules[0], len(local_inputs)), local_inputs[1:]))
+        if documents is not None:
+            extras[DOCUMENTS_KWARG] = documents
+        self._inputs = local_inputs if target is None else None
+        if target is None:
+            target = torch.arange(ids.shape[0], device=ids.device)
         losses: list[torch.Tensor] = []
-        if self.has_first and self.has_last:
-            self.schedule.step(ids, target=target, losses=losses)
-        elif self.has_first:
-            self.schedule.step(ids)
-        elif self.has_last:
-            self.schedule.step(target=target, losses=losses)
-        else:
-            self.schedule.step()
+        try:
+            if self.has_first and self.has_last:
+                self.schedule.step(ids, target=target, losses=losses, **extras)
+            elif self.has_first:
+                self.schedule.step(ids, **extras)
+            elif self.has_last:
+                self.schedule.step(target=target, losses=losses, **extras)
+            else:
+                self.schedule.step(**extras)
+        finally:
+            self._inputs = None
         losses = [x.full_tensor() if hasattr(x, "full_tensor") else x for x in losses]  # under loss_parallel
         loss = torch.stack(losses).mean().detach().float() if losses else torch.zeros((), device=self.device)
         pp_group = self.mesh["pp"].get_group()  # the last chunk's rank knows the loss: share it along the pipeline

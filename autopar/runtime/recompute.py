@@ -8,8 +8,9 @@
   cost model prices as ``recompute=op`` (``autopar.inter_op.unit_costs``).
 
 Which children and products each mode keeps is ``autopar.recompute_policy``'s.  Every eager recomputation
-runs in ``autopar.runtime.context_parallel.recompute_context``: under context parallelism, attention is
-recomputed over the whole sequence's keys and values, as it ran in forward.  Checkpointing inside a
+runs in ``autopar.runtime.context_parallel.recompute_context`` (under context parallelism, attention is
+recomputed over the whole sequence's keys and values, as it ran in forward) and in the document mask its
+forward ran in (``autopar.runtime.document_masking.recompute_context``).  Checkpointing inside a
 compiled block (``compiled``, torchtitan's order: checkpoint, then compile) is traced with the block, and
 ``torch.compile`` takes only the selective-checkpointing dispatch modes as ``context_fn``; under context
 parallelism the runtime checkpoints compiled blocks eagerly instead (``autopar.runtime.parallelize``).
@@ -18,7 +19,6 @@ parallelism the runtime checkpoints compiled blocks eagerly instead (``autopar.r
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -26,7 +26,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from autopar.recompute_policy import is_attention_module, product_is_saved
-from autopar.runtime.context_parallel import recompute_context
+from autopar.runtime import context_parallel, document_masking
 
 
 def _saved_by_op_checkpointing() -> tuple[set, set]:
@@ -64,18 +64,35 @@ def op_checkpoint_context():
     """Contexts for eager ``torch.utils.checkpoint``: ``op_checkpoint_contexts``, recomputing in the
     context-parallel attention."""
     forward, recompute = op_checkpoint_contexts()
-    return forward, _both(recompute, recompute_context())
+    return forward, _Both(recompute, _recompute_in())
 
 
-@contextlib.contextmanager
-def _both(first: contextlib.AbstractContextManager, second: contextlib.AbstractContextManager) -> Iterator[None]:
-    with first, second:
-        yield
+class _Both(contextlib.AbstractContextManager):
+    """Two contexts entered together, as often as the recomputation enters them (a split backward, in the
+    zero-bubble schedules, recomputes a region for its input step and again for its weight step)."""
+
+    def __init__(self, first: contextlib.AbstractContextManager, second: contextlib.AbstractContextManager) -> None:
+        self._contexts = (first, second)
+        self._entered: list[contextlib.ExitStack] = []
+
+    def __enter__(self) -> None:
+        stack = contextlib.ExitStack()
+        for context in self._contexts:
+            stack.enter_context(context)
+        self._entered.append(stack)
+
+    def __exit__(self, *exc: object) -> bool | None:
+        return self._entered.pop().__exit__(*exc)
+
+
+def _recompute_in() -> contextlib.AbstractContextManager:
+    """What a region made now recomputes in: the context-parallel attention, the document mask of now."""
+    return _Both(context_parallel.recompute_context(), document_masking.recompute_context())
 
 
 def _contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
-    """Forward as it is; recomputation in the context-parallel attention when there is one."""
-    return contextlib.nullcontext(), recompute_context()
+    """Forward as it is; recomputation as ``_recompute_in``."""
+    return contextlib.nullcontext(), _recompute_in()
 
 
 def apply_recompute(module: nn.Module, container: str | None, mode: str, compiled: bool = False) -> None:

@@ -12,6 +12,7 @@ from torch import nn
 
 from autopar import modelfile
 from autopar.plan_file import Plan
+from autopar.runtime.document_masking import document_mask
 from autopar.runtime.materialize import build_on_meta, materialize
 from autopar.runtime.training import TrainingConfig, build_optimizer, lr_factor
 
@@ -72,11 +73,15 @@ def batch_for_step(plan: Plan, session: ModelSession, step: int, seed: int) -> t
                                     dict(plan.model["config"]), generator=gen)
 
 
-def reference_run(plan: Plan, steps: int, seed: int, config: TrainingConfig) -> dict[str, object]:
+def reference_run(plan: Plan, steps: int, seed: int, config: TrainingConfig,
+                  batches: Callable[[int], tuple[tuple[torch.Tensor, ...], torch.Tensor | None]] | None = None
+                  ) -> dict[str, object]:
     """Single-process training on the full batch: losses, last-step gradients and final parameters.
 
     Clipping and bf16 mixed precision are the distributed run's; with ``fp32`` and SGD the two agree to
     rounding.  Dropout is off (``disable_dropout``, as in the distributed run of ``autopar verify``).
+    ``batches(step)``: the global batch's inputs and document ids (``None``: no document masking), instead of
+    the synthetic batches.
     """
     from autopar.runtime.training import bf16_parameters, clip_grads, fp32_loss, grad_norm
 
@@ -87,11 +92,13 @@ def reference_run(plan: Plan, steps: int, seed: int, config: TrainingConfig) -> 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: lr_factor(k, config))
     losses = []
     for step in range(steps):
-        inputs = batch_for_step(plan, s, step, seed)
+        inputs, documents = batches(step) if batches else (batch_for_step(plan, s, step, seed), None)
         opt.zero_grad(set_to_none=True)
         mixed = bf16_parameters(list(s.model.parameters())) if config.precision == "bf16" else nullcontext()
         with mixed:
-            loss = fp32_loss(s.loss_fn, device, config.precision)(s.model(*inputs), *inputs)
+            with document_mask(documents):
+                output = s.model(*inputs)
+            loss = fp32_loss(s.loss_fn, device, config.precision)(output, *inputs)
             loss.backward()
         if config.max_grad_norm is not None:
             named = list(s.model.named_parameters())

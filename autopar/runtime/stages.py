@@ -169,8 +169,10 @@ def hf_stage(model: nn.Module, container: str, lo: int, hi: int, first: bool, la
     leave the stack; the embeddings of a later stage and the final norm and head of an earlier one become
     parameter-free placeholders.  A later stage takes hidden states (token ids of their shape drive the
     positions and masks, as in the whole model) and hands them to its first layer; an earlier one stops at
-    the final norm and returns what it was about to normalize.  No per-architecture code: whatever the
-    decoder does around its layers (masks, rotary or learned positions, ALiBi, scaling) it does itself.
+    the final norm and returns what it was about to normalize.  Every stage takes the model's other inputs
+    by keyword (``attention_mask=...``); the last returns the logits and records the model's output type.
+    No per-architecture code: whatever the decoder does around its layers (masks, rotary or learned
+    positions, ALiBi, scaling) it does itself.
     What it needs: the hidden states are all the layers carry from the embeddings (a decoder whose layers
     also read per-layer embedding outputs, as Gemma 3n's do, would get zeros on later stages)."""
     if ends is None:
@@ -197,7 +199,7 @@ def hf_stage(model: nn.Module, container: str, lo: int, hi: int, first: bool, la
         parent, name = after[0]
         getattr(parent, name).register_forward_pre_hook(lambda _module, args: (received[-1], *args[1:]))
 
-    def forward(x: torch.Tensor) -> torch.Tensor:
+    def forward(x: torch.Tensor, **inputs: torch.Tensor) -> torch.Tensor:
         if not kept and not first and not last:
             return x  # a chunk without layers between two others (never planned; kept exact anyway)
         ids = x if first else torch.zeros(x.shape[:2], dtype=torch.long, device=x.device)
@@ -206,12 +208,13 @@ def hf_stage(model: nn.Module, container: str, lo: int, hi: int, first: bool, la
         for placeholder in placeholders:
             placeholder.dtype = x.dtype if x.is_floating_point() else torch.float32
         try:
-            out = cls_forward(model, input_ids=ids, use_cache=False)
+            out = cls_forward(model, input_ids=ids, use_cache=False, **inputs)
         except _StageEnd as end:  # a view (OPT's layers return one) would refuse the split backward's detach_
             return end.hidden if end.hidden._base is None else end.hidden.clone()
         finally:
             layers.inject = None
             received.clear()
+        model.output_type = type(out)  # the loss gets one again (autopar.runtime.pipeline.model_output)
         return out.logits
 
     model.forward = forward

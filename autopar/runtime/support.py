@@ -59,6 +59,19 @@ def check_compiled(schedule: str, cp: int, recompute: str, compiled: bool) -> No
         check_compiled_recompute(recompute, compiled)
 
 
+def check_document_masking(data: str | None, cp: int, compiled: bool) -> None:
+    """What ``train.py --document-masking`` needs: document boundaries from ``--data``, attention that is not
+    context-parallel (its own mask), eager blocks (``autopar.runtime.document_masking``)."""
+    if not data:
+        raise AutoparError("--document-masking needs --data: the documents are those of the token data")
+    if cp > 1:
+        raise AutoparError(f"--document-masking does not run under context parallelism (cp={cp}: its attention "
+                           "masks by global positions); plan with --fix cp=1")
+    if compiled:
+        raise AutoparError("--document-masking runs eager blocks (the mask changes with every micro-batch): "
+                           "add --no-compile")
+
+
 def check_compiled_recompute(recompute: str, compiled: bool) -> None:
     """Under context parallelism, refuse ``selective`` recomputation in compiled blocks: the runtime checkpoints
     compiled blocks eagerly there (``autopar.runtime.parallelize``), so that recomputation runs in the

@@ -19,6 +19,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from autopar.errors import AutoparError
 from autopar.runtime.context_parallel import ContextParallel
+from autopar.runtime.document_masking import document_mask
 from autopar.runtime.materialize import clean_fqn
 from autopar.runtime.parallelize import replica_mesh, set_micro_batch
 from autopar.runtime.pipeline import PipelineRunner
@@ -214,21 +215,29 @@ class Trainer:
         """This rank's parameters under their model FQNs."""
         return [(clean_fqn(n), p) for part in self.parts for n, p in part.named_parameters()]
 
-    def step(self, local_inputs: Sequence[torch.Tensor], sync: bool = True) -> float | torch.Tensor:
+    def step(self, local_inputs: Sequence[torch.Tensor], sync: bool = True,
+             documents: torch.Tensor | None = None) -> float | torch.Tensor:
         """One iteration on this data-parallel rank's batch; returns the global mean loss (on every rank): a float,
-        or with ``sync=False`` a tensor, so that the host need not wait for the device."""
-        return self.update(self.forward_backward(local_inputs), sync)
+        or with ``sync=False`` a tensor, so that the host need not wait for the device.  ``documents``: each
+        token's document index, for attention masked per document (``autopar.runtime.document_masking``)."""
+        return self.update(self.forward_backward(local_inputs, documents), sync)
 
-    def forward_backward(self, local_inputs: Sequence[torch.Tensor]) -> torch.Tensor:
+    def forward_backward(self, local_inputs: Sequence[torch.Tensor],
+                         documents: torch.Tensor | None = None) -> torch.Tensor:
         """The first half of ``step``: every micro-batch's forward and backward, the gradients left in
         ``.grad``; returns this rank's mean loss."""
         local = [x.to(self.device) for x in local_inputs]
+        if documents is not None:
+            if self.context is not None:
+                raise AutoparError("document masking does not run under context parallelism (its attention "
+                                   "masks by global positions); plan with --fix cp=1")
+            documents = documents.to(self.device)
         self.optimizer.zero_grad(set_to_none=True)
         with self._loss_context():
             if self.pipeline is None:
-                return self._accumulate(local)
+                return self._accumulate(local, documents)
             if self.context is None:
-                return self.pipeline.step(local)
+                return self.pipeline.step(local, documents=documents)
             local, labels = self.context.shard_inputs(local)
             with self.context.attention(self.device):
                 return self.pipeline.step(local, labels)
@@ -266,14 +275,16 @@ class Trainer:
 
         return loss_parallel()
 
-    def _accumulate(self, local: list[torch.Tensor]) -> torch.Tensor:
+    def _accumulate(self, local: list[torch.Tensor], documents: torch.Tensor | None = None) -> torch.Tensor:
         m, mbs = self.num_microbatches, self.micro_batch
         total = torch.zeros((), device=self.device)
         for i in range(m):
             micro = [x[i * mbs:(i + 1) * mbs] for x in local]
             set_micro_batch(self.parts, self.zero, last=i == m - 1)
             if self.context is None:
-                loss = self.loss_fn(self.parts[0](*micro), *micro) / m
+                with document_mask(None if documents is None else documents[i * mbs:(i + 1) * mbs]):
+                    output = self.parts[0](*micro)
+                loss = self.loss_fn(output, *micro) / m
                 loss.backward()
             else:
                 micro, labels = self.context.shard_inputs(micro)
