@@ -104,26 +104,32 @@ def test_keep_prunes_the_oldest_and_bad_paths_are_one_line_errors(tmp_path):
         checkpoint.load(other, tmp_path)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(("model", "config", "fix"), [
-    ("gpt", DEEP, "dp=2,tp=2,sp=off,zero=0"),
-    ("gpt", DEEP, "pp=2,dp=2,schedule=1f1b,zero=3"),
-    ("moe", MOE, "dp=4,ep=2,zero=3"),
-], ids=["dp2xtp2", "pp2xdp2-zero3", "moe-ep2"])
-def test_four_steps_equal_two_then_resume_and_two_more(tmp_path, capsys, model, config, fix):
-    """fp32 AdamW on 4 CPU ranks: the moments, the step count and the learning rate come back with the weights."""
-    from autopar.runtime.verify import run_plan
+#: The layouts exact resume is checked on: (model, planning options, --fix).
+RESUMED = {"dp2xtp2": ("gpt", DEEP, "dp=2,tp=2,sp=off,zero=0"),
+           "pp2xdp2-zero3": ("gpt", DEEP, "pp=2,dp=2,schedule=1f1b,zero=3"),
+           "moe-ep2": ("moe", MOE, "dp=4,ep=2,zero=3")}
 
-    assert main(["plan", model, *config, "--global-batch", "8", "--fix", fix, "-o", str(tmp_path / "p")]) == 0
+
+@pytest.mark.slow
+def test_four_steps_equal_two_then_resume_and_two_more(tmp_path, capsys):
+    """fp32 AdamW on 4 CPU ranks: the moments, the step count and the learning rate come back with the weights,
+    on each layout of ``RESUMED`` (the three run in each of one launch's three phases)."""
+    from autopar.runtime.verify import run_plans
+
+    plans = []
+    for name, (model, config, fix) in RESUMED.items():
+        assert main(["plan", model, *config, "--global-batch", "8", "--fix", fix, "-o", str(tmp_path / name)]) == 0
+        plans.append(tmp_path / name / "plan.json")
     capsys.readouterr()
-    plan = tmp_path / "p" / "plan.json"
     options = {"numerics": "fp32-adamw", "lr": 1e-3}
-    straight = run_plan(plan, 4, **options)
-    first = run_plan(plan, 2, checkpoint=tmp_path / "ckpt", **options)
-    second = run_plan(plan, 2, resume=tmp_path / "ckpt", **options)
-    assert first["losses"] + second["losses"] == pytest.approx(straight["losses"], rel=1e-6)
-    for name, value in straight["params"].items():
-        torch.testing.assert_close(second["params"][name], value, rtol=1e-6, atol=1e-6, msg=name)
+    straight = run_plans(plans, 4, **options)
+    first = run_plans(plans, 2, checkpoint=tmp_path / "ckpt", **options)
+    second = run_plans(plans, 2, resume=tmp_path / "ckpt", **options)
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["0", "1", "2"]  # a folder per plan
+    for name, a, b, c in zip(RESUMED, straight, first, second):
+        assert b["losses"] + c["losses"] == pytest.approx(a["losses"], rel=1e-6), name
+        for param, value in a["params"].items():
+            torch.testing.assert_close(c["params"][param], value, rtol=1e-6, atol=1e-6, msg=f"{name}: {param}")
 
 
 @pytest.mark.slow

@@ -30,16 +30,18 @@ def test_zero3_script_holds_a_shard_per_rank(tmp_path, capsys):
     plan = Plan.load(tmp_path / "plan.json")
     params = sum(math.prod(p["shape"]) for p in plan.parameters.values())
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=8",
-                           str(tmp_path / "train.py"), "--steps", "2", "--log-every", "1"], capture_output=True,
+                           str(tmp_path / "train.py"), "--steps", "1"], capture_output=True,
                           text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     steps = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
-    assert len(steps) == 2 and all("tokens/s" in s and "MFU" in s for s in steps)
+    assert len(steps) == 1 and all("tokens/s" in s and "MFU" in s for s in steps)
     summary = json.loads(proc.stdout.splitlines()[-1])
-    assert summary["steps"] == 2 and summary["tokens_per_s"] > 0 and 0 < summary["mfu"] < 1
+    assert summary["steps"] == 1 and summary["tokens_per_s"] > 0 and 0 < summary["mfu"] < 1
     added = summary["peak_memory_bytes"] - summary["baseline_memory_bytes"]
-    # each rank's AdamW state is 16 B / 8 ranks = 2 B per parameter; one fp32 copy of the weights is 4 B
+    # each rank's AdamW state is 16 B / 8 ranks = 2 B per parameter (made by the one step's update, on top of
+    # the weight and gradient shards); one fp32 copy of the weights is 4 B.  One step: the ranks' ZeRO-3
+    # gathers and reduce-scatters of 355M parameters over loopback TCP take half a minute a step on 2 cores.
     assert 2 * params < added < 4 * params, (added / params)
 
 

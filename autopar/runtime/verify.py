@@ -89,7 +89,8 @@ def run_plans(plan_paths: Sequence[str | Path], steps: int, *, seed: int = 0, lr
     """Launch the plans (all of one world size) in turn on local CPU ranks, with one launch of torch's
     launcher; per plan, the losses and every stage's grads and params (and, with ``memory``, every
     stage's measured activation peak of the last step).  ``compile``: each block runs ``torch.compile``d
-    (Inductor's CPU backend); otherwise eagerly, whatever the plan says."""
+    (Inductor's CPU backend); otherwise eagerly, whatever the plan says.  ``resume`` and ``checkpoint``: a
+    checkpoint folder, of each plan's own checkpoints (``FOLDER/i``) when there are several."""
     sizes = {Plan.load(path).num_devices for path in plan_paths}
     if len(sizes) != 1:
         raise AutoparError(f"plans run in one launch need one world size; these have {sorted(sizes)}")

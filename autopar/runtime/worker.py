@@ -36,8 +36,10 @@ def _placements(p: torch.Tensor) -> dict[str, str]:
     return {axis: text(pl) for axis, pl in zip(p.device_mesh.mesh_dim_names, p.placements)}
 
 
-def run_one(plan_path: str, out: Path, args: argparse.Namespace) -> None:
-    """Train one plan for ``args.steps`` steps and write this rank's file under ``out``."""
+def run_one(plan_path: str, out: Path, args: argparse.Namespace, resume: str | None = None,
+            save: str | None = None) -> None:
+    """Train one plan for ``args.steps`` steps and write this rank's file under ``out``; ``resume`` from a
+    checkpoint (or the latest in a folder) first, ``save`` one in a folder at the end."""
     from torch._dynamo.utils import counters
 
     counters.clear()
@@ -48,8 +50,8 @@ def run_one(plan_path: str, out: Path, args: argparse.Namespace) -> None:
     for part in trainer.parts:  # the reference run draws other masks: both sides run without dropout
         disable_dropout(part)
     start = args.start_step
-    if args.resume:  # the run's whole state: its data continues where the checkpoint's step left it
-        start = checkpoint.load(trainer, args.resume).step
+    if resume:  # the run's whole state: its data continues where the checkpoint's step left it
+        start = checkpoint.load(trainer, resume).step
     steps = range(start, start + args.steps)
     local = plan.global_batch // trainer.dp_size
     lo = trainer.dp_rank * local
@@ -61,9 +63,9 @@ def run_one(plan_path: str, out: Path, args: argparse.Namespace) -> None:
             losses.append(trainer.update(loss))
         else:
             losses.append(trainer.step(batch))
-    if args.checkpoint:
+    if save:
         end = steps.stop
-        checkpoint.save(trainer, args.checkpoint, checkpoint.Position(end, end * plan.global_batch))
+        checkpoint.save(trainer, save, checkpoint.Position(end, end * plan.global_batch))
     named = trainer.named_parameters()
     grads = {n: _full(p.grad).detach() for n, p in named if p.grad is not None}
     params = {n: _full(p).detach() for n, p in named}
@@ -91,18 +93,20 @@ def main() -> int:
                     help="measure the last step's activation memory (torch's MemTracker)")
     ap.add_argument("--start-step", type=int, default=0, help="index of the first step (its data) without --resume")
     ap.add_argument("--resume", help="load the run's state from this checkpoint (or the latest in this folder) "
-                                     "and continue from its step (one plan only)")
-    ap.add_argument("--checkpoint", help="save the run's state under this folder at the end (one plan only)")
+                                     "and continue from its step (several plans: plan i's under FOLDER/i)")
+    ap.add_argument("--checkpoint", help="save the run's state under this folder at the end (several plans: "
+                                         "plan i's under FOLDER/i)")
     ap.add_argument("--compile", action="store_true", help="torch.compile each block (eager otherwise)")
     args = ap.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     i = 0
     try:
-        if (args.resume or args.checkpoint) and len(args.plans) > 1:
-            raise AutoparError("--resume and --checkpoint take one plan")
+        def own(folder: str | None, i: int) -> str | None:
+            return str(Path(folder) / str(i)) if folder and len(args.plans) > 1 else folder
+
         for i, plan_path in enumerate(args.plans):
-            run_one(plan_path, Path(args.out) / str(i), args)
+            run_one(plan_path, Path(args.out) / str(i), args, own(args.resume, i), own(args.checkpoint, i))
         return 0
     except AutoparError as exc:
         print(f"autopar: error (rank {rank}, {args.plans[i]}): {exc}", file=sys.stderr)
