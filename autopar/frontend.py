@@ -4,19 +4,22 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
 
 from autopar import modelfile
 from autopar.errors import ModelFileError
 from autopar.ir import OpGraph
 from autopar.passes import PassContext, run_pipeline
 from autopar.tracing import trace
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -34,16 +37,55 @@ class TracedModel:
 def build_fake(module: ModuleType, config: dict[str, Any], ref: str,
                seq_len: int | None) -> tuple[nn.Module, dict[str, Any]]:
     """Build the model with fake parameters.  A ``--seq-len`` the config does not set is passed on as
-    ``seq_len`` when ``build_model`` accepts it (it sizes position tables)."""
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        if seq_len is not None and "seq_len" not in config:
-            try:
-                with_seq = {**config, "seq_len": seq_len}
-                return modelfile.build(module, with_seq, ref), with_seq
-            except ModelFileError as exc:
-                if "'seq_len'" not in str(exc):
-                    raise
-        return modelfile.build(module, config, ref), config
+    ``seq_len`` when ``build_model`` accepts it (it sizes position tables).
+
+    A model whose initialization reads values (``tensor.item()``, a data-dependent branch), which fake
+    tensors cannot give, is built on the meta device instead and its tensors made fake of the same shapes
+    and dtypes (``fake_from_meta``); a warning says so."""
+    if seq_len is not None and "seq_len" not in config:
+        try:
+            with_seq = {**config, "seq_len": seq_len}
+            return _build_fake_or_meta(module, with_seq, ref), with_seq
+        except ModelFileError as exc:
+            if "'seq_len'" not in str(exc):
+                raise
+    return _build_fake_or_meta(module, config, ref), config
+
+
+def _build_fake_or_meta(module: ModuleType, config: dict[str, Any], ref: str) -> nn.Module:
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            return modelfile.build(module, config, ref)
+    except ModelFileError as exc:
+        if not isinstance(exc.__cause__, (DataDependentOutputException, DynamicOutputShapeException)):
+            raise
+        reason = exc.__cause__
+    log.warning("%s: build_model reads values as it initializes (%s), which fake tensors cannot give: built on "
+                "the meta device and traced on fake tensors of its shapes", ref, reason)
+    with torch.device("meta"):
+        model = modelfile.build(module, config, ref)
+    return fake_from_meta(model)
+
+
+def fake_from_meta(model: nn.Module, device: str = "cpu") -> nn.Module:
+    """``model`` (built on the meta device) with each parameter and buffer a fake ``device`` tensor of its
+    shape, stride and dtype, in place; tied tensors stay tied."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    made: dict[int, torch.Tensor] = {}  # by the id of the meta tensor, which the model keeps alive
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in made:
+            with mode:
+                new = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+            made[id(t)] = nn.Parameter(new, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else new
+        return made[id(t)]
+
+    for owner in model.modules():
+        for kind in (owner._parameters, owner._buffers):
+            for name, t in list(kind.items()):
+                if t is not None:
+                    kind[name] = fake(t)
+    return model
 
 
 #: Models are traced in the 16-bit precision they train in, so that the fp32 upcasts their code makes
@@ -68,6 +110,12 @@ def _to_trace_dtype(model: nn.Module) -> nn.Module:
                 if b is not None and b.is_floating_point():
                     module._buffers[name] = b.to(TRACE_DTYPE)
     return model
+
+
+def to_trace_dtype(inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Floating inputs (images, audio features) in ``TRACE_DTYPE``, as the runtime's bf16 mixed precision
+    casts them (FSDP2's ``MixedPrecisionPolicy`` casts forward inputs to the parameters' dtype)."""
+    return tuple(x.to(TRACE_DTYPE) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs)
 
 
 def fake_copy(model: nn.Module) -> nn.Module:
@@ -101,7 +149,7 @@ def trace_model(ref: str, config: dict[str, Any] | None = None, seq_len: int | N
     seq = seq_len if seq_len is not None else modelfile.infer_seq_len(model, config)
     if seq < 1:
         raise ModelFileError(f"sequence length must be >= 1, got {seq}")
-    inputs = modelfile.example_inputs(module, model, 1, seq, config)
+    inputs = to_trace_dtype(modelfile.example_inputs(module, model, 1, seq, config))
     graph = trace(model, inputs, modelfile.loss_fn_of(module), repeat_identical_layers=not every_layer)
     graph = run_pipeline(graph, ctx or PassContext())
     return TracedModel(ref, config, module, model, graph, graph.seq_len)

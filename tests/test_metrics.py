@@ -22,12 +22,12 @@ def test_logged_steps_go_to_json_lines_and_tensorboard(tmp_path):
     log = MetricsLog(tmp_path / "metrics.jsonl", tmp_path / "tb")
     for step, loss, since in ((0, 5.0, 1), (4, 4.5, 4)):
         report.step(step, loss, 0.25, since, grad_norm=1.5)
-        log.write(report.records[-1])
+        log.write(report.last_record)
     log.close()
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 4] and records[1]["loss"] == 4.5 and records[1]["grad_norm"] == 1.5
     assert records[1]["tokens_per_s"] == pytest.approx(512 / 0.25) and records[1]["mfu"] == pytest.approx(2.0)
-    assert len(report.times_s) == 5  # the unlogged steps count in the run's mean time
+    assert report.steps == 5  # the unlogged steps count in the run's mean time
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
     assert [e.step for e in events.Scalars("train/loss")] == [0, 4]

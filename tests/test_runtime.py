@@ -103,6 +103,10 @@ VERIFIED = {
     "hf-padded-pp2-dp2": (str(ROOT / "tests" / "fixtures" / "hf_padded.py"),
                           ["--config", "layers=4,hidden=64,heads=4,vocab=128,seq_len=32", "--cluster", "cpu"], 8,
                           "pp=2,dp=2"),
+    # a ViT built on the meta device (its init reads values); a conv front end on float features, pipelined
+    "hf-vit-dp2-tp2": (str(ROOT / "tests" / "fixtures" / "hf_vit.py"), ["--cluster", "cpu"], 8, "dp=2,tp=2"),
+    "conv-features-pp2-dp2": (str(ROOT / "tests" / "fixtures" / "conv_features.py"),
+                              ["--seq-len", "32", "--cluster", "cpu"], 8, "pp=2,dp=2"),
     # grouped-query attention with fewer K/V heads than tp (8 query, 2 kv, tp=4): query heads split, K/V whole
     "hf-llama-gqa-tp4": (str(EXAMPLES / "hf_decoder.py"), ["--config", "arch=llama,layers=2,hidden=128,heads=8,"
                                                            "kv_heads=2,vocab=128,seq_len=32", "--cluster", "cpu"], 8,
@@ -507,6 +511,14 @@ def test_under_pipelining_the_loss_gets_the_models_output_and_every_input(verifi
     """The model file's loss_fn(output, ids, attention_mask) reads output.logits; the mask reaches both stages."""
     plan, _ = _verified(verified, "hf-padded-pp2-dp2")
     assert plan["layout"]["pp"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["hf-vit-dp2-tp2", "conv-features-pp2-dp2"])
+def test_verify_models_that_are_not_language_models(verified, name):
+    """An image classifier whose initialization reads values; float features through a pipeline (the stage
+    hands on a transposed view, sent contiguous)."""
+    _verified(verified, name)
 
 
 @pytest.mark.slow

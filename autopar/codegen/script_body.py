@@ -152,7 +152,7 @@ def main():
                                int(trainer.bad_steps))
             if first:
                 print(line, flush=True)
-                metrics.write(report.records[-1])
+                metrics.write(report.last_record)
             since, start = 0, time.perf_counter()
         if saves:
             saving = time.perf_counter()

@@ -91,6 +91,16 @@ def _exit_document_mask(module: nn.Module, *_: object) -> None:
         masks.pop().__exit__(None, None, None)
 
 
+def _contiguous(module: nn.Module, args: tuple, output: Any) -> Any:
+    """A stage's output laid out contiguously: the send to the next stage takes no other (a model may hand on a
+    transposed view, as a convolutional front end does)."""
+    if isinstance(output, torch.Tensor):
+        return output.contiguous()
+    if isinstance(output, tuple):
+        return tuple(x.contiguous() if isinstance(x, torch.Tensor) else x for x in output)
+    return output
+
+
 def model_output(stage: nn.Module, output: Any) -> Any:
     """What the whole model returns, from what its last stage returns: the stage's ``output_type`` (a
     HuggingFace ``ModelOutput``) around its logits, else the output as it is."""
@@ -121,6 +131,7 @@ class PipelineRunner:
         for m in modules:  # a micro-batch's document ids, if any, mask its attention (``step(documents=)``)
             m.register_forward_pre_hook(_enter_document_mask, with_kwargs=True)
             m.register_forward_hook(_exit_document_mask, always_call=True)
+            m.register_forward_hook(_contiguous)
         self.has_first = 0 in chunks
         self.has_last = num_chunks - 1 in chunks
         self.first_rank = rank_of_chunk(schedule, 0, self.pp)  # pipeline ranks of the first and last chunk

@@ -8,7 +8,7 @@ import ctypes.util
 import json
 import resource
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -58,9 +58,10 @@ class StepReport:
     devices: int
     peak_flops: float
     device: torch.device
-    times_s: list[float] = field(default_factory=list)  # per step, each logged interval's mean
-    losses: list[float] = field(default_factory=list)  # of the logged steps
-    records: list[dict[str, Any]] = field(default_factory=list)  # the logged steps, as ``MetricsLog`` writes them
+    steps: int = 0  # steps timed
+    first_time_s: float = 0.0  # the first step's (warm-up) time
+    total_time_s: float = 0.0  # of every step timed
+    last_record: dict[str, Any] | None = None  # the latest logged step, as ``MetricsLog`` writes it
     baseline_bytes: int = 0
     """Peak memory before the model was built (torch, the process group): what the run adds is above it."""
 
@@ -72,12 +73,14 @@ class StepReport:
         """Record a logged step: its loss (and grad norm), and the mean time of the ``steps`` steps since the
         last logged one (``time_s``), and the steps skipped so far for a non-finite loss or gradient norm
         (``bad_steps``); returns the line rank 0 prints."""
-        self.times_s.extend([time_s] * steps)
-        self.losses.append(loss)
+        if self.steps == 0:
+            self.first_time_s = time_s
+        self.steps += steps
+        self.total_time_s += time_s * steps
         mem = self.peak_memory_all_ranks()
-        self.records.append({"step": index, "loss": loss, "grad_norm": grad_norm, "time_s": time_s,
-                             "tokens_per_s": self.tokens_per_step / time_s, "mfu": self.mfu(time_s),
-                             "peak_memory_bytes": mem, "skipped_steps": bad_steps})
+        self.last_record = {"step": index, "loss": loss, "grad_norm": grad_norm, "time_s": time_s,
+                            "tokens_per_s": self.tokens_per_step / time_s, "mfu": self.mfu(time_s),
+                            "peak_memory_bytes": mem, "skipped_steps": bad_steps}
         norm = f" grad norm {grad_norm:.4g}" if grad_norm is not None else ""
         norm += f" ({bad_steps} non-finite steps skipped so far)" if bad_steps else ""
         return (f"step {index} loss {loss:.6f}{norm} | {self.tokens_per_step / time_s:,.0f} tokens/s, "
@@ -95,10 +98,13 @@ class StepReport:
         return int(peak)
 
     def summary(self) -> dict[str, Any]:
-        """The run's closing JSON object; steady state leaves out the first step (warm-up) when there are more."""
-        steady = self.times_s[1:] or self.times_s
-        time_s = sum(steady) / len(steady)
-        return {"steps": len(self.times_s), "loss": self.losses[-1], "iteration_time_s": time_s,
+        """The run's closing JSON object; steady state leaves out the first step (warm-up) when there are more.
+        (Running sums, not a list per step: a run of a million steps keeps no more than one.)"""
+        if self.steps > 1:
+            time_s = (self.total_time_s - self.first_time_s) / (self.steps - 1)
+        else:
+            time_s = self.first_time_s
+        return {"steps": self.steps, "loss": self.last_record["loss"], "iteration_time_s": time_s,
                 "tokens_per_s": self.tokens_per_step / time_s, "mfu": self.mfu(time_s),
                 "peak_memory_bytes": self.peak_memory_all_ranks(), "baseline_memory_bytes": self.baseline_bytes,
                 "estimate": {k: self.estimate[k] for k in ("iteration_time_s", "tokens_per_s", "mfu",

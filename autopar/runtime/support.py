@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 
@@ -10,6 +12,7 @@ from autopar.errors import AutoparError
 from autopar.inter_op.expert_parallel import expert_parallel_refuses
 from autopar.plan_file import Plan
 from autopar.runtime.expert_parallel import planned_experts
+from autopar.runtime.stages import is_huggingface
 from autopar.runtime.tensor_parallel import StyleSpec, tp_style_specs
 from autopar.solvers.pipeline import SPLIT_BACKWARD
 
@@ -26,11 +29,26 @@ def check_runnable(plan: Plan, model: nn.Module, compiled: bool | None = None) -
     compiled or not, default as the plan says); returns its tp styles."""
     lay = plan.layout
     check_compiled(lay["schedule"], lay.get("cp", 1), lay["recompute"], plan.compile if compiled is None else compiled)
+    if lay["pp"] > 1:
+        check_pipeline_stages(model)
     if lay.get("cp", 1) > 1:
         check_context_parallel(plan, model)
     if lay.get("ep", 1) > 1:
         check_expert_parallel(plan, model)
     return tp_style_specs(plan, model) if lay["tp"] > 1 else None
+
+
+def check_pipeline_stages(model: nn.Module) -> None:
+    """What ``autopar.runtime.stages.hf_stage`` splits: HuggingFace models whose forward takes token ids
+    (``input_ids``) first; a later stage makes ids of its hidden states' shape to drive the positions and
+    masks, which images or audio features (``pixel_values``, ``input_features``) cannot stand in for."""
+    if not is_huggingface(model):
+        return
+    first = list(inspect.signature(type(model).forward).parameters)[1:2]
+    if first != ["input_ids"]:
+        raise AutoparError(f"pipeline stages of a HuggingFace model run its forward on token ids (input_ids); "
+                           f"{type(model).__name__}.forward takes {first[0] if first else 'nothing'} first: plan "
+                           "with --fix pp=1")
 
 
 def check_expert_parallel(plan: Plan, model: nn.Module) -> None:
