@@ -15,6 +15,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicO
 
 from autopar import modelfile
 from autopar.errors import ModelFileError
+from autopar.inputs import ModelInputs
 from autopar.ir import OpGraph
 from autopar.passes import PassContext, run_pipeline
 from autopar.tracing import trace
@@ -112,10 +113,10 @@ def _to_trace_dtype(model: nn.Module) -> nn.Module:
     return model
 
 
-def to_trace_dtype(inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+def to_trace_dtype(inputs: ModelInputs) -> ModelInputs:
     """Floating inputs (images, audio features) in ``TRACE_DTYPE``, as the runtime's bf16 mixed precision
     casts them (FSDP2's ``MixedPrecisionPolicy`` casts forward inputs to the parameters' dtype)."""
-    return tuple(x.to(TRACE_DTYPE) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs)
+    return inputs.map(lambda x: x.to(TRACE_DTYPE) if x.is_floating_point() else x)
 
 
 def fake_copy(model: nn.Module) -> nn.Module:

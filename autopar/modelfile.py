@@ -3,12 +3,13 @@
 A model file defines
 
 - ``build_model(**config) -> nn.Module`` (required);
-- ``example_inputs(batch_size, seq_len, **config) -> tuple[Tensor, ...]`` (optional; default: one
-  LongTensor of token ids ``[batch, seq]``);
-- ``loss_fn(output, *inputs) -> Tensor`` (optional; default: next-token cross-entropy on the logits,
-  also when the output is a HuggingFace ``ModelOutput``);
+- ``example_inputs(batch_size, seq_len, **config)`` (optional; default: one LongTensor of token ids
+  ``[batch, seq]``): a tensor, a tuple of them (positional), a dict (keyword) or an ``(args, kwargs)`` pair
+  (``autopar.inputs.ModelInputs``);
+- ``loss_fn(output, *args, **kwargs) -> Tensor`` (optional; default: next-token cross-entropy on the
+  logits, also when the output is a HuggingFace ``ModelOutput``), given the inputs as the model gets them;
 - ``batches(dp_rank, dp_size, batch_size, seq_len, **config)`` (optional): training data for generated
-  scripts, an iterator of input tuples (``autopar.runtime.data``).
+  scripts, an iterator of inputs of the same forms (``autopar.runtime.data``).
 
 The model may define ``init_parameter(name, tensor)`` to initialize one parameter in place
 (``autopar.runtime.materialize``).
@@ -38,6 +39,7 @@ import torch
 from torch import nn
 
 from autopar.errors import ModelFileError
+from autopar.inputs import ModelInputs
 from autopar.tracing import default_loss_fn
 
 ZOO = ("gpt", "llama", "mlp", "moe")
@@ -272,7 +274,7 @@ def vocab_size(model: nn.Module, config: dict[str, Any]) -> int:
 
 
 def example_inputs(module: ModuleType, model: nn.Module, batch_size: int, seq_len: int,
-                   config: dict[str, Any], generator: torch.Generator | None = None) -> tuple[torch.Tensor, ...]:
+                   config: dict[str, Any], generator: torch.Generator | None = None) -> ModelInputs:
     """The model file's ``example_inputs`` or, by default, random token ids ``[batch, seq]``."""
     fn = getattr(module, "example_inputs", None)
     if fn is not None:
@@ -282,9 +284,9 @@ def example_inputs(module: ModuleType, model: nn.Module, batch_size: int, seq_le
         except Exception as exc:
             raise ModelFileError(f"example_inputs(batch_size={batch_size}, seq_len={seq_len}, **config) raised "
                                  f"{type(exc).__name__}: {exc}") from exc
-        return tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+        return ModelInputs.of(inputs)
     vocab = vocab_size(model, config)
-    return (torch.randint(0, vocab, (batch_size, seq_len), generator=generator),)
+    return ModelInputs((torch.randint(0, vocab, (batch_size, seq_len), generator=generator),))
 
 
 def loss_fn_of(module: ModuleType) -> Callable[..., torch.Tensor]:

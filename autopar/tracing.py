@@ -1,7 +1,8 @@
 """Trace a model and its loss into an ``OpGraph`` with ``torch.export`` on fake tensors.
 
 Route: the model is built (or already lives) under ``FakeTensorMode`` so no real memory is used, then
-``torch.export.export(strict=False)`` traces ``loss_fn(model(*inputs), *inputs)`` into an aten graph
+``torch.export.export(strict=False)`` traces ``loss_fn(model(*args, **kwargs), *args, **kwargs)`` (the model
+file's inputs, ``autopar.inputs.ModelInputs``) into an aten graph
 (the pre-dispatch training IR: ``aten.linear``, ``aten.scaled_dot_product_attention``, ...).
 
 Backward: **derived per op**, not traced.  Only the forward graph is exported (joint-graph export costs
@@ -43,6 +44,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from autopar.errors import TraceError
+from autopar.inputs import ModelInputs
 from autopar.ir import BatchScaled, LayerInfo, Node, OpGraph, ParamInfo, Ref, TensorInfo, iter_refs
 
 LossFn = Callable[..., torch.Tensor]
@@ -72,52 +74,56 @@ TRACED_LAYERS = 3
 SENTINEL_BATCHES = (1009, 1013, 1019, 1021, 1031)
 
 
-def default_loss_fn(output: Any, *inputs: torch.Tensor) -> torch.Tensor:
-    """Next-token cross-entropy of logits ``[b, s, vocab]`` against the token ids ``inputs[0]``.
+def default_loss_fn(output: Any, *inputs: torch.Tensor, **named: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy of logits ``[b, s, vocab]`` against the token ids, the first input (positional,
+    else keyword).
 
     ``output`` may be a tensor or a HuggingFace ``ModelOutput`` (its ``logits`` are used).
     """
     logits = output.logits if hasattr(output, "logits") else output
     if isinstance(logits, (tuple, list)):
         logits = logits[0]
-    ids = inputs[0]
+    ids = inputs[0] if inputs else next(iter(named.values()))
     return nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
 
 
 class LossWrapper(nn.Module):
-    """``forward(*inputs) = loss_fn(model(*inputs), *inputs)``; the model is the ``model`` child."""
+    """``forward(*args, **kwargs) = loss_fn(model(*args, **kwargs), *args, **kwargs)``; the model is the ``model``
+    child."""
 
     def __init__(self, model: nn.Module, loss_fn: LossFn | None = None) -> None:
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn or default_loss_fn
 
-    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
-        return self.loss_fn(self.model(*inputs), *inputs)
+    def forward(self, *args: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(self.model(*args, **kwargs), *args, **kwargs)
 
 
 def trace(
     model: nn.Module,
-    example_inputs: Sequence[torch.Tensor],
+    example_inputs: Sequence[torch.Tensor] | ModelInputs,
     loss_fn: LossFn | None = None,
     repeat_identical_layers: bool = True,
 ) -> OpGraph:
-    """Trace ``loss_fn(model(*example_inputs), *example_inputs)`` into an ``OpGraph``.
+    """Trace ``loss_fn(model(*args, **kwargs), *args, **kwargs)`` into an ``OpGraph``.
 
-    ``example_inputs`` give dtype and per-sample shape; dim 0 of every tensor input is the batch.
+    ``example_inputs`` (positional, or a ``ModelInputs`` with keyword ones) give dtype and per-sample shape;
+    dim 0 of every tensor input is the batch.
     The model is traced in training mode.  Build it under ``FakeTensorMode`` to trace a model that
     does not fit in memory (``autopar.modelfile.load_model`` does).  ``repeat_identical_layers``: export
     a few blocks of an identical stack and repeat them (the module docstring says when); ``False``
     exports every block.
     """
     t0 = time.perf_counter()
+    example_inputs = ModelInputs.of(example_inputs)
     fake_mode = _fake_mode_of(model) or FakeTensorMode(allow_non_fake_inputs=True)
-    forbidden = _model_dims(model, example_inputs)
+    forbidden = _model_dims(model, example_inputs.tensors())
     sentinel = next((p for p in SENTINEL_BATCHES if not any(d % p == 0 for d in forbidden)), None)
     if sentinel is None:
         raise TraceError("could not find a sentinel batch size that divides no model dimension")
     inputs = _rebatch_inputs(example_inputs, sentinel, fake_mode)
-    seq_len = _seq_len_of(example_inputs)
+    seq_len = _seq_len_of(example_inputs.tensors())
     container = _find_layer_container(model)
     graph = None
     if repeat_identical_layers and _identical_blocks(model, container):
@@ -162,14 +168,14 @@ def _model_source_line(exc: BaseException) -> str:
     return ""
 
 
-def _export(model: nn.Module, inputs: list[Any], loss_fn: LossFn | None) -> torch.export.ExportedProgram:
+def _export(model: nn.Module, inputs: ModelInputs, loss_fn: LossFn | None) -> torch.export.ExportedProgram:
     wrapper = LossWrapper(model, loss_fn)
     was_training = model.training
     wrapper.train()
     try:
         with warnings.catch_warnings(), _quiet_torch_logs():
             warnings.simplefilter("ignore")
-            return torch.export.export(wrapper, tuple(inputs), strict=False)
+            return torch.export.export(wrapper, inputs.args, dict(inputs.kwargs), strict=False)
     except Exception as exc:  # torch.export raises many exception types; all mean "cannot trace"
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         where = _model_source_line(exc)
@@ -220,18 +226,14 @@ def _seq_len_of(example_inputs: Sequence[torch.Tensor]) -> int:
     return 1
 
 
-def _rebatch_inputs(example_inputs: Sequence[torch.Tensor], batch: int, fake_mode: FakeTensorMode) -> list[Any]:
-    out: list[Any] = []
-    for x in example_inputs:
-        if not isinstance(x, torch.Tensor):
-            out.append(x)
-            continue
+def _rebatch_inputs(example_inputs: ModelInputs, batch: int, fake_mode: FakeTensorMode) -> ModelInputs:
+    def rebatched(x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 0:
             raise TraceError("example inputs must have a batch dimension (dim 0)")
         with fake_mode:
-            out.append(torch.empty((batch, *x.shape[1:]), dtype=x.dtype).fill_(0) if x.is_floating_point()
-                       else torch.zeros((batch, *x.shape[1:]), dtype=x.dtype))
-    return out
+            return (torch.empty((batch, *x.shape[1:]), dtype=x.dtype).fill_(0) if x.is_floating_point()
+                    else torch.zeros((batch, *x.shape[1:]), dtype=x.dtype))
+    return example_inputs.map(rebatched)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -128,7 +128,7 @@ def measure(plan_path: Path) -> dict:
         inputs = batch_for_step(plan, session, 0, 0)
         local = plan.global_batch // trainer.dp_size
         with CommBytes() as comm:
-            trainer.step([x[:local] for x in inputs])
+            trainer.step(inputs.rows(0, local))
     finally:
         dist.destroy_process_group()
     cluster = Cluster.from_dict(plan.cluster)  # the cluster the plan was made for, overrides included

@@ -7,6 +7,7 @@ import torch
 
 from autopar.api import plan
 from autopar.errors import AutoparError
+from autopar.inputs import ModelInputs
 from autopar.runtime.context_parallel import ContextParallel, gathered_positions, rank_positions
 
 LLAMA_8B = {"layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 8, "ffn": 14336, "vocab": 128256,
@@ -27,10 +28,10 @@ def test_each_rank_takes_a_chunk_from_either_end():
 def test_labels_are_shifted_on_the_whole_sequence_before_slicing():
     cp = ContextParallel(None, 2, 1, 8)
     ids = torch.arange(8).view(1, 8) * 10
-    (local,), labels = cp.shard_inputs([ids])
-    assert local.tolist() == [[20, 30, 40, 50]] and labels.tolist() == [[30, 40, 50, 60]]
-    (local,), labels = ContextParallel(None, 2, 0, 8).shard_inputs([ids])
-    assert local.tolist() == [[0, 10, 60, 70]] and labels.tolist() == [[10, 20, 70, -100]]  # the last has none
+    local, labels = cp.shard_inputs(ModelInputs((ids,)))
+    assert local.first.tolist() == [[20, 30, 40, 50]] and labels.tolist() == [[30, 40, 50, 60]]
+    local, labels = ContextParallel(None, 2, 0, 8).shard_inputs(ModelInputs((), {"ids": ids}))
+    assert local.first.tolist() == [[0, 10, 60, 70]] and labels.tolist() == [[10, 20, 70, -100]]  # the last has none
 
 
 def _estimate(**fix) -> dict:

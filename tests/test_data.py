@@ -30,7 +30,7 @@ def _flat(tmp_path, tokens, name: str = "tokens.bin", dtype=np.uint16):
 def _global_batch(data: TokenData, step: int, dp: int, global_batch: int = 8, seq_len: int = 8):
     """Step ``step``'s global batch, the ranks' shares in rank order."""
     parts = [next(token_batches(data, global_batch, seq_len, r, dp, start_step=step)) for r in range(dp)]
-    return [torch.cat(x) for x in zip(*parts)]
+    return [torch.cat([inputs.first for inputs, _ in parts])]
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 16, 17, 1000, 4099])
@@ -53,7 +53,7 @@ def test_ranks_read_disjoint_windows_that_make_the_global_batch_in_file_order_wi
     assert ids.shape == (8, 8) and ids.dtype == torch.int64
     assert torch.equal(ids.flatten(), torch.arange(64))
     it = token_batches(data, 8, 8, 1, 2, start_step=2)
-    assert int(next(it)[0][0, 0]) == (2 * 8 + 4) * 8  # step 2, rank 1: window 20
+    assert int(next(it)[0].first[0, 0]) == (2 * 8 + 4) * 8  # step 2, rank 1: window 20
 
 
 def test_an_epoch_reads_every_window_once_and_the_next_epoch_reshuffles(tmp_path):
@@ -102,8 +102,8 @@ def test_parquet_and_arrow_shards_read_as_one_stream_with_their_documents(tmp_pa
     assert corpus.document_ids(0, 16).tolist() == [0, 0, 0, 1, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 4, 4]
     assert corpus.document_ids(5, 6).tolist() == [0, 0, 0, 1, 1, 1]  # counted from the span's first document
     data = TokenData(str(folder / "*.parquet"), documents=True, shuffle=False)
-    ids, documents = next(token_batches(data, 2, 4, 0, 1))
-    assert ids.tolist() == [[1, 2, 3, 4], [5, 6, 7, 8]] and documents.tolist() == [[0, 0, 0, 1], [0, 0, 0, 0]]
+    inputs, documents = next(token_batches(data, 2, 4, 0, 1))
+    assert inputs.first.tolist() == [[1, 2, 3, 4], [5, 6, 7, 8]] and documents.tolist() == [[0, 0, 0, 1], [0, 0, 0, 0]]
 
 
 def test_bad_token_data_is_refused_in_one_line(tmp_path):
@@ -137,10 +137,10 @@ def test_run_batches_prefers_the_token_data_then_the_model_files_batches(tmp_pat
     module = types.SimpleNamespace(batches=batches)
     model = torch.nn.Embedding(1000, 4)
     own, source = run_batches(module, model, {}, 8, 8, dp_rank=1, dp_size=2, seed=0)
-    assert source == "the model file's batches()" and torch.equal(next(own)[0], torch.full((4, 8), 1))
+    assert source == "the model file's batches()" and torch.equal(next(own)[0].first, torch.full((4, 8), 1))
     path = _flat(tmp_path, range(256))
     data = TokenData(str(path), shuffle=False)
     from_file, source = run_batches(module, model, {}, 8, 8, dp_rank=0, dp_size=2, seed=0, data=data)
-    assert source == str(path) and torch.equal(next(from_file)[0].flatten(), torch.arange(32))
+    assert source == str(path) and torch.equal(next(from_file)[0].first.flatten(), torch.arange(32))
     synthetic, source = run_batches(types.SimpleNamespace(), model, {}, 8, 8, dp_rank=0, dp_size=2, seed=0)
-    assert source.startswith("synthetic") and next(synthetic)[0].shape == (4, 8)
+    assert source.startswith("synthetic") and next(synthetic)[0].first.shape == (4, 8)

@@ -99,7 +99,7 @@ VERIFIED = {
        for arch, name, fix in (("gpt2", "dp2-tp2", "dp=2,tp=2"), ("falcon", "dp2-tp2", "dp=2,tp=2"),
                                ("opt", "pp2-dp2", "pp=2,dp=2"), ("bloom", "pp2-dp2", "pp=2,dp=2"),
                                ("gemma2", "pp2-dp2", "pp=2,dp=2"), ("mixtral", "pp2-dp2", "pp=2,dp=2"))},
-    # two inputs (ids and a padding mask) and a loss reading output.logits, as HF training code has them
+    # two inputs by keyword (ids and a padding mask) and a loss reading output.logits, as HF training code has them
     "hf-padded-pp2-dp2": (str(ROOT / "tests" / "fixtures" / "hf_padded.py"),
                           ["--config", "layers=4,hidden=64,heads=4,vocab=128,seq_len=32", "--cluster", "cpu"], 8,
                           "pp=2,dp=2"),
@@ -430,8 +430,7 @@ def test_generated_script_runs_the_plan(tmp_path, capsys, examples, model, confi
     plan = Plan.load(tmp_path / "plan.json")
 
     def batches(step: int):  # the whole global batch, as one data-parallel rank would read it
-        ids, ids_documents = next(token_batches(documents, plan.global_batch, plan.seq_len, 0, 1, start_step=step))
-        return (ids,), ids_documents
+        return next(token_batches(documents, plan.global_batch, plan.seq_len, 0, 1, start_step=step))
 
     ref_losses = reference_run(plan, 3, 0, adamw, batches if documents else None)["losses"]
     assert losses == pytest.approx(ref_losses, rel=1e-5)
@@ -508,7 +507,8 @@ def test_verify_huggingface_decoders(verified, name):
 
 @pytest.mark.slow
 def test_under_pipelining_the_loss_gets_the_models_output_and_every_input(verified):
-    """The model file's loss_fn(output, ids, attention_mask) reads output.logits; the mask reaches both stages."""
+    """The model file's inputs are a dict ({"input_ids": ..., "attention_mask": ...}); its loss_fn(output,
+    input_ids, attention_mask) reads output.logits; the mask reaches both stages by keyword."""
     plan, _ = _verified(verified, "hf-padded-pp2-dp2")
     assert plan["layout"]["pp"] == 2
 

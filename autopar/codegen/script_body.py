@@ -132,12 +132,11 @@ def main():
     since, start = 0, time.perf_counter()
     for step in range(begin, args.steps):
         try:
-            batch = next(batches)
+            inputs, documents = next(batches)  # documents: with --document-masking, each token's document
         except AutoparError as exc:  # this rank's data (ids beyond the vocabulary): torchrun stops the others
             print(f"train.py: error: rank {dist.get_rank()}: {exc}", file=sys.stderr, flush=True)
             raise SystemExit(2) from None
-        documents = batch[-1] if args.document_masking else None  # the data's last tensor: document ids
-        loss = trainer.step(batch[:-1] if args.document_masking else batch, sync=False, documents=documents)
+        loss = trainer.step(inputs, sync=False, documents=documents)
         since, done = since + 1, step + 1
         logs = step == begin or done == args.steps or done % max(1, args.log_every) == 0
         saves = saver and (done == args.steps or (args.checkpoint_every and done % args.checkpoint_every == 0))

@@ -23,7 +23,6 @@ What the model must let the runtime see:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +32,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from autopar.errors import AutoparError
+from autopar.inputs import ModelInputs
 
 IGNORE_INDEX = -100  # cross_entropy's default: the last position has no next token
 _ACTIVE: list[ContextParallelAttention] = []  # the context-parallel attentions entered, innermost last
@@ -65,17 +65,17 @@ class ContextParallel:
     def positions(self, device: torch.device) -> torch.Tensor:
         return rank_positions(self.seq_len, self.size, self.rank).to(device)
 
-    def shard_inputs(self, inputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
+    def shard_inputs(self, inputs: ModelInputs) -> tuple[ModelInputs, torch.Tensor]:
         """This rank's slice of every input with the sequence at dim 1, and the next-token labels of its tokens
         (taken from the whole sequence of the first input, the token ids)."""
-        ids = inputs[0]
+        ids = inputs.first
         if ids.dim() < 2 or ids.shape[1] != self.seq_len:
             raise AutoparError(f"context parallelism needs token ids [batch, {self.seq_len}] as the first input, "
                                f"got shape {tuple(ids.shape)}")
         labels = torch.full_like(ids, IGNORE_INDEX)
         labels[:, :-1] = ids[:, 1:]
         pos = self.positions(ids.device)
-        local = [x.index_select(1, pos) if x.dim() >= 2 and x.shape[1] == self.seq_len else x for x in inputs]
+        local = inputs.map(lambda x: x.index_select(1, pos) if x.dim() >= 2 and x.shape[1] == self.seq_len else x)
         return local, labels.index_select(1, pos)
 
     def loss(self, output: Any, labels: torch.Tensor) -> torch.Tensor:

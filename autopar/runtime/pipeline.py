@@ -8,7 +8,7 @@ Tied parameters shared by the first and last chunk (embedding and head) get one 
 gradients are summed before the optimizer step: over a dedicated group of the two ranks, or on the rank
 itself when a V puts both chunks there.
 
-The loss sees what it sees in one process: ``loss_fn(output, *inputs)`` with the model's own output type
+The loss sees what it sees in one process: ``loss_fn(output, *args, **kwargs)`` with the model's own output type
 (the last stage's ``output_type``, a HuggingFace ``ModelOutput``, rebuilt around its logits) and every input
 of the micro-batch.  The schedule hands the loss a target per micro-batch: the runner makes it the
 micro-batch's sample indices, by which the loss takes its rows of every input.  Inputs after the first reach
@@ -20,7 +20,7 @@ stage, and the stages after it take hidden states in its place.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autopar.errors import AutoparError
+from autopar.inputs import ModelInputs
 from autopar.plan_file import Plan
 from autopar.runtime.document_masking import DocumentMask
 from autopar.runtime.materialize import clean_fqn
@@ -51,24 +52,27 @@ def tied_pairs(plan: Plan) -> list[tuple[str, str]]:
     return [(fqn, alias) for fqn, p in plan.parameters.items() for alias in p.get("aliases", [])]
 
 
-def input_names(module: nn.Module, count: int) -> list[str]:
-    """The ``forward`` parameter names of a model's inputs ``1 .. count - 1`` (input 0 enters the first stage
-    by position)."""
-    if count <= 1:
-        return []
+def stage_inputs(module: nn.Module, inputs: ModelInputs) -> tuple[torch.Tensor, dict[str, Any]]:
+    """What enters the first stage by position (the model's first input: the first positional one, or the
+    keyword one named as ``forward``'s first parameter), and the others by their ``forward`` parameter names,
+    as every stage gets them."""
     params = list(inspect.signature(type(module).forward).parameters.values())[1:]  # after self
-    names = []
-    for i in range(1, count):
-        if i >= len(params) or params[i].kind not in (inspect.Parameter.POSITIONAL_ONLY,
-                                                      inspect.Parameter.POSITIONAL_OR_KEYWORD):
-            raise AutoparError(f"pipelining passes input {i} to every stage by its name in "
-                               f"{type(module).__name__}.forward, which names no parameter {i} it can take by "
-                               "keyword")
-        if params[i].kind is inspect.Parameter.POSITIONAL_ONLY:
-            raise AutoparError(f"pipelining passes input {i} to every stage by name; {type(module).__name__}."
-                               f"forward takes its parameter {params[i].name!r} by position only")
-        names.append(params[i].name)
-    return names
+    cls = type(module).__name__
+    if inputs.args:
+        first, rest = inputs.args[0], inputs.args[1:]
+    else:
+        name = params[0].name if params else None
+        if name not in inputs.kwargs:
+            raise AutoparError(f"pipeline stages take the model's first input by position: {cls}.forward's first "
+                               f"parameter is {name!r}, which the inputs ({', '.join(inputs.kwargs)}) do not name")
+        first, rest = inputs.kwargs[name], ()
+    named = {k: v for k, v in inputs.kwargs.items() if v is not first}
+    for i, value in enumerate(rest, start=1):
+        if i >= len(params) or params[i].kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD:
+            raise AutoparError(f"pipelining passes input {i} to every stage by its name in {cls}.forward, which "
+                               f"names no parameter {i} it can take by keyword")
+        named[params[i].name] = value
+    return first, named
 
 
 #: The keyword the runner passes a micro-batch's document ids to every stage under; a hook of the stage takes
@@ -124,7 +128,7 @@ class PipelineRunner:
 
         self.modules, self.mesh, self.device, self.tied = modules, mesh, device, tied
         self.loss_fn = loss_fn
-        self._inputs: Sequence[torch.Tensor] | None = None  # this step's batch, which the loss indexes
+        self._inputs: ModelInputs | None = None  # this step's batch, which the loss indexes
         self.pp = mesh["pp"].size()
         group = mesh["pp"].get_group()
         self.stages = [PipelineStage(m, c, num_chunks, device, group=group) for m, c in zip(modules, chunks)]
@@ -164,16 +168,15 @@ class PipelineRunner:
     def _loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
         if self._inputs is None:  # a target of the caller's (context parallelism's labels)
             return self.loss_fn(output, target)
-        rows = [x.index_select(0, target) for x in self._inputs]  # the micro-batch's samples of every input
-        return self.loss_fn(model_output(self.last_module, output), *rows)
+        rows = self._inputs.map(lambda x: x.index_select(0, target))  # the micro-batch's samples of every input
+        return rows.call(self.loss_fn, model_output(self.last_module, output))
 
-    def step(self, local_inputs: Sequence[torch.Tensor], target: torch.Tensor | None = None,
+    def step(self, local_inputs: ModelInputs, target: torch.Tensor | None = None,
              documents: torch.Tensor | None = None) -> torch.Tensor:
         """Run the schedule on this dp rank's batch; returns the mean loss (on every pipeline rank).
         ``target``: what the loss reads beside the output, split per micro-batch (default: every input of the
         micro-batch, as in one process).  ``documents``: each token's document index, for document masking."""
-        ids = local_inputs[0]
-        extras = dict(zip(input_names(self.modules[0], len(local_inputs)), local_inputs[1:]))
+        ids, extras = stage_inputs(self.modules[0], local_inputs)
         if documents is not None:
             extras[DOCUMENTS_KWARG] = documents
         self._inputs = local_inputs if target is None else None

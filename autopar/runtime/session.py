@@ -6,11 +6,13 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
 import torch
 from torch import nn
 
 from autopar import modelfile
+from autopar.inputs import ModelInputs
 from autopar.plan_file import Plan
 from autopar.runtime.document_masking import document_mask
 from autopar.runtime.materialize import build_on_meta, materialize
@@ -65,7 +67,7 @@ def disable_dropout(model: nn.Module) -> int:
     return switched
 
 
-def batch_for_step(plan: Plan, session: ModelSession, step: int, seed: int) -> tuple[torch.Tensor, ...]:
+def batch_for_step(plan: Plan, session: ModelSession, step: int, seed: int) -> ModelInputs:
     """The synthetic global batch of ``step``: deterministic, identical in every process."""
     torch.manual_seed(seed + 1000 + step)
     gen = torch.Generator().manual_seed(seed + 1000 + step)
@@ -74,7 +76,7 @@ def batch_for_step(plan: Plan, session: ModelSession, step: int, seed: int) -> t
 
 
 def reference_run(plan: Plan, steps: int, seed: int, config: TrainingConfig,
-                  batches: Callable[[int], tuple[tuple[torch.Tensor, ...], torch.Tensor | None]] | None = None
+                  batches: Callable[[int], tuple[Any, torch.Tensor | None]] | None = None
                   ) -> dict[str, object]:
     """Single-process training on the full batch: losses, last-step gradients and final parameters.
 
@@ -93,12 +95,13 @@ def reference_run(plan: Plan, steps: int, seed: int, config: TrainingConfig,
     losses = []
     for step in range(steps):
         inputs, documents = batches(step) if batches else (batch_for_step(plan, s, step, seed), None)
+        inputs = ModelInputs.of(inputs)
         opt.zero_grad(set_to_none=True)
         mixed = bf16_parameters(list(s.model.parameters())) if config.precision == "bf16" else nullcontext()
         with mixed:
             with document_mask(documents):
-                output = s.model(*inputs)
-            loss = fp32_loss(s.loss_fn, device, config.precision)(output, *inputs)
+                output = inputs.call(s.model)
+            loss = inputs.call(fp32_loss(s.loss_fn, device, config.precision), output)
             loss.backward()
         if config.max_grad_norm is not None:
             named = list(s.model.named_parameters())

@@ -44,6 +44,9 @@ def check_pipeline_stages(model: nn.Module) -> None:
     masks, which images or audio features (``pixel_values``, ``input_features``) cannot stand in for."""
     if not is_huggingface(model):
         return
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        raise AutoparError(f"pipeline stages run one stack of layers; {type(model).__name__} is an encoder-decoder "
+                           "(two stacks): plan with --fix pp=1")
     first = list(inspect.signature(type(model).forward).parameters)[1:2]
     if first != ["input_ids"]:
         raise AutoparError(f"pipeline stages of a HuggingFace model run its forward on token ids (input_ids); "

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from autopar.errors import AutoparError
+from autopar.inputs import ModelInputs
 from autopar.runtime.context_parallel import ContextParallel
 from autopar.runtime.document_masking import document_mask
 from autopar.runtime.materialize import clean_fqn
@@ -215,18 +216,19 @@ class Trainer:
         """This rank's parameters under their model FQNs."""
         return [(clean_fqn(n), p) for part in self.parts for n, p in part.named_parameters()]
 
-    def step(self, local_inputs: Sequence[torch.Tensor], sync: bool = True,
-             documents: torch.Tensor | None = None) -> float | torch.Tensor:
+    def step(self, local_inputs: Sequence[torch.Tensor] | Mapping[str, torch.Tensor] | ModelInputs,
+             sync: bool = True, documents: torch.Tensor | None = None) -> float | torch.Tensor:
         """One iteration on this data-parallel rank's batch; returns the global mean loss (on every rank): a float,
-        or with ``sync=False`` a tensor, so that the host need not wait for the device.  ``documents``: each
-        token's document index, for attention masked per document (``autopar.runtime.document_masking``)."""
+        or with ``sync=False`` a tensor, so that the host need not wait for the device.  ``local_inputs``: the
+        model's inputs (a tuple, a dict of keyword ones, or ``ModelInputs``).  ``documents``: each token's
+        document index, for attention masked per document (``autopar.runtime.document_masking``)."""
         return self.update(self.forward_backward(local_inputs, documents), sync)
 
-    def forward_backward(self, local_inputs: Sequence[torch.Tensor],
+    def forward_backward(self, local_inputs: Sequence[torch.Tensor] | Mapping[str, torch.Tensor] | ModelInputs,
                          documents: torch.Tensor | None = None) -> torch.Tensor:
         """The first half of ``step``: every micro-batch's forward and backward, the gradients left in
         ``.grad``; returns this rank's mean loss."""
-        local = [x.to(self.device) for x in local_inputs]
+        local = ModelInputs.of(local_inputs, "the batch").map(lambda x: x.to(self.device))
         if documents is not None:
             if self.context is not None:
                 raise AutoparError("document masking does not run under context parallelism (its attention "
@@ -275,21 +277,21 @@ class Trainer:
 
         return loss_parallel()
 
-    def _accumulate(self, local: list[torch.Tensor], documents: torch.Tensor | None = None) -> torch.Tensor:
+    def _accumulate(self, local: ModelInputs, documents: torch.Tensor | None = None) -> torch.Tensor:
         m, mbs = self.num_microbatches, self.micro_batch
         total = torch.zeros((), device=self.device)
         for i in range(m):
-            micro = [x[i * mbs:(i + 1) * mbs] for x in local]
+            micro = local.rows(i * mbs, (i + 1) * mbs)
             set_micro_batch(self.parts, self.zero, last=i == m - 1)
             if self.context is None:
                 with document_mask(None if documents is None else documents[i * mbs:(i + 1) * mbs]):
-                    output = self.parts[0](*micro)
-                loss = self.loss_fn(output, *micro) / m
+                    output = micro.call(self.parts[0])
+                loss = micro.call(self.loss_fn, output) / m
                 loss.backward()
             else:
                 micro, labels = self.context.shard_inputs(micro)
                 with self.context.attention(self.device):  # through backward: recomputation enters it again
-                    loss = self.context_loss(self.parts[0](*micro), labels) / m
+                    loss = self.context_loss(micro.call(self.parts[0]), labels) / m
                     loss.backward()
             total += whole(loss.detach()).float()
         return total

@@ -57,7 +57,7 @@ def run_one(plan_path: str, out: Path, args: argparse.Namespace, resume: str | N
     lo = trainer.dp_rank * local
     losses, peak = [], None
     for step in steps:
-        batch = [x[lo:lo + local] for x in batch_for_step(plan, session, step, args.seed)]
+        batch = batch_for_step(plan, session, step, args.seed).rows(lo, lo + local)
         if args.memory and step == steps[-1]:  # forward and backward: what activations are for
             loss, peak = activation_peak_bytes(trainer.parts, lambda b=batch: trainer.forward_backward(b))
             losses.append(trainer.update(loss))
