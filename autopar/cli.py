@@ -47,7 +47,8 @@ class _Parser(argparse.ArgumentParser):
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", metavar="MODEL",
-                   help="model file (.py defining build_model) or zoo name: gpt, llama, mlp, moe")
+                   help="model file (.py defining build_model), zoo name (gpt, llama, mlp, moe) or "
+                        "hf:PATH (a HuggingFace config.json, or a folder holding one)")
     p.add_argument("--config", metavar="K=V,...", help="model config overrides passed to build_model")
     p.add_argument("--seq-len", type=int, metavar="S", help="sequence length (default: the model's)")
     p.add_argument("--attention", choices=ATTENTION_KERNELS, default="flash",

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autopar import hf_config
 from autopar.errors import ModelFileError
 from autopar.inputs import ModelInputs
 from autopar.tracing import default_loss_fn
@@ -96,7 +97,10 @@ BUILDING: contextvars.ContextVar[bool] = contextvars.ContextVar("autopar_buildin
 
 
 def resolve(ref: str) -> Path:
-    """The file behind a zoo name or a path; raises ``ModelFileError`` when there is none."""
+    """The file behind a zoo name or a path (an ``hf:`` reference: its config.json); raises ``ModelFileError``
+    when there is none."""
+    if hf_config.is_hf_ref(ref):
+        return hf_config.config_file(ref)
     ref = split_ref(ref)[0]
     if ref in ZOO:
         spec = importlib.util.find_spec(f"autopar.models.{ref}")
@@ -113,7 +117,9 @@ def resolve(ref: str) -> Path:
 
 def locate(ref: str) -> str:
     """``ref`` as any process can load it: a zoo model's file, an absolute file path (with its ``:FACTORY``),
-    or an importable ``module:FACTORY`` as given."""
+    or an importable ``module:FACTORY`` as given, or ``hf:`` and a config.json's absolute path."""
+    if hf_config.is_hf_ref(ref):
+        return hf_config.locate(ref)
     source, factory = split_ref(ref)
     if factory is not None and not (source.endswith(".py") or Path(source).is_file()):
         return ref
@@ -124,9 +130,12 @@ def locate(ref: str) -> str:
 def load_module(ref: str, example_inputs: str | None = None) -> ModuleType:
     """Import the model file (by path, under a private module name) or the zoo module; for ``SOURCE:FACTORY``,
     a module whose ``build_model`` is the factory, beside the source's own optional functions.
-    ``example_inputs``: a ``SOURCE:FUNCTION`` that replaces the model's ``example_inputs``."""
+    ``example_inputs``: a ``SOURCE:FUNCTION`` that replaces the model's ``example_inputs``.  ``hf:PATH``: the
+    model a HuggingFace config.json describes (``autopar.hf_config``)."""
     source, factory = split_ref(ref)
-    if factory is not None:
+    if hf_config.is_hf_ref(ref):
+        module = hf_config.hf_module(ref)
+    elif factory is not None:
         module = _factory_module(ref, source, factory)
     elif ref in ZOO:
         module = importlib.import_module(f"autopar.models.{ref}")

@@ -107,6 +107,11 @@ VERIFIED = {
     "hf-vit-dp2-tp2": (str(ROOT / "tests" / "fixtures" / "hf_vit.py"), ["--cluster", "cpu"], 8, "dp=2,tp=2"),
     "conv-features-pp2-dp2": (str(ROOT / "tests" / "fixtures" / "conv_features.py"),
                               ["--seq-len", "32", "--cluster", "cpu"], 8, "pp=2,dp=2"),
+    # models from a HuggingFace config.json alone (hf:PATH), with the head's own inputs and loss
+    "hf-config-llama-pp2-dp2": ("hf:" + str(ROOT / "tests" / "fixtures" / "hf_configs" / "llama"), ["--cluster", "cpu"],
+                                8, "pp=2,dp=2"),
+    "hf-config-bert-masked-dp2-tp2": ("hf:" + str(ROOT / "tests" / "fixtures" / "hf_configs" / "bert"),
+                                      ["--seq-len", "16", "--cluster", "cpu"], 8, "dp=2,tp=2"),
     # grouped-query attention with fewer K/V heads than tp (8 query, 2 kv, tp=4): query heads split, K/V whole
     "hf-llama-gqa-tp4": (str(EXAMPLES / "hf_decoder.py"), ["--config", "arch=llama,layers=2,hidden=128,heads=8,"
                                                            "kv_heads=2,vocab=128,seq_len=32", "--cluster", "cpu"], 8,
@@ -519,6 +524,13 @@ def test_verify_models_that_are_not_language_models(verified, name):
     """An image classifier whose initialization reads values; float features through a pipeline (the stage
     hands on a transposed view, sent contiguous)."""
     _verified(verified, name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["hf-config-llama-pp2-dp2", "hf-config-bert-masked-dp2-tp2"])
+def test_verify_models_built_from_a_config_json(verified, name):
+    plan, _ = _verified(verified, name)
+    assert plan["model"]["path"].startswith("hf:/") and plan["model"]["path"].endswith("config.json")
 
 
 @pytest.mark.slow

@@ -1,0 +1,65 @@
+"""Models from a HuggingFace config.json alone (``autopar plan hf:PATH``): the architecture it names, the head's
+own inputs and loss, and references that survive the plan file and the generated script."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from autopar import modelfile
+from autopar.cli import main
+from autopar.errors import ModelFileError
+from autopar.hf_config import hf_module
+
+CONFIGS = Path(__file__).parent / "fixtures" / "hf_configs"
+
+
+def test_the_plan_file_and_the_script_keep_the_reference(tmp_path, capsys):
+    ref = f"hf:{CONFIGS / 'llama'}"
+    assert main(["plan", ref, "--cluster", "cpu", "--gpus", "4", "--global-batch", "8", "-q", "-o",
+                 str(tmp_path)]) == 0
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    located = f"hf:{CONFIGS / 'llama' / 'config.json'}"
+    assert plan["model"]["path"] == located and plan["model"]["ref"] == ref
+    assert f"MODEL_FILE = {located!r}" in (tmp_path / "train.py").read_text()
+    assert type(modelfile.load_for(plan["model"]).build_model()).__name__ == "LlamaForCausalLM"
+
+
+@pytest.mark.parametrize(("name", "architecture", "inputs"), [
+    ("llama", "LlamaForCausalLM", None),  # the defaults: token ids, next-token loss
+    ("bert", "BertForMaskedLM", ["input_ids", "labels"]),
+    ("t5", "T5ForConditionalGeneration", ["input_ids", "decoder_input_ids"]),
+])
+def test_each_head_gets_its_own_inputs_and_loss(name, architecture, inputs):
+    module = hf_module(f"hf:{CONFIGS / name}")
+    model = module.build_model(num_hidden_layers=1) if name != "t5" else module.build_model(num_layers=1)
+    assert type(model).__name__ == architecture
+    if inputs is None:
+        assert not hasattr(module, "example_inputs") and not hasattr(module, "loss_fn")
+        return
+    batch = modelfile.example_inputs(module, model, 2, 16, {})
+    assert list(batch.kwargs) == inputs
+    loss = batch.call(module.loss_fn, batch.call(model))
+    assert loss.dim() == 0 and loss.item() > 0
+
+
+def test_bad_configs_are_one_line_errors(tmp_path):
+    with pytest.raises(ModelFileError, match=r"no config\.json there"):
+        hf_module(f"hf:{tmp_path}")
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ModelFileError, match=r"not a readable config\.json"):
+        hf_module(f"hf:{tmp_path}")
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 8}))
+    with pytest.raises(ModelFileError, match="names its model_type; this one does not"):
+        hf_module(f"hf:{tmp_path}")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForNothing"]}))
+    with pytest.raises(ModelFileError, match="names architecture LlamaForNothing, which transformers"):
+        hf_module(f"hf:{tmp_path}")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert", "architectures": ["BertModel"]}))
+    with pytest.raises(ModelFileError, match="no default inputs and loss for BertModel"):
+        hf_module(f"hf:{tmp_path}")
+    llama = hf_module(f"hf:{CONFIGS / 'llama'}")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'layers'"):
+        llama.build_model(layers=2)
