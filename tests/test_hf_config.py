@@ -4,6 +4,7 @@ own inputs and loss, and references that survive the plan file and the generated
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -63,3 +64,22 @@ def test_bad_configs_are_one_line_errors(tmp_path):
     llama = hf_module(f"hf:{CONFIGS / 'llama'}")
     with pytest.raises(TypeError, match="unexpected keyword argument 'layers'"):
         llama.build_model(layers=2)
+
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "configs"
+
+
+@pytest.mark.parametrize(("name", "gpus", "batch"), [("llama-3.1-8b", 64, 512), ("llama-3.1-70b", 256, 1024),
+                                                     ("mixtral-8x7b", 64, 512)])
+def test_published_configs_plan_at_full_size(tmp_path, capsys, name, gpus, batch):
+    """The published configs build at full size on fake tensors and plan on an H100 cluster of their scale
+    (the planning time is benchmarks' business: each takes seconds)."""
+    argv = ["plan", f"hf:{EXAMPLES / name}", "--cluster", "h100-80gb", "--gpus", str(gpus), "--global-batch",
+            str(batch), "--seq-len", "8192", "--json", "-o", str(tmp_path)]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["estimate"]["peak_memory_bytes"] < 80e9
+    params = json.loads((tmp_path / "plan.json").read_text())["parameters"]
+    total = sum(math.prod(p["shape"]) for p in params.values())
+    expected = {"llama-3.1-8b": 8.03e9, "llama-3.1-70b": 70.6e9, "mixtral-8x7b": 46.7e9}[name]  # published counts
+    assert total == pytest.approx(expected, rel=0.01)

@@ -29,13 +29,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
+from torch.overrides import _get_current_function_mode_stack
 
 from autopar.errors import AutoparError
 from autopar.inputs import ModelInputs
+from autopar.runtime.attention_mode import AttentionMode
 
 IGNORE_INDEX = -100  # cross_entropy's default: the last position has no next token
-_ACTIVE: list[ContextParallelAttention] = []  # the context-parallel attentions entered, innermost last
 
 
 def rank_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
@@ -98,26 +98,12 @@ class ContextParallel:
         return ContextParallelAttention(self, self.causal_mask(device))
 
 
-class ContextParallelAttention(TorchFunctionMode):
+class ContextParallelAttention(AttentionMode):
     """While active, ``F.scaled_dot_product_attention`` on this rank's slice attends over the whole sequence."""
 
     def __init__(self, cp: ContextParallel, mask: torch.Tensor) -> None:
         super().__init__()
         self.cp, self.mask = cp, mask  # made before forward: a recomputation must not run ops forward did not
-
-    def __enter__(self) -> ContextParallelAttention:
-        _ACTIVE.append(self)
-        return super().__enter__()
-
-    def __exit__(self, *exc: object) -> None:
-        _ACTIVE.pop()
-        return super().__exit__(*exc)
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is not F.scaled_dot_product_attention:
-            return func(*args, **kwargs)
-        return self._attend(*args, **kwargs)
 
     def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
                 dropout_p: float = 0.0, is_causal: bool = False, **rest: Any) -> torch.Tensor:
@@ -145,7 +131,8 @@ class RecomputeContext(contextlib.AbstractContextManager):
     def __enter__(self) -> None:
         stack = contextlib.ExitStack()
         active = any(isinstance(m, ContextParallelAttention) for m in _get_current_function_mode_stack())
-        outer = _ACTIVE[-1] if _ACTIVE and not active else None
+        entered = ContextParallelAttention.active
+        outer = entered[-1] if entered and not active else None
         if outer is not None:
             stack.enter_context(ContextParallelAttention(outer.cp, outer.mask))
         self._entered.append(stack)

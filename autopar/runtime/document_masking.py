@@ -23,11 +23,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 from autopar.errors import AutoparError
-
-_ACTIVE: list[DocumentMask] = []  # the document masks entered, innermost last
+from autopar.runtime.attention_mode import AttentionMode
 
 
 def block_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
@@ -40,27 +38,13 @@ def block_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
     return (same & causal)[:, None]
 
 
-class DocumentMask(TorchFunctionMode):
+class DocumentMask(AttentionMode):
     """While active, causal ``F.scaled_dot_product_attention`` is block-causal over the micro-batch's
     documents."""
 
     def __init__(self, document_ids: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> None:
         super().__init__()
         self.mask = block_causal_mask(document_ids) if mask is None else mask
-
-    def __enter__(self) -> DocumentMask:
-        _ACTIVE.append(self)
-        return super().__enter__()
-
-    def __exit__(self, *exc: object) -> None:
-        _ACTIVE.pop()
-        return super().__exit__(*exc)
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is not F.scaled_dot_product_attention:
-            return func(*args, **kwargs)
-        return self._attend(*args, **kwargs)
 
     def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
                 dropout_p: float = 0.0, is_causal: bool = False, **rest: Any) -> torch.Tensor:
@@ -86,12 +70,13 @@ class RecomputeContext(contextlib.AbstractContextManager):
     object is made then, by ``torch.utils.checkpoint``'s ``context_fn``), unless it is active already."""
 
     def __init__(self) -> None:
-        self._mask = _ACTIVE[-1].mask if _ACTIVE else None
+        self._mask = DocumentMask.active[-1].mask if DocumentMask.active else None
         self._entered: list[contextlib.ExitStack] = []
 
     def __enter__(self) -> None:
         stack = contextlib.ExitStack()
-        if self._mask is not None and not (_ACTIVE and _ACTIVE[-1].mask is self._mask):
+        active = DocumentMask.active
+        if self._mask is not None and not (active and active[-1].mask is self._mask):
             stack.enter_context(DocumentMask(mask=self._mask))
         self._entered.append(stack)
 

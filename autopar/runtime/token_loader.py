@@ -40,8 +40,8 @@ def window_permutation(index: np.ndarray, size: int, seed: int, epoch: int) -> n
     """``perm(index)`` for a pseudo-random permutation of ``range(size)`` keyed by ``seed`` and ``epoch``."""
     half = max(1, (max(size - 1, 1).bit_length() + 1) // 2)  # a domain of 4**half >= size
     low = np.uint64((1 << half) - 1)
-    keys = [int(_mix(np.array([seed * 1_000_003 + epoch * 7919 + r], dtype=np.uint64), 0x9E3779B97F4A7C15)[0])
-            for r in range(_FEISTEL_ROUNDS)]
+    keys = [int(_mix(np.array([(seed * 1_000_003 + epoch * 7919 + r) & _MASK64], dtype=np.uint64),
+                     0x9E3779B97F4A7C15)[0]) for r in range(_FEISTEL_ROUNDS)]
     out = np.asarray(index, dtype=np.uint64).copy()
     todo = np.ones(out.shape, dtype=bool)
     with np.errstate(over="ignore"):
