@@ -113,7 +113,7 @@ def _to_trace_dtype(model: nn.Module) -> nn.Module:
     return model
 
 
-def to_trace_dtype(inputs: ModelInputs) -> ModelInputs:
+def inputs_in_trace_dtype(inputs: ModelInputs) -> ModelInputs:
     """Floating inputs (images, audio features) in ``TRACE_DTYPE``, as the runtime's bf16 mixed precision
     casts them (FSDP2's ``MixedPrecisionPolicy`` casts forward inputs to the parameters' dtype)."""
     return inputs.map(lambda x: x.to(TRACE_DTYPE) if x.is_floating_point() else x)
@@ -150,7 +150,7 @@ def trace_model(ref: str, config: dict[str, Any] | None = None, seq_len: int | N
     seq = seq_len if seq_len is not None else modelfile.infer_seq_len(model, config)
     if seq < 1:
         raise ModelFileError(f"sequence length must be >= 1, got {seq}")
-    inputs = to_trace_dtype(modelfile.example_inputs(module, model, 1, seq, config))
+    inputs = inputs_in_trace_dtype(modelfile.example_inputs(module, model, 1, seq, config))
     graph = trace(model, inputs, modelfile.loss_fn_of(module), repeat_identical_layers=not every_layer)
     graph = run_pipeline(graph, ctx or PassContext())
     return TracedModel(ref, config, module, model, graph, graph.seq_len)

@@ -69,12 +69,6 @@ class ModelInputs:
             raise ModelFileError("the model's inputs must begin with a tensor")
         return values[0]
 
-    def rest(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """All but ``first``: the positional ones after it, and the keyword ones (but it, when it is one)."""
-        if self.args:
-            return self.args[1:], dict(self.kwargs)
-        return (), dict(list(self.kwargs.items())[1:])
-
 
 def _named(kwargs: Mapping[Any, Any], what: str) -> Mapping[str, Any]:
     bad = [k for k in kwargs if not isinstance(k, str)]

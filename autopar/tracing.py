@@ -83,7 +83,7 @@ def default_loss_fn(output: Any, *inputs: torch.Tensor, **named: torch.Tensor) -
     logits = output.logits if hasattr(output, "logits") else output
     if isinstance(logits, (tuple, list)):
         logits = logits[0]
-    ids = inputs[0] if inputs else next(iter(named.values()))
+    ids = ModelInputs(inputs, named).first
     return nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
 
 

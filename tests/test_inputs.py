@@ -26,7 +26,6 @@ def test_every_form_example_inputs_may_return():
     assert keyword.args == () and list(keyword.kwargs) == ["input_ids", "attention_mask"] and keyword.first is IDS
     pair = ModelInputs.of(((IDS,), {"attention_mask": MASK}))
     assert pair.args == (IDS,) and pair.kwargs == {"attention_mask": MASK}
-    assert pair.rest() == ((), {"attention_mask": MASK}) and keyword.rest() == ((), {"attention_mask": MASK})
     with pytest.raises(ModelFileError, match="must return a tensor, a tuple of tensors, a dict of them or an"):
         ModelInputs.of(3)
     with pytest.raises(ModelFileError, match="keys must be the forward's parameter names, not 0"):
