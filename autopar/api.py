@@ -27,8 +27,9 @@ from autopar.errors import AutoparError
 from autopar.framework import DEFAULT_FRAMEWORK, Framework, load_framework
 from autopar.frontend import TracedModel, trace_model
 from autopar.inter_op.layout import normalize_fix, parse_fix
-from autopar.inter_op.search import SearchResult, search
+from autopar.inter_op.search import SearchResult, UnitCostCache, search
 from autopar.inter_op.to_plan import build_plan
+from autopar.ir import OpGraph
 from autopar.modelfile import factory_ref
 from autopar.passes import PassContext
 from autopar.passes.context import TRAINING_PRECISIONS, PrecisionPolicy
@@ -157,31 +158,58 @@ def plan_model(model: ModelLike, *, config: dict[str, Any] | None = None,
     if on_progress is not None:
         on_progress(f"tracing {ref}")
     traced = trace_model(ref, config, seq_len, ctx, every_layer, example_inputs=inputs_ref, built=built)
-    runnable = runtime_filter(traced.graph, ref, traced.config, spec, ctx, batch, inputs_ref)
+    pinned = (fix if isinstance(fix, str) else ",".join(f"{k}={v}" for k, v in sorted(fixed.items()))) or "none"
+    plans, res, _ = plan_graph(traced.graph, ref, traced.config, spec, ctx, batch, budget, precision=precision,
+                               fixed=fixed, pinned=pinned, solver=solver, time_limit_s=time_limit_s, top=top,
+                               on_progress=on_progress, exhaustive=exhaustive, jobs=jobs, example_inputs=inputs_ref)
+    return Planning(plans, res, traced, spec, batch)
+
+
+class NoFitError(AutoparError):
+    """No layout fits in the memory budget; ``leanest_bytes`` is what the leanest one needs per device."""
+
+    def __init__(self, message: str, leanest_bytes: float) -> None:
+        super().__init__(message)
+        self.leanest_bytes = leanest_bytes
+
+
+def plan_graph(graph: OpGraph, ref: str, config: dict[str, Any], spec: Cluster, ctx: PassContext, batch: int,
+               budget: float, *, precision: str = "bf16", fixed: dict[str, Any] | None = None, pinned: str = "none",
+               solver: str = "cbc", time_limit_s: float = DEFAULT_TIME_LIMIT_S, top: int = 1,
+               on_progress: Callable[[str], None] | None = None, exhaustive: bool = False, jobs: int = 1,
+               example_inputs: str | None = None, caches: dict[str, UnitCostCache] | None = None,
+               ) -> tuple[list[Plan], SearchResult, PassContext]:
+    """Search a traced ``graph`` on ``spec`` (as ``setup`` made it) and build the ``top`` plans: what
+    ``plan_model`` does after tracing.  ``caches``: per training precision, the intra-op solves and unit costs to
+    reuse (a sweep's, across cluster sizes); ``pinned``: the ``--fix`` text errors quote.  Raises
+    ``NoFitError`` when no layout fits, ``AutoparError`` when none divides the cluster or the runtime runs none."""
+    fixed = fixed or {}
+    runnable = runtime_filter(graph, ref, config, spec, ctx, batch, example_inputs)
     res = None
     for training in training_precisions(precision, spec, ctx.framework):
         tried = dataclasses.replace(ctx, precision=dataclasses.replace(ctx.precision, training=training))
-        found = search(traced.graph, spec, tried, batch, fixed, budget, solver, time_limit_s, top, on_progress,
-                       accept=runnable.accept if runnable else None, exhaustive=exhaustive, jobs=jobs)
+        found = search(graph, spec, tried, batch, fixed, budget, solver, time_limit_s, top, on_progress,
+                       cache=(caches or {}).get(training), accept=runnable.accept if runnable else None,
+                       exhaustive=exhaustive, jobs=jobs)
         if res is None or _faster(found, res):
             res, ctx = found, tried
+    assert res is not None
     best = res.best
-    pinned = (fix if isinstance(fix, str) else ",".join(f"{k}={v}" for k, v in sorted(fixed.items()))) or "none"
     if best is None and runnable is not None and runnable.reasons:
         raise AutoparError(f"no layout autopar's runtime can run (--fix {pinned}): {runnable.reasons[0]}")
     if best is None:
         raise AutoparError("no layout of the search space divides the cluster and the global batch "
                            f"({spec.gpus} devices, global batch {batch}, --fix {pinned})")
     if not best.estimate.fits:
-        raise AutoparError(
+        raise NoFitError(
             f"no layout fits in {human_bytes(budget)} per device: the leanest needs "
             f"{human_bytes(best.estimate.peak_memory_bytes)} (try more GPUs, --memory-limit, or "
-            "--fix recompute=full,zero=3)")
-    plans = [build_plan(graph=traced.graph, model_ref=ref, config=traced.config, cluster=spec, ctx=ctx,
-                        global_batch=batch, estimate=c.estimate, strategies=c.strategies, example_inputs=inputs_ref,
+            "--fix recompute=full,zero=3)", best.estimate.peak_memory_bytes)
+    plans = [build_plan(graph=graph, model_ref=ref, config=config, cluster=spec, ctx=ctx,
+                        global_batch=batch, estimate=c.estimate, strategies=c.strategies, example_inputs=example_inputs,
                         memory_limit_bytes=budget, alternatives=c.alternatives)
              for c in res.candidates[:top] if c.estimate.fits]
-    return Planning(plans, res, traced, spec, batch)
+    return plans, res, ctx
 
 
 def _faster(a: SearchResult, b: SearchResult) -> bool:
@@ -217,5 +245,5 @@ def plan(model: ModelLike, *, config: dict[str, Any] | None = None,
     return planning.plan if top == 1 else planning.plans
 
 
-__all__ = ["DEFAULT_CLUSTER", "ModelLike", "Planning", "model_ref", "plan", "plan_model", "setup",
-           "training_precisions"]
+__all__ = ["DEFAULT_CLUSTER", "ModelLike", "NoFitError", "Planning", "model_ref", "plan", "plan_graph", "plan_model",
+           "setup", "training_precisions"]

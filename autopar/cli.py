@@ -185,6 +185,53 @@ def build_parser() -> argparse.ArgumentParser:
     _add_quiet_arg(rep)
     rep.set_defaults(run=cmd_replan)
 
+    sw = sub.add_parser("sweep", help="the best plan of every GPU type at every cluster size, and what training "
+                                      "on it takes: time, GPU-hours, cost, energy, and the frontier")
+    _add_model_args(sw)
+    sw.add_argument("--tokens", required=True, metavar="N", help="tokens to train on (15T, 2.5e12)")
+    sw.add_argument("--gpus", default="64,128,...,8192", metavar="N,N,...",
+                    help="GPU counts; 'a,b,...,c' fills the progression (default 64,128,...,8192)")
+    sw.add_argument("--cluster", default="a100-80gb,h100-80gb,h200,b200,gb200-nvl72", metavar="TYPE,...",
+                    help="GPU types: cluster presets or TOML files (default: a100-80gb, h100-80gb, h200, b200, "
+                         "gb200-nvl72)")
+    batch = sw.add_mutually_exclusive_group()
+    batch.add_argument("--tokens-per-batch", metavar="N",
+                       help="tokens per global batch, held fixed across the points (default 4Mi: 4,194,304)")
+    batch.add_argument("--global-batch", type=int, metavar="B", help="sequences per global batch, instead")
+    sw.add_argument("--deadline", metavar="TIME", help="train within this time (60d, 12w)")
+    sw.add_argument("--budget", metavar="AMOUNT", help="spend at most this (2M), in the price file's currency")
+    sw.add_argument("--prices", metavar="FILE.toml",
+                    help="prices per GPU-hour by GPU type (examples/prices.toml: dated public list prices); "
+                         "without it, cost is in GPU-hours")
+    _add_framework_arg(sw)
+    sw.add_argument("--memory-limit", type=float, metavar="GB", help="per-device memory limit in GiB")
+    sw.add_argument("--solver", choices=("cbc", "highs", "cpsat"), default="cbc", help="intra-op ILP backend")
+    sw.add_argument("--time-limit", type=float, default=60.0, metavar="S", help="time limit of one ILP solve")
+    sw.add_argument("--pue", type=float, default=None, metavar="X",
+                    help="the facility's power usage effectiveness (default 1.10: Google's 2023 fleet)")
+    sw.add_argument("--node-overhead-w", type=float, metavar="W",
+                    help="what a node draws beyond its GPUs (default: the cluster spec's, from its datasheet)")
+    sw.add_argument("--interruptions-per-gpu-day", type=float, metavar="X",
+                    help="interruption rate (default: Llama 3's, 419 in 54 days on 16,384 GPUs)")
+    sw.add_argument("--restart-time", metavar="TIME", help="time to detect, diagnose and restart after an "
+                                                           "interruption (default 10m: MegaScale's)")
+    sw.add_argument("--checkpoint-every", metavar="TIME",
+                    help="checkpoint interval (default: Young's optimum for each point)")
+    sw.add_argument("--checkpoint-gbps", type=float, metavar="GB/s",
+                    help="storage write bandwidth per GPU, GB/s (default 0.122: Llama 3's 2 TB/s for 16,384 GPUs)")
+    sw.add_argument("--jobs", type=int, default=default_jobs(), metavar="N",
+                    help="processes that plan the points (default: the cores less one, at least 1)")
+    sw.add_argument("--ray", nargs="?", const="auto", metavar="ADDRESS",
+                    help="run the points as Ray tasks: on the Ray cluster at ADDRESS (default: the one this "
+                         "machine is part of, 'auto'), or 'local' for a new local instance")
+    sw.add_argument("--json", action="store_true", help="print the sweep as one JSON object on stdout")
+    sw.add_argument("--csv", metavar="FILE.csv", help="also write the points as CSV")
+    sw.add_argument("-o", "--output", metavar="DIR",
+                    help="write DIR/report.html, DIR/frontier.png, DIR/sweep.json, DIR/sweep.csv and DIR/plans/")
+    sw.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    _add_quiet_arg(sw)
+    sw.set_defaults(run=cmd_sweep)
+
     ver = sub.add_parser("verify", help="run plans locally (CPU, gloo) and compare with one process")
     ver.add_argument("plan", metavar="PLAN.json", nargs="+",
                      help="one or more plans; plans of one world size share one launch")
@@ -396,6 +443,12 @@ def cmd_replan(args: argparse.Namespace) -> int:
         console.print(f"checkpoint {checked[0]}: its {checked[1]} tensors fit the new plan; resume with "
                       f"train.py --resume {checked[0]}")
     return EXIT_OK
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from autopar.sweep.command import run_sweep_command
+
+    return run_sweep_command(args)
 
 
 def cmd_verify(args: argparse.Namespace) -> int:

@@ -39,7 +39,8 @@ _INTEGERS = ("gpus", "gpus_per_node", "sm_count", "attention_block", "nics_per_n
              "nccl_channels", "nccl_network_channels")
 #: Keys a cluster file may leave out, and their values then.
 _DEFAULTS = {"nvlink_domain_size": 0, "peak_fp8_flops": 0.0, "fp8_gemm_efficiency": 0.0, "fp8_gemm_k_overhead": 0.0,
-             "mamf_fp8_flops": 0.0, "mamf_fp8_shape": (), "inductor_backend": "triton"}
+             "mamf_fp8_flops": 0.0, "mamf_fp8_shape": (), "inductor_backend": "triton",
+             "node_overhead_w": 0.0}
 #: Attention kernels (``PassContext.attention``) a cluster's ``attention_kernels`` tables describe.
 FLASH_KERNELS = ("flash1", "flash", "flash3")
 
@@ -213,6 +214,9 @@ class Cluster:
     """What ``torch.compile``'s Inductor generates for the device's element-wise work: ``triton`` kernels (GPUs:
     the fusion ``autopar.passes.fusion`` prices, and plans compile by default) or ``cpp`` loops (CPUs: plans
     compile only when asked)."""
+    node_overhead_w: float = 0.0
+    """What a node draws beyond its GPUs at full load (CPUs, NICs, switches, fans): the energy of a sweep
+    (``autopar.sweep.economics``)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -33,6 +33,15 @@ class TracedModel:
     model: nn.Module
     graph: OpGraph
     seq_len: int
+    exported: OpGraph | None = None
+    """The graph as traced, before the passes annotated it (``annotated`` runs them again under another
+    context)."""
+
+    def annotated(self, ctx: PassContext) -> OpGraph:
+        """The traced graph annotated under ``ctx`` (another cluster or precision) without tracing again."""
+        if self.exported is None:
+            raise ValueError("this TracedModel keeps no exported graph")
+        return run_pipeline(copy.deepcopy(self.exported), ctx)
 
 
 def build_fake(module: ModuleType, config: dict[str, Any], ref: str,
@@ -151,6 +160,6 @@ def trace_model(ref: str, config: dict[str, Any] | None = None, seq_len: int | N
     if seq < 1:
         raise ModelFileError(f"sequence length must be >= 1, got {seq}")
     inputs = inputs_in_trace_dtype(modelfile.example_inputs(module, model, 1, seq, config))
-    graph = trace(model, inputs, modelfile.loss_fn_of(module), repeat_identical_layers=not every_layer)
-    graph = run_pipeline(graph, ctx or PassContext())
-    return TracedModel(ref, config, module, model, graph, graph.seq_len)
+    exported = trace(model, inputs, modelfile.loss_fn_of(module), repeat_identical_layers=not every_layer)
+    graph = run_pipeline(copy.deepcopy(exported), ctx or PassContext())
+    return TracedModel(ref, config, module, model, graph, graph.seq_len, exported)

@@ -12,6 +12,7 @@ results); passes never pass results through globals.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -188,6 +189,7 @@ class OpGraph:
     _index: dict[str, Node] = field(default_factory=dict, repr=False)
     _compute_itemsize: int = field(default=0, repr=False)
     _users: dict[str, list[str]] | None = field(default=None, repr=False)
+    _fingerprint: str = field(default="", repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self._index = {n.name: n for n in self.nodes}
@@ -212,6 +214,25 @@ class OpGraph:
     def tensor(self, ref: Ref) -> TensorInfo | None:
         outs = self._index[ref.name].outputs
         return outs[ref.index] if ref.index < len(outs) else None
+
+    def structure(self) -> Iterator[bytes]:
+        """The graph's structure, node by node (ops, per-sample shapes, modules, parameters): what a fingerprint
+        hashes.  The passes' annotations are not part of it."""
+        for n in self.nodes:
+            if n.kind == "output":
+                continue
+            outs = tuple((o.shape, o.dtype, o.batch_dim) if o else None for o in n.outputs)
+            yield repr((n.kind, n.op, n.module, n.params, n.target if n.kind == "param" else "", outs)).encode()
+
+    def fingerprint(self) -> str:
+        """A hash of ``structure`` and the sequence length, computed once: equal for the same model traced in
+        another process (what caches shared across processes key on)."""
+        if not self._fingerprint:
+            h = hashlib.sha256(str(self.seq_len).encode())
+            for line in self.structure():
+                h.update(line)
+            self._fingerprint = h.hexdigest()[:32]
+        return self._fingerprint
 
     def users(self) -> dict[str, list[str]]:
         """Map node name -> names of the nodes that read it (in graph order).  Built once: the nodes of a traced

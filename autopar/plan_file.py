@@ -37,11 +37,8 @@ def model_fingerprint(graph: OpGraph, config: dict[str, Any]) -> str:
     h = hashlib.sha256()
     h.update(json.dumps(config, sort_keys=True, default=str).encode())
     h.update(str(graph.seq_len).encode())
-    for n in graph.nodes:
-        if n.kind == "output":
-            continue
-        outs = tuple((o.shape, o.dtype, o.batch_dim) if o else None for o in n.outputs)
-        h.update(repr((n.kind, n.op, n.module, n.params, n.target if n.kind == "param" else "", outs)).encode())
+    for line in graph.structure():
+        h.update(line)
     return h.hexdigest()[:32]
 
 

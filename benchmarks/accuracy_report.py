@@ -21,6 +21,8 @@ from autopar.inter_op.layout import Layout
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 DOCS = ROOT / "docs"
+#: Per-GPU accuracy, packaged: ``autopar sweep`` prints it beside every figure.
+ACCURACY_JSON = ROOT / "autopar" / "accuracy.json"
 
 
 #: Wider checks: (results file stem, what the rows are, the command that writes the results).
@@ -190,10 +192,31 @@ def _by_gpu(rows: list[dict[str, Any]]) -> list[str]:
     return [*lines, ""]
 
 
+def accuracy_by_cluster(tables: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Every published row's error pooled per cluster preset and training precision: what ``autopar sweep`` says
+    of each GPU type's figures (``autopar/accuracy.json``).  ``tables``: results file stem -> its rows."""
+    groups: dict[tuple[str, str], list[tuple[str, float]]] = {}
+    for stem, rows in tables.items():
+        for r in rows:
+            if r.get("error") is not None and r.get("cluster") and "per_layer" not in r:
+                groups.setdefault((r["cluster"], r.get("precision") or "bf16"), []).append((stem, r["error"]))
+    out: dict[str, dict[str, Any]] = {}
+    for (cluster, precision), found in sorted(groups.items()):
+        errors = [e for _, e in found]
+        out.setdefault(cluster, {})[precision] = {
+            "runs": len(errors), "median_abs_error": statistics.median(abs(e) for e in errors),
+            "median_signed_error": statistics.median(errors), "tables": sorted({stem for stem, _ in found})}
+    return {"generated_by": "python benchmarks/accuracy_report.py", "clusters": out}
+
+
 def main() -> None:
     calib, ranking = _load("calibration"), _load("ranking")
     DOCS.mkdir(exist_ok=True)
     (DOCS / "accuracy.md").write_text(render(calib, ranking))
+    tables = {"calibration": calib["rows"]}
+    tables.update({stem: json.loads((RESULTS / f"{stem}.json").read_text())["rows"] for stem, _, _ in WIDER
+                   if (RESULTS / f"{stem}.json").exists()})
+    ACCURACY_JSON.write_text(json.dumps(accuracy_by_cluster(tables), indent=2, sort_keys=True) + "\n")
     try:
         _scatter(calib, ranking, DOCS / "accuracy.png")
     except ModuleNotFoundError:

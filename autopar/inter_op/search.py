@@ -95,6 +95,12 @@ class SearchResult:
         return self.candidates[0] if self.candidates else None
 
 
+def same_fabric(a: Cluster, b: Cluster | None) -> bool:
+    """Whether clusters ``a`` and ``b`` differ at most in their number of devices."""
+    return b is not None and all(getattr(a, f.name) == getattr(b, f.name) for f in dataclasses.fields(a)
+                                 if f.name != "gpus")
+
+
 class UnitCostCache:
     """Unit costs per (tp, mbs, sp, variant), each from one intra-op solve."""
 
@@ -104,6 +110,7 @@ class UnitCostCache:
         self.backend, self.time_limit_s = backend, time_limit_s
         self._cache: dict[tuple, tuple[dict[str, UnitCost], dict[str, Strategy]]] = {}
         self._solved: dict[tuple, tuple[MeshSpec, dict[str, Strategy]]] = {}
+        self._records: dict[tuple, tuple[MeshSpec, dict[str, Strategy], IntraOpSolution | None]] = {}
         self._built: dict[tuple, IntraOpProblem] = {}  # the ILPs, shared by their fast and lean solves
         self._shards: dict[int, bool] = {}
         self.solves = 0
@@ -113,14 +120,28 @@ class UnitCostCache:
         self.progress: Callable[[str], None] | None = None  # told of each intra-op solve as it starts
 
     def serves(self, graph: OpGraph, cluster: Cluster, ctx: PassContext) -> bool:
-        """Whether these unit costs hold for ``graph`` on ``cluster`` under ``ctx``: the same graph and context
-        on a cluster that differs at most in its size (a tp group's links depend on its nodes, not on how
-        many there are)."""
-        def sized(c: Cluster | None) -> Cluster | None:
-            return None if c is None else dataclasses.replace(c, gpus=self.cluster.gpus)
+        """Whether these unit costs hold for ``graph`` on ``cluster`` under ``ctx``: the same graph (by its
+        fingerprint: the model traced again, or in another process) and context on a cluster that differs at most
+        in its size (a tp group's links depend on its nodes, not on how many there are)."""
+        return ((graph is self.graph or graph.fingerprint() == self.graph.fingerprint())
+                and same_fabric(cluster, self.cluster)
+                and (ctx.cluster is None) == (self.ctx.cluster is None)
+                and (ctx.cluster is None or same_fabric(ctx.cluster, self.ctx.cluster))
+                and dataclasses.replace(ctx, cluster=None) == dataclasses.replace(self.ctx, cluster=None))
 
-        return (graph is self.graph and sized(cluster) == self.cluster
-                and dataclasses.replace(ctx, cluster=sized(ctx.cluster)) == self.ctx)
+    def solved(self) -> dict[tuple, tuple[MeshSpec, dict[str, Strategy], IntraOpSolution | None]]:
+        """The intra-op solves done so far, by ``solve_key``: what ``seed`` gives another cache of the same graph,
+        cluster fabric and context (in another process: they pickle)."""
+        return dict(self._records)
+
+    def seed(self, solved: dict[tuple, tuple[MeshSpec, dict[str, Strategy], IntraOpSolution | None]]) -> None:
+        """Take solves another cache made (``solved``) as if this one had made them (they are not counted as
+        this cache's solves)."""
+        for key, entry in sorted(solved.items()):
+            if key not in self._solved:
+                solves = self.solves
+                self._record(key, entry)
+                self.solves = solves
 
     @staticmethod
     def solve_key(tp: int, mbs: int, sp: bool, variant: str) -> tuple[int, int, bool, str]:
@@ -156,6 +177,7 @@ class UnitCostCache:
 
     def _record(self, key: tuple, solved: tuple[MeshSpec, dict[str, Strategy], IntraOpSolution | None]) -> None:
         mesh, strategies, sol = solved
+        self._records[key] = solved
         if sol is not None:
             self._alternatives[id(strategies)] = sol.alternatives
             self.solves += 1
@@ -412,7 +434,5 @@ def _distinct(cands: list[Candidate], k: int) -> list[Candidate]:
     return out
 
 
-__all__ = ["Candidate", "SearchResult", "UnitCostCache", "check_fixed", "default_jobs",
-           "expert_parallel_runs", "layouts",
-           "runtime_runs", "search",
-           "shards_parameters_on_tp"]
+__all__ = ["Candidate", "SearchResult", "UnitCostCache", "check_fixed", "default_jobs", "expert_parallel_runs",
+           "layouts", "runtime_runs", "same_fabric", "search", "shards_parameters_on_tp"]
