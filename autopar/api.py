@@ -35,7 +35,7 @@ from autopar.passes import PassContext
 from autopar.passes.context import TRAINING_PRECISIONS, PrecisionPolicy
 from autopar.plan_file import Plan
 from autopar.report import human_bytes
-from autopar.runnable import runtime_filter
+from autopar.runnable import RuntimeFilter, runtime_filter
 
 DEFAULT_CLUSTER = "a100-80gb"
 DEFAULT_TIME_LIMIT_S = 60.0
@@ -178,33 +178,36 @@ def plan_graph(graph: OpGraph, ref: str, config: dict[str, Any], spec: Cluster, 
                solver: str = "cbc", time_limit_s: float = DEFAULT_TIME_LIMIT_S, top: int = 1,
                on_progress: Callable[[str], None] | None = None, exhaustive: bool = False, jobs: int = 1,
                example_inputs: str | None = None, caches: dict[str, UnitCostCache] | None = None,
-               ) -> tuple[list[Plan], SearchResult, PassContext]:
+               runnable: RuntimeFilter | None = None) -> tuple[list[Plan], SearchResult, PassContext]:
     """Search a traced ``graph`` on ``spec`` (as ``setup`` made it) and build the ``top`` plans: what
     ``plan_model`` does after tracing.  ``caches``: per training precision, the intra-op solves and unit costs to
-    reuse (a sweep's, across cluster sizes); ``pinned``: the ``--fix`` text errors quote.  Raises
-    ``NoFitError`` when no layout fits, ``AutoparError`` when none divides the cluster or the runtime runs none."""
+    reuse (a sweep's, across cluster sizes); ``runnable``: the runtime's filter to reuse (its verdicts depend on
+    the intra-op solution, not on the cluster's size; default: a new one where autopar's runtime trains the plan);
+    ``pinned``: the ``--fix`` text errors quote.  Raises ``NoFitError`` when no layout fits, ``AutoparError`` when
+    none divides the cluster or the runtime runs none."""
     fixed = fixed or {}
-    runnable = runtime_filter(graph, ref, config, spec, ctx, batch, example_inputs)
+    if runnable is None:
+        runnable = runtime_filter(graph, ref, config, spec, ctx, batch, example_inputs)
     res = None
     for training in training_precisions(precision, spec, ctx.framework):
         tried = dataclasses.replace(ctx, precision=dataclasses.replace(ctx.precision, training=training))
         found = search(graph, spec, tried, batch, fixed, budget, solver, time_limit_s, top, on_progress,
                        cache=(caches or {}).get(training), accept=runnable.accept if runnable else None,
-                       exhaustive=exhaustive, jobs=jobs)
+                       exhaustive=exhaustive, jobs=jobs, may_accept=runnable.may_accept if runnable else None)
         if res is None or _faster(found, res):
             res, ctx = found, tried
     assert res is not None
     best = res.best
-    if best is None and runnable is not None and runnable.reasons:
+    if best is None and res.enumerated and runnable is not None and runnable.reasons:
         raise AutoparError(f"no layout autopar's runtime can run (--fix {pinned}): {runnable.reasons[0]}")
     if best is None:
         raise AutoparError("no layout of the search space divides the cluster and the global batch "
                            f"({spec.gpus} devices, global batch {batch}, --fix {pinned})")
     if not best.estimate.fits:
+        leanest = (res.leanest or best).estimate.peak_memory_bytes
         raise NoFitError(
             f"no layout fits in {human_bytes(budget)} per device: the leanest needs "
-            f"{human_bytes(best.estimate.peak_memory_bytes)} (try more GPUs, --memory-limit, or "
-            "--fix recompute=full,zero=3)", best.estimate.peak_memory_bytes)
+            f"{human_bytes(leanest)} (try more GPUs, --memory-limit, or --fix recompute=full,zero=3)", leanest)
     plans = [build_plan(graph=graph, model_ref=ref, config=config, cluster=spec, ctx=ctx,
                         global_batch=batch, estimate=c.estimate, strategies=c.strategies, example_inputs=example_inputs,
                         memory_limit_bytes=budget, alternatives=c.alternatives)

@@ -17,6 +17,7 @@ from typing import Any
 from autopar.cluster import Cluster
 from autopar.errors import AutoparError
 from autopar.inter_op.estimate import Estimate
+from autopar.inter_op.layout import Layout
 from autopar.inter_op.to_plan import build_plan
 from autopar.intra_op.strategies import Strategy
 from autopar.ir import OpGraph
@@ -37,10 +38,17 @@ class RuntimeFilter:
         self._verdicts: dict[tuple[int, bool, bool, bool, bool, bool], str | None] = {}
         self.reasons: list[str] = []
 
+    @staticmethod
+    def _key(lay: Layout, strategies: dict[str, Strategy]) -> tuple[int, bool, bool, bool, bool, bool]:
+        return (id(strategies), lay.pp > 1, lay.cp > 1, lay.ep > 1, lay.schedule in SPLIT_BACKWARD,
+                lay.recompute == "selective")
+
+    def may_accept(self, layout: Layout, strategies: dict[str, Strategy]) -> bool:
+        """False where ``accept`` already refused this combination (the search skips estimating it)."""
+        return self._verdicts.get(self._key(layout, strategies)) is None
+
     def accept(self, estimate: Estimate, strategies: dict[str, Strategy]) -> bool:
-        lay = estimate.layout
-        key = (id(strategies), lay.pp > 1, lay.cp > 1, lay.ep > 1, lay.schedule in SPLIT_BACKWARD,
-               lay.recompute == "selective")
+        key = self._key(estimate.layout, strategies)
         if key not in self._verdicts:
             self._verdicts[key] = self._refusal(estimate, strategies)
             if self._verdicts[key] is not None:

@@ -21,6 +21,8 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 #: Command prefix -> why it is not run here.
 NOT_RUN = {
     "python3 -m venv .venv": "creates a virtual environment and installs autopar into it (what .ci/run does)",
+    "autopar sweep models/llama.py": "plans 15 points of Llama 3 70B, minutes on 2 cores (benchmarks/sweep_time.py "
+                                     "times sweeps like it; docs/sweep.md's small sweep runs here)",
 }
 FENCE = re.compile(r"```bash\n(.*?)```", re.S)
 

@@ -279,3 +279,17 @@ def test_report_renders_in_a_browser(tiny_sweep: Path) -> None:
     for href in links:
         assert href.startswith("file://")
         Plan.load(Path(href.removeprefix("file://")))
+
+
+def test_the_leanest_layout_is_the_exhaustive_searchs() -> None:
+    """Where nothing fits, the memory the error (and a sweep's point) reports is the least any layout needs: the
+    search best-first in the memory bound finds what estimating every layout finds."""
+    spec, ctx, batch, _ = setup("h100-80gb", 8, None, None, 32, 60.0, None, "flash", "torch")
+    graph = trace_model("gpt", TINY, None, ctx).graph
+    budget = 2**20  # 1 MiB: nothing fits
+    pruned = search(graph, spec, ctx, batch, {}, budget)
+    full = search(graph, spec, ctx, batch, {}, budget, exhaustive=True)
+    assert pruned.best is not None and not pruned.best.estimate.fits
+    assert pruned.leanest.estimate.peak_memory_bytes == full.leanest.estimate.peak_memory_bytes
+    assert pruned.leanest.estimate.peak_memory_bytes <= pruned.best.estimate.peak_memory_bytes
+    assert [c.estimate for c in pruned.candidates] == [c.estimate for c in full.candidates]  # the fastest, as before

@@ -70,7 +70,7 @@ from autopar.inter_op.data_parallel import (
 )
 from autopar.inter_op.layout import Layout
 from autopar.inter_op.links import Links, cached_axis_link, layout_links
-from autopar.inter_op.pipelining import bubble_bound_s, bubble_time_s, p2p_s, recompute_passes
+from autopar.inter_op.pipelining import bubble_bound_s, bubble_time_s, p2p_s, recompute_passes, simulated_bubble
 from autopar.inter_op.recompute import layer_recompute
 from autopar.inter_op.technique import UnitLoadDraft
 from autopar.inter_op.unit_costs import POST, PRE, UnitCost, unit_sequence
@@ -82,6 +82,7 @@ from autopar.passes.flops import total_flops
 from autopar.power import NO_POWER, PowerMix
 from autopar.solvers.pipeline import (
     V_SHAPED,
+    bubble_s,
     in_flight_microbatches,
     splits_backward,
 )
@@ -182,6 +183,36 @@ class _UnitLoad:
                             for f in dataclasses.fields(self)})
 
 
+@dataclass(frozen=True, slots=True)
+class _Span:
+    """A run of units' loads summed (a stage, or a stage's units): each field as ``StageCost`` sums it."""
+
+    time_s: float
+    compute_s: float
+    tp_s: float
+    tp_fwd_s: float
+    cp_s: float
+    cp_fwd_s: float
+    ep_s: float
+    ep_fwd_s: float
+    recompute_s: float
+    zero3_s: float
+    fwd_s: float
+    bwd_s: float
+    weight_s: float
+    rerun_s: float
+    power: PowerMix
+
+    @classmethod
+    def of(cls, units: list[_UnitLoad]) -> _Span:
+        return cls(sum(x.time_s for x in units), sum(x.compute_s for x in units), sum(x.tp_s for x in units),
+                   sum(x.tp_fwd_s for x in units), sum(x.cp_s for x in units), sum(x.cp_fwd_s for x in units),
+                   sum(x.ep_s for x in units), sum(x.ep_fwd_s for x in units), sum(x.recompute_s for x in units),
+                   sum(x.zero3_exposed_s for x in units), sum(x.fwd_s for x in units), sum(x.bwd_s for x in units),
+                   sum(x.weight_s for x in units), sum(x.rerun_s for x in units),
+                   sum((x.power for x in units), PowerMix()))
+
+
 @dataclass(slots=True)
 class SharedWork:
     """What ``estimate_layout`` computes alike for many layouts of one search, kept across them: each set of unit
@@ -193,6 +224,18 @@ class SharedWork:
     _shares: dict[tuple, tuple[dict[str, UnitCost], dict[str, UnitCost]]] = field(default_factory=dict)
     _loads: dict[tuple, tuple[dict[str, UnitCost], dict[str, _UnitLoad]]] = field(default_factory=dict)
     _links: dict[tuple, Links] = field(default_factory=dict)
+    _members: dict[tuple, tuple[float, float, float]] = field(default_factory=dict)
+
+    def member_sums(self, costs: dict[str, UnitCost], members: list[str], key: tuple, ep: int,
+                    ) -> tuple[float, float, float]:
+        """The local parameters, expert-parallel ones (``ep > 1``) and tp-synced gradients' time of a stage's
+        units ``members``, once per ``key`` (naming ``costs``, kept here, and the members)."""
+        out = self._members.get(key)
+        if out is None:
+            out = self._members[key] = (sum(costs[k].params_local for k in members),
+                                        sum(costs[k].expert_params_local for k in members) if ep > 1 else 0.0,
+                                        sum(costs[k].tp_sync_s for k in members))
+        return out
 
     def links(self, cluster: Cluster, layout: Layout) -> Links:
         """``layout_links``, once per mesh shape (a search's layouts share one cluster)."""
@@ -282,18 +325,14 @@ class StageCost:
     expert_params: float  # of which expert-parallel experts
 
     @classmethod
-    def of(cls, units: list[_UnitLoad], p2p_s: float, accumulate_s: float, tp_sync_s: float, local_params: float,
+    def of(cls, span: _Span, p2p_s: float, accumulate_s: float, tp_sync_s: float, local_params: float,
            expert_params: float) -> StageCost:
-        tp_fwd = sum(x.tp_fwd_s for x in units)
-        cp_fwd = sum(x.cp_fwd_s for x in units)
-        ep_fwd = sum(x.ep_fwd_s for x in units)
-        return cls(time_s=sum(x.time_s for x in units) + p2p_s, compute_s=sum(x.compute_s for x in units),
-                   tp_s=sum(x.tp_s for x in units), tp_fwd_s=tp_fwd, cp_s=sum(x.cp_s for x in units), cp_fwd_s=cp_fwd,
-                   ep_s=sum(x.ep_s for x in units), ep_fwd_s=ep_fwd, recompute_s=sum(x.recompute_s for x in units),
-                   p2p_s=p2p_s, zero3_s=sum(x.zero3_exposed_s for x in units),
-                   forward_s=sum(x.fwd_s for x in units) + tp_fwd + cp_fwd + ep_fwd,
-                   bwd_s=sum(x.bwd_s for x in units), weight_s=sum(x.weight_s for x in units),
-                   rerun_s=sum(x.rerun_s for x in units), accumulate_s=accumulate_s, tp_sync_s=tp_sync_s,
+        """The stage whose units sum to ``span``."""
+        return cls(time_s=span.time_s + p2p_s, compute_s=span.compute_s, tp_s=span.tp_s, tp_fwd_s=span.tp_fwd_s,
+                   cp_s=span.cp_s, cp_fwd_s=span.cp_fwd_s, ep_s=span.ep_s, ep_fwd_s=span.ep_fwd_s,
+                   recompute_s=span.recompute_s, p2p_s=p2p_s, zero3_s=span.zero3_s,
+                   forward_s=span.fwd_s + span.tp_fwd_s + span.cp_fwd_s + span.ep_fwd_s, bwd_s=span.bwd_s,
+                   weight_s=span.weight_s, rerun_s=span.rerun_s, accumulate_s=accumulate_s, tp_sync_s=tp_sync_s,
                    local_params=local_params, expert_params=expert_params)
 
     def parts(self, layout: Layout) -> dict[str, float]:
@@ -329,7 +368,8 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
     dp_link, tp_link = links.dp, links.tp
     pp_link = cached_axis_link(cluster, p, layout.replicas * layout.tp)
     by_key = shared.unit_loads(costs, keys, layout, links, cluster, ctx)
-    if layout.schedule in V_SHAPED and p > 1:  # the first rank holds both ends of the V
+    v_shaped = layout.schedule in V_SHAPED and p > 1
+    if v_shaped:  # the first rank holds both ends of the V
         by_key = {**by_key, PRE: by_key[PRE].merged(by_key[POST]), POST: _EMPTY_LOAD}
     loads = [by_key[k] for k in keys]
     if prune_above_s is not None and m * sum(x.time_s for x in loads) / p > prune_above_s:
@@ -350,33 +390,44 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
             return None
     if v > 1 and not _chunks_fit(split, p, v, len(keys), layout.schedule in V_SHAPED):
         return None
+    spans = [_Span.of(loads[split.boundaries[k]:split.boundaries[k + 1]]) for k in range(p)]
+    if prune_above_s is not None and p > 1:
+        # the stages' units alone (no transfers yet) in the closed form's slots, or m of them: a floor of the
+        # iteration, checked before each stage's transfers, power and dp traffic are priced
+        floor = [span.time_s for span in spans]
+        if simulated_bubble(layout):  # ``bubble_bound_s`` on these floors: the forwards ahead of each rank's first
+            start, slots = 0.0, 0.0
+            for k, span in enumerate(spans):
+                slots = max(slots, start + m * floor[k])
+                start += (span.fwd_s + span.tp_fwd_s + span.cp_fwd_s + span.ep_fwd_s) / v
+        else:
+            slots = m * max(floor) + bubble_s(floor, v, m)
+        if slots > prune_above_s:
+            return None
     fw = ctx.framework
     stage_times, dp_exposed = [], 0.0
     per_stage: list[StageCost] = []
     members = _stage_members(keys, split, layout)
     for k in range(p):  # what the iteration time needs; the stages' details wait until it is not pruned
         a, b = split.boundaries[k], split.boundaries[k + 1]
-        units = loads[a:b]
+        span = spans[k]
         neighbours = (1 if k > 0 else 0) + (1 if k < p - 1 else 0)
         boundary = max(costs[keys[a]].input_bytes if k > 0 else 0.0,
                        costs[keys[b]].input_bytes if b < len(keys) else 0.0)
         # one transfer each way per neighbour and micro-batch, for every chunk with interleaving
         p2p = neighbours * p2p_s(boundary, layout, pp_link, tp_link, ctx) * v if p > 1 else 0.0
-        busy = sum(x.compute_s for x in units)
-        mix = sum((x.power for x in units), PowerMix())
+        busy, mix = span.compute_s, span.power
         p2p_cost = p2p
         if fw.pp_p2p_overlap and p2p > 0:  # sent under the next micro-batch's compute, which it slows
             p2p_cost = overlapped_s(p2p, busy, compute_rate(cluster, pp_link, mix))
-        local = sum(costs[key].params_local for key in members[k])
-        expert_local = sum(costs[key].expert_params_local for key in members[k]) if layout.ep > 1 else 0.0
+        member_key = (id(costs), a, b, v_shaped and k == 0, v_shaped and k == p - 1, layout.ep > 1)
+        local, expert_local, tp_sync = shared.member_sums(costs, members[k], member_key, layout.ep)
         accumulate = grad_accumulation_s(local - expert_local, layout, cluster, ctx, layout.replicas) \
             + grad_accumulation_s(expert_local, layout, cluster, ctx, layout.expert_replicas)
-        stage = StageCost.of(units, p2p_cost, accumulate, sum(costs[key].tp_sync_s for key in members[k]), local,
-                             expert_local)
+        stage = StageCost.of(span, p2p_cost, accumulate, tp_sync, local, expert_local)
         stage_times.append(stage.time_s)
         groups = [(local - expert_local, dp_link), (expert_local, links.expert_dp)]
-        dp_exposed = max(dp_exposed, dp_sync_exposed(groups, stage.bwd_s, sum(x.fwd_s for x in units), layout,
-                                                      cluster, ctx, mix))
+        dp_exposed = max(dp_exposed, dp_sync_exposed(groups, stage.bwd_s, span.fwd_s, layout, cluster, ctx, mix))
         per_stage.append(stage)
     bottleneck = max(range(p), key=lambda k: stage_times[k])
     bn = per_stage[bottleneck]

@@ -89,6 +89,8 @@ class SearchResult:
     """Of those, the ones whose time bound could not beat the best found (never estimated)."""
     pruned_memory: int = 0
     """... and the ones whose memory bound exceeds the budget (never estimated, unless nothing fits)."""
+    leanest: Candidate | None = None
+    """When nothing fits: the layout that needs the least memory per device (``candidates`` hold the fastest)."""
 
     @property
     def best(self) -> Candidate | None:
@@ -303,12 +305,14 @@ def search(graph: OpGraph, cluster: Cluster, ctx: PassContext, global_batch: int
            memory_budget_bytes: float, backend: Backend = "cbc", time_limit_s: float = 60.0, top_k: int = 1,
            progress: Callable[[str], None] | None = None, cache: UnitCostCache | None = None,
            accept: Callable[[Estimate, dict[str, Strategy]], bool] | None = None,
-           exhaustive: bool = False, jobs: int = 1) -> SearchResult:
+           exhaustive: bool = False, jobs: int = 1,
+           may_accept: Callable[[Layout, dict[str, Strategy]], bool] | None = None) -> SearchResult:
     """The ``top_k`` fastest layouts that fit (or, if none fits, the closest ones marked ``fits=False``).
 
     ``cache``: unit costs (and the intra-op solves behind them) to reuse across searches of the same graph,
     tensor-parallel fabric and context; its solves are counted from zero here either way.  ``accept``: a
-    candidate is kept only if it says so (the runtime that will train the plan can run it).  ``exhaustive``:
+    candidate is kept only if it says so (the runtime that will train the plan can run it); ``may_accept``: False
+    for a layout ``accept`` is known to refuse, which is then not estimated.  ``exhaustive``:
     estimate every layout in full, with no lower bound or cut-off (slow: it checks that they prune nothing
     that would win).  ``jobs``: processes that solve the intra-op ILPs (the same answers as one process)."""
     t0 = time.perf_counter()
@@ -353,6 +357,8 @@ def search(graph: OpGraph, cluster: Cluster, ctx: PassContext, global_batch: int
             pruned_memory += 1
             continue
         costs, strategies = cache.get(layout.tp, layout.mbs, layout.sp, variant)
+        if may_accept is not None and not exhaustive and not may_accept(layout, strategies):
+            continue  # the runtime cannot run it: it would not be kept
         est = estimate_layout(graph, costs, layout, global_batch, cluster, ctx, memory_budget_bytes, flops,
                               allow_spill=False, prune_above_s=cutoff, keys=sequence, shared=shared)
         evaluated += 1
@@ -360,13 +366,23 @@ def search(graph: OpGraph, cluster: Cluster, ctx: PassContext, global_batch: int
             progress(f"searching layouts: {evaluated} evaluated")
         if est is not None and est.fits and (accept is None or accept(est, strategies)):
             _keep(fitting, Candidate(est, variant, strategies, cache.alternatives(strategies)), top_k, _rank)
-    if not fitting:  # nothing fits: of the fastest layouts, marked as not fitting, the leanest
-        for _, _, variant, layout, _ in queue:
+    leanest = None
+    if not fitting:
+        # nothing fits: the fastest layouts, marked as not fitting (best first in their time bound, as above), and
+        # apart from them the leanest one (best first in its memory bound): what the error says a layout needs
+        for bound, _, variant, layout, _ in queue:
+            cutoff = spill[-1].estimate.iteration_time_s if len(spill) >= _bucket_size(top_k) else None
+            if cutoff is not None and bound > cutoff and not exhaustive:
+                break
             costs, strategies = cache.get(layout.tp, layout.mbs, layout.sp, variant)
+            if may_accept is not None and not exhaustive and not may_accept(layout, strategies):
+                continue
             est = estimate_layout(graph, costs, layout, global_batch, cluster, ctx, memory_budget_bytes, flops,
-                                  keys=sequence, shared=shared)
+                                  prune_above_s=None if exhaustive else cutoff, keys=sequence, shared=shared)
             if est is not None and (accept is None or accept(est, strategies)):
                 _keep(spill, Candidate(est, variant, strategies, cache.alternatives(strategies)), top_k, _rank)
+        leanest = _leanest(queue, graph, cache, global_batch, cluster, ctx, memory_budget_bytes, flops, sequence,
+                           shared, accept, may_accept, exhaustive)
     # the closed-form bubble is exact only for equal stages: the candidates kept are re-estimated with their
     # schedules simulated op by op (as the timeline draws them) and ranked again
     fitting = sorted(_exact(fitting, graph, cache, global_batch, cluster, ctx, memory_budget_bytes, flops),
@@ -376,7 +392,30 @@ def search(graph: OpGraph, cluster: Cluster, ctx: PassContext, global_batch: int
     status = "feasible" if cache.statuses - {"optimal"} else "optimal"
     return SearchResult(chosen, evaluated, cache.solves - solves_before, time.perf_counter() - t0, status,
                         cache.gap if status != "optimal" else 0.0, enumerated=len(queue), pruned_bound=pruned_bound,
-                        pruned_memory=pruned_memory)
+                        pruned_memory=pruned_memory, leanest=leanest)
+
+
+def _leanest(queue: list[tuple[float, tuple, str, Layout, UnitTotals]], graph: OpGraph, cache: UnitCostCache,
+             global_batch: int, cluster: Cluster, ctx: PassContext, memory_budget_bytes: float, flops: ModelFlops,
+             sequence: list[str], shared: SharedWork, accept: Callable[[Estimate, dict[str, Strategy]], bool] | None,
+             may_accept: Callable[[Layout, dict[str, Strategy]], bool] | None, exhaustive: bool) -> Candidate | None:
+    """The layout that needs the least memory per device: the layouts in the order of their memory bound, until
+    the next bound exceeds the least found (``exhaustive``: all of them)."""
+    best: Candidate | None = None
+    for bound, _, variant, layout in sorted((memory_bound_bytes(t, lay, ctx), key, variant, lay)
+                                            for _, key, variant, lay, t in queue):
+        if best is not None and bound > best.estimate.peak_memory_bytes and not exhaustive:
+            break  # no layout left can need less
+        costs, strategies = cache.get(layout.tp, layout.mbs, layout.sp, variant)
+        if may_accept is not None and not exhaustive and not may_accept(layout, strategies):
+            continue
+        est = estimate_layout(graph, costs, layout, global_batch, cluster, ctx, memory_budget_bytes, flops,
+                              keys=sequence, shared=shared)
+        if est is not None and (accept is None or accept(est, strategies)):
+            cand = Candidate(est, variant, strategies, cache.alternatives(strategies))
+            if best is None or _spill_rank(cand) < _spill_rank(best):
+                best = cand
+    return best
 
 
 def _exact(cands: list[Candidate], graph: OpGraph, cache: UnitCostCache, global_batch: int, cluster: Cluster,

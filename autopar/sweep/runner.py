@@ -14,6 +14,7 @@ import dataclasses
 import hashlib
 import json
 import multiprocessing
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from autopar.cluster import Cluster
 from autopar.errors import AutoparError
 from autopar.inter_op.search import UnitCostCache
 from autopar.ir import OpGraph
+from autopar.runnable import runtime_filter
 from autopar.sweep.grid import Point
 
 Solved = dict[tuple, Any]  # UnitCostCache.solved(): solve key -> (mesh, strategies, solution)
@@ -76,16 +78,19 @@ class PointResult:
     plan_json: str | None = None
     leanest_bytes: float | None = None
     memory_budget_bytes: float = 0.0
+    elapsed_s: float = 0.0
+    """How long planning the point took (not part of the sweep's answer: it varies run to run)."""
     solved: dict[tuple[str, str], Solved] = field(default_factory=dict, repr=False)
     """Per training precision and ``fabric_key``, the intra-op solves this point's caches hold (for the tasks
     after it)."""
 
 
-_WORKER: dict[str, Any] = {"caches": {}}  # a process's annotated graphs and its caches per (type, precision)
+#: A process's options and annotated graphs, its caches per (type, precision, fabric) and runtime filters.
+_WORKER: dict[str, Any] = {"caches": {}, "filters": {}}
 
 
 def _worker_init(options: PlanningOptions, graphs: dict[str, TypeGraph]) -> None:
-    _WORKER.update(options=options, graphs=graphs, caches={})
+    _WORKER.update(options=options, graphs=graphs, caches={}, filters={})
 
 
 def plan_point(point: Point, solved: dict[tuple[str, str], Solved], options: PlanningOptions | None = None,
@@ -95,6 +100,7 @@ def plan_point(point: Point, solved: dict[tuple[str, str], Solved], options: Pla
     if options is not None and graphs is not None and _WORKER.get("graphs") is not graphs:
         _worker_init(options, graphs)
     options, graphs = _WORKER["options"], _WORKER["graphs"]
+    start = time.perf_counter()
     graph = graphs[point.cluster].graph
     spec, ctx, batch, budget = options.setup(point.cluster, point.gpus)
     caches: dict[str, UnitCostCache] = {}
@@ -108,11 +114,16 @@ def plan_point(point: Point, solved: dict[tuple[str, str], Solved], options: Pla
             _WORKER["caches"][key] = cache
         cache.seed(solved.get((training, fabric), {}))
         caches[training] = cache
+    # the runtime's verdicts on an intra-op solution hold at every size: one filter per type and fabric
+    runnable = _WORKER["filters"].get((point.cluster, fabric))
+    if runnable is None:
+        runnable = runtime_filter(graph, options.model_ref, options.config, spec, ctx, batch)
+        _WORKER["filters"][(point.cluster, fabric)] = runnable
     result = PointResult(point, spec.name, spec.device, "ok", memory_budget_bytes=budget)
     try:
         plans, _, _ = plan_graph(graph, options.model_ref, options.config, spec, ctx, batch, budget,
                                  precision=options.precision, solver=options.solver,
-                                 time_limit_s=options.time_limit_s, caches=caches)
+                                 time_limit_s=options.time_limit_s, caches=caches, runnable=runnable)
         plan = plans[0]
         result.estimate, result.layout = plan.estimate, plan.layout
         result.plan_json = plan.to_json()
@@ -121,6 +132,7 @@ def plan_point(point: Point, solved: dict[tuple[str, str], Solved], options: Pla
     except AutoparError as exc:
         result.status, result.message = "no-layout", str(exc)
     result.solved = {(training, fabric): cache.solved() for training, cache in caches.items()}
+    result.elapsed_s = time.perf_counter() - start
     return result
 
 

@@ -71,6 +71,8 @@ class SweepResult:
     meta: dict[str, Any]
     plans: dict[str, str]
     """Point key (``h100-80gb-1024``) -> its plan file's text."""
+    elapsed_s: dict[str, float] = field(default_factory=dict)
+    """Point key -> the seconds planning it took (not written: it varies run to run)."""
 
     def ok(self) -> list[dict[str, Any]]:
         return [r for r in self.rows if r["status"] == "ok"]
@@ -149,7 +151,7 @@ def run_sweep(req: SweepRequest, jobs: int = 1, ray_address: str | None = None,
         "accuracy": {c.name: accuracy_note(c.name, req.precision) for c in clusters.values()},
     }
     plans = {r.point.key: r.plan_json for r in results if r.plan_json is not None}
-    return SweepResult(rows, meta, plans)
+    return SweepResult(rows, meta, plans, {r.point.key: r.elapsed_s for r in results})
 
 
 def _row(r: PointResult, cluster: Cluster, req: SweepRequest, parameters: float) -> dict[str, Any]:
