@@ -83,9 +83,10 @@ def run_sweep_command(args: argparse.Namespace) -> int:
         sys.stdout.write(to_json(result))
     else:
         out = Console()
-        render_table(result, out if out.is_terminal else Console(width=160))
+        out = out if out.is_terminal else Console(width=160)
+        render_table(result, out)
         if written:
-            Console().print("wrote " + ", ".join(str(p) for p in written if "plans" not in p.parts)
+            out.print("wrote " + ", ".join(str(p) for p in written if "plans" not in p.parts)
                             + (f" and {len(result.plans)} plans under {Path(args.output) / 'plans'}"
                                if result.plans and args.output else ""), style="dim", highlight=False)
     return 0
