@@ -9,7 +9,9 @@ memory limit.  Every term here is a value that term can never go below, whatever
   ``t_max >= W / p``;
 - **bubble**: the closed form ``m t_max + (T - t_max) / v`` of GPipe, 1F1B and interleaving is at least
   ``(W / p) (m + (p - 1) / v)``; a simulated schedule (zero-bubble, or interleaving with few micro-batches or
-  Llama 3's groups) takes at least ``m t_max``, as every rank runs its ``m`` micro-batches one after another;
+  Llama 3's groups) takes at least ``m t_max``, as every rank runs its ``m`` micro-batches one after another, and
+  one that does not split the backward at least ``W``: the first micro-batch's forward and backward pass every
+  chunk in turn;
 - **optimizer step, gradient accumulation, tp gradient sync**: linear in a stage's parameters, so at least their
   value at the mean stage;
 - **dp / ZeRO 0-2**: the reductions and gathers the framework runs after the compute

@@ -226,9 +226,14 @@ def pipeline_slots(layout: Layout) -> float:
     """The fewest slots of the mean stage's time a pipeline takes (its bound term): ``m + (p - 1) / v`` for the
     closed-form schedules (GPipe, 1F1B and interleaving: ``m t_max + (sum t - t_max) / v`` is at least that many
     slots of ``sum t / p``), ``m`` for the simulated ones (every rank runs its ``m`` micro-batches one after
-    another)."""
+    another), and for those that do not split the backward at least ``p``: the first micro-batch runs forward
+    through every chunk and back before its last backward ends, the ``p`` stages' times one after another."""
     p, m = layout.pp, layout.num_microbatches
-    return float(m) if p == 1 or simulated_bubble(layout) else m + (p - 1) / layout.v
+    if p == 1:
+        return float(m)
+    if simulated_bubble(layout):
+        return float(m) if splits_backward(layout.schedule, p) else float(max(m, p))
+    return m + (p - 1) / layout.v
 
 
 @functools.lru_cache(maxsize=4096)

@@ -80,7 +80,12 @@ def render_table(result: SweepResult, console: Console) -> None:
         console.print(f"[{i}] {text}", highlight=False, markup=False)
     lines = ["frontier: T = Pareto-optimal on (time, cost), E = on (time, energy); * = GPU count rounded to what "
              "the cluster takes; time includes the expected loss to interruptions (goodput)"]
-    if meta["deadline_s"] is not None or meta["budget"] is not None:
+    if meta["deadline_s"] is None and meta["budget"] is None:
+        best = next((r for r in result.ok() if r["best_choice"]), None)
+        if best is not None:
+            lines.append(f"best: the cheapest point, {best['gpu_type']} x {best['gpus']} (--deadline and --budget "
+                         "pick the cheapest that meets them)")
+    else:
         asked = [f"deadline {human_duration(meta['deadline_s'])}" if meta["deadline_s"] is not None else "",
                  f"budget {_money(meta['budget'], unit)}" if meta["budget"] is not None else ""]
         best = next((r for r in result.ok() if r["best_choice"]), None)
