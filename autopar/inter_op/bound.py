@@ -61,11 +61,25 @@ def unit_totals(costs: dict[str, UnitCost], counts: dict[str, int], layout: Layo
     return UnitTotals(work, rerun, sync, dense, experts, act, tied_params(costs))
 
 
-def time_bound_s(t: UnitTotals, layout: Layout, cluster: Cluster, ctx: PassContext, links: Links) -> float:
+def time_bound_s(t: UnitTotals, layout: Layout, cluster: Cluster, ctx: PassContext, links: Links,
+                 memo: dict[tuple, float] | None = None) -> float:
     """A lower bound of ``estimate_layout``'s iteration time for ``layout`` on units totalling ``t``; ``links``: the
-    layout's (``links.layout_links``).  The sum of the registered techniques' terms."""
-    return sum(technique.time_bound_s(t, layout, links, cluster, ctx) for technique in techniques.TECHNIQUES
-               if technique.time_bound_s is not None)
+    layout's (``links.layout_links``).  The sum of the registered techniques' terms.  ``memo``: a search's terms of
+    the techniques that say what they read (``Technique.bound_reads``), keyed on the identities of ``t`` and
+    ``links`` (the caller keeps them alive) and those fields."""
+    total = 0.0
+    for technique in techniques.TECHNIQUES:
+        if technique.time_bound_s is None:
+            continue
+        if memo is None or technique.bound_reads is None:
+            total += technique.time_bound_s(t, layout, links, cluster, ctx)
+            continue
+        key = (technique.name, id(t), id(links), *technique.bound_reads(layout))
+        term = memo.get(key)
+        if term is None:
+            term = memo[key] = technique.time_bound_s(t, layout, links, cluster, ctx)
+        total += term
+    return total
 
 
 def memory_bound_bytes(t: UnitTotals, layout: Layout, ctx: PassContext) -> float:

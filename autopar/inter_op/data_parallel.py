@@ -233,6 +233,12 @@ def _time_bound_s(t: UnitTotals, layout: Layout, links: Links, cluster: Cluster,
     return iteration_floor_s(t.dense_params / p, t.expert_params / p, layout, links, cluster, ctx)
 
 
+def _bound_reads(layout: Layout) -> tuple:
+    """What ``_time_bound_s`` reads of a layout (``iteration_floor_s``: the stages, micro-batches, ZeRO level and
+    the ranks holding the same weights)."""
+    return layout.pp, layout.num_microbatches, layout.zero, layout.replicas, layout.expert_replicas
+
+
 def _memory_bound_bytes(t: UnitTotals, layout: Layout, ctx: PassContext) -> float:
     """The mean stage's state at the ZeRO level; one stage holds the tied parameters once (``estimate_layout``
     adds them back to the budget)."""
@@ -248,7 +254,7 @@ MICRO_BATCHES = Technique("micro_batches", ("mbs", "num_microbatches"), expand=_
                           check_fixed=_check_fixed_micro_batches)
 #: Data parallelism's ZeRO level, its state, ZeRO-3's per-unit traffic and the per-iteration floor.
 TECHNIQUE = Technique("data_parallel", ("zero",), expand=_expand_zero, unit_step=_unit_step,
-                      time_bound_s=_time_bound_s, memory_bound_bytes=_memory_bound_bytes)
+                      time_bound_s=_time_bound_s, memory_bound_bytes=_memory_bound_bytes, bound_reads=_bound_reads)
 
 __all__ = [
     "ADAM_BYTES_PER_PARAM",

@@ -333,6 +333,7 @@ def search(graph: OpGraph, cluster: Cluster, ctx: PassContext, global_batch: int
     queue: list[tuple[float, tuple, str, Layout, UnitTotals]] = []
     counts = {k: sequence.count(k) for k in dict.fromkeys(sequence)}
     memo: dict[tuple, UnitTotals] = {}
+    bound_memo: dict[tuple, float] = {}  # keyed on ids of ``memo``'s totals and ``shared``'s links
     space = list(layouts(graph, cluster, global_batch, fixed, ctx.framework))
     if jobs > 1:  # one process solves each ILP when the queue first asks for it
         cache.solve_all(sorted({cache.solve_key(lay.tp, lay.mbs, lay.sp, v) for lay in space for v in VARIANTS}),
@@ -342,7 +343,7 @@ def search(graph: OpGraph, cluster: Cluster, ctx: PassContext, global_batch: int
             costs, strategies = cache.get(layout.tp, layout.mbs, layout.sp, variant)
             if runtime_runs(layout, cache.shards_parameters(strategies)) and expert_parallel_runs(layout, costs):
                 totals = _totals(costs, counts, layout, cluster, ctx, shared, memo)
-                time_lb = time_bound_s(totals, layout, cluster, ctx, shared.links(cluster, layout))
+                time_lb = time_bound_s(totals, layout, cluster, ctx, shared.links(cluster, layout), bound_memo)
                 queue.append((time_lb, _layout_key(layout), variant, layout, totals))
     queue.sort(key=lambda q: q[:3])
     for i, (bound, _, variant, layout, totals) in enumerate(queue):

@@ -128,6 +128,8 @@ class Technique:
     unit_step: Callable[[UnitLoadDraft], None] | None = None
     time_bound_s: Callable[[UnitTotals, Layout, Links, Cluster, PassContext], float] | None = None
     memory_bound_bytes: Callable[[UnitTotals, Layout, PassContext], float] | None = None
+    bound_reads: Callable[[Layout], tuple] | None = None
+    """The layout fields ``time_bound_s`` reads beyond the totals and links: a search computes it once per them."""
 
     def __post_init__(self) -> None:
         if (self.share is None) != (self.shares_at is None):
