@@ -217,8 +217,12 @@ def _run_on_ray(firsts: list[Point], rest: list[Point], options: PlanningOptions
         raise AutoparError("--ray needs Ray: pip install -c constraints.txt -e '.[ray]'") from exc
     started = not ray.is_initialized()
     if started:
-        ray.init(address=None if address == "local" else address, include_dashboard=False,
-                 log_to_driver=False, configure_logging=False)
+        try:
+            ray.init(address=None if address == "local" else address, include_dashboard=False,
+                     log_to_driver=False, configure_logging=False)
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            raise AutoparError(f"--ray {address}: no Ray cluster to join ({str(exc).splitlines()[0]}); start one "
+                               "with 'ray start --head', or use --ray local") from exc
     try:
         options_ref, graphs_ref = ray.put(options), ray.put(graphs)  # once, through the object store
         remote = ray.remote(plan_point)
