@@ -186,6 +186,8 @@ def plan_graph(graph: OpGraph, ref: str, config: dict[str, Any], spec: Cluster, 
     ``pinned``: the ``--fix`` text errors quote.  Raises ``NoFitError`` when no layout fits, ``AutoparError`` when
     none divides the cluster or the runtime runs none."""
     fixed = fixed or {}
+    if graph.params and not graph.num_trainable_parameters:
+        raise AutoparError(f"{ref}: no parameter trains (every one has requires_grad=False): nothing to plan")
     if runnable is None:
         runnable = runtime_filter(graph, ref, config, spec, ctx, batch, example_inputs)
     res = None

@@ -50,8 +50,9 @@ def build_fake(module: ModuleType, config: dict[str, Any], ref: str,
     ``seq_len`` when ``build_model`` accepts it (it sizes position tables).
 
     A model whose initialization reads values (``tensor.item()``, a data-dependent branch), which fake
-    tensors cannot give, is built on the meta device instead and its tensors made fake of the same shapes
-    and dtypes (``fake_from_meta``); a warning says so."""
+    tensors cannot give, or moves its modules with ``Module.to`` (PEFT's adapters follow their base layer's
+    device), which cannot swap fake parameters, is built on the meta device instead and its tensors made
+    fake of the same shapes and dtypes (``fake_from_meta``); a warning says so."""
     if seq_len is not None and "seq_len" not in config:
         try:
             with_seq = {**config, "seq_len": seq_len}
@@ -67,14 +68,25 @@ def _build_fake_or_meta(module: ModuleType, config: dict[str, Any], ref: str) ->
         with FakeTensorMode(allow_non_fake_inputs=True):
             return modelfile.build(module, config, ref)
     except ModelFileError as exc:
-        if not isinstance(exc.__cause__, (DataDependentOutputException, DynamicOutputShapeException)):
+        if not _fake_tensors_cannot(exc.__cause__):
             raise
         reason = exc.__cause__
-    log.warning("%s: build_model reads values as it initializes (%s), which fake tensors cannot give: built on "
-                "the meta device and traced on fake tensors of its shapes", ref, reason)
+    what = ("moves its modules (Module.to), which cannot swap fake parameters" if "Couldn't swap" in str(reason)
+            else "reads values as it initializes, which fake tensors cannot give")
+    log.warning("%s: build_model %s (%s): built on the meta device and traced on fake tensors of its shapes",
+                ref, what, reason)
     with torch.device("meta"):
         model = modelfile.build(module, config, ref)
     return fake_from_meta(model)
+
+
+def _fake_tensors_cannot(exc: BaseException | None) -> bool:
+    """Whether a build failed on what fake tensors cannot do, which the meta device can: read a value, or be
+    swapped by ``Module._apply`` (a RuntimeError only for that one: fake tensors are weakly referenced by
+    their mode)."""
+    if isinstance(exc, (DataDependentOutputException, DynamicOutputShapeException)):
+        return True
+    return isinstance(exc, RuntimeError) and "Couldn't swap" in str(exc)
 
 
 def fake_from_meta(model: nn.Module, device: str = "cpu") -> nn.Module:

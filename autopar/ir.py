@@ -158,6 +158,7 @@ class ParamInfo:
     dtype: str
     aliases: tuple[str, ...] = ()
     layer: int | None = None
+    trainable: bool = True  # ``requires_grad``: a frozen parameter (fine-tuning) has no gradient, no optimizer state
 
     @property
     def numel(self) -> int:
@@ -222,7 +223,10 @@ class OpGraph:
             if n.kind == "output":
                 continue
             outs = tuple((o.shape, o.dtype, o.batch_dim) if o else None for o in n.outputs)
-            yield repr((n.kind, n.op, n.module, n.params, n.target if n.kind == "param" else "", outs)).encode()
+            line = (n.kind, n.op, n.module, n.params, n.target if n.kind == "param" else "", outs)
+            if n.kind == "param" and not n.out.requires_grad:
+                line += ("frozen",)  # only then: the fingerprints of models that train every parameter stay
+            yield repr(line).encode()
 
     def fingerprint(self) -> str:
         """A hash of ``structure`` and the sequence length, computed once: equal for the same model traced in
@@ -248,6 +252,11 @@ class OpGraph:
     @property
     def num_parameters(self) -> int:
         return sum(p.numel for p in self.params.values())
+
+    @property
+    def num_trainable_parameters(self) -> int:
+        """Parameters that train (``requires_grad``); the others are frozen (a fine-tuned model's base)."""
+        return sum(p.numel for p in self.params.values() if p.trainable)
 
     @property
     def compute_itemsize(self) -> int:

@@ -7,6 +7,7 @@ are split, the estimated time and memory.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,10 @@ def _placement_text(placements: dict[str, str]) -> str:
     return ", ".join(split) if split else "replicated"
 
 
+def _split_text(param: dict[str, Any]) -> str:
+    return _placement_text(param["placements"]) + (" (frozen)" if param.get("frozen") else "")
+
+
 def layer_type_prefixes(plan: Plan) -> dict[str, str]:
     """Layer type hash -> the FQN prefix of its first layer (``blocks.3.``)."""
     container = plan.model.get("layer_container")
@@ -50,9 +55,9 @@ def sharding_summary(plan: Plan) -> dict[str, list[tuple[str, list[int], str]]]:
         owner = next((h for h, pre in prefixes.items() if fqn.startswith(pre)), None)
         if owner is not None:
             groups[f"layer type {owner} ({prefixes[owner].rstrip('.')})"].append(
-                (fqn.removeprefix(prefixes[owner]), p["shape"], _placement_text(p["placements"])))
+                (fqn.removeprefix(prefixes[owner]), p["shape"], _split_text(p)))
         elif not (container and fqn.startswith(container + ".")):
-            groups["outside the layers"].append((fqn, p["shape"], _placement_text(p["placements"])))
+            groups["outside the layers"].append((fqn, p["shape"], _split_text(p)))
     return dict(groups)
 
 
@@ -117,14 +122,28 @@ def render_show(plan: Plan, console: Console) -> None:
     memory = Table(title="Memory per device", title_justify="left")
     for col in ("stage", "state", "activations", "gathered weights", "peak", "limit"):
         memory.add_column(col, justify="right")
+    state = Table(title="State per device", title_justify="left")
+    for col in ("stage", "weights", "grads", "optimizer"):
+        state.add_column(col, justify="right")
     for s in plan.stages:
         memory.add_row(str(s["index"]), human_bytes(s["estimated_state_bytes"]),
                        human_bytes(s["estimated_activation_bytes"]),
                        human_bytes(s.get("estimated_gathered_weight_bytes", 0.0)),
                        human_bytes(s["estimated_memory_bytes"]), human_bytes(limit))
+        parts = s.get("estimated_state_parts_bytes")  # plans written before it give the state whole
+        if parts:
+            state.add_row(str(s["index"]), *(human_bytes(parts[k]) for k in ("weights", "grads", "optimizer")))
     console.print(memory)
+    if state.row_count:
+        console.print(state)
     console.print(f"peak {human_bytes(est['peak_memory_bytes'])} of {human_bytes(limit)} per device: "
                   f"{'fits' if est['fits'] else 'DOES NOT FIT'}")
+    frozen = [p for p in plan.parameters.values() if p.get("frozen")]
+    if frozen:
+        n = sum(math.prod(p["shape"]) for p in frozen)
+        total = sum(math.prod(p["shape"]) for p in plan.parameters.values())
+        console.print(f"frozen: {len(frozen)} weights, {n:,} of {total:,} parameters ({n / total:.1%}), held in 16 "
+                      "bits with no gradient and no optimizer state")
 
 
 def representative(plan: Plan, name: str) -> str:

@@ -40,6 +40,10 @@ def render_model_summary(summary: dict[str, Any], title: str, console: Console) 
     table.add_column("what", style="bold")
     table.add_column("value")
     table.add_row("parameters", f"{human_count(summary['parameters'])} ({summary['parameters']:,})")
+    trainable = summary.get("trainable_parameters", summary["parameters"])
+    if trainable != summary["parameters"]:
+        table.add_row("  trainable", f"{human_count(trainable)} ({trainable / summary['parameters']:.2%}); the rest "
+                                     "frozen: 16-bit weights, no gradients, no optimizer state")
     types = summary["layer_types"]
     table.add_row("layers", f"{summary['layers']} in {summary['layer_container'] or '-'}, "
                             f"{len(types)} distinct type{'s' if len(types) != 1 else ''}")

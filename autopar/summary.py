@@ -48,6 +48,7 @@ def model_summary(graph: OpGraph, global_batch: int | None = None) -> dict[str, 
     tokens = max(1, graph.seq_len)
     summary: dict[str, Any] = {
         "parameters": state.parameters,
+        "trainable_parameters": state.trainable_parameters,
         "layers": len(graph.layers),
         "layer_container": graph.layer_container,
         "layer_types": [

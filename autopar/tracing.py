@@ -292,6 +292,7 @@ def _to_opgraph(ep: torch.export.ExportedProgram, model: nn.Module, sentinel: in
     from torch.export.graph_signature import InputKind
 
     aliases = _param_aliases(model)
+    trainable = {fqn: p.requires_grad for fqn, p in model.named_parameters(remove_duplicate=False)}
     container = _find_layer_container(model)
     spec_of = {s.arg.name: s for s in ep.graph_signature.input_specs if hasattr(s.arg, "name")}
 
@@ -335,9 +336,10 @@ def _to_opgraph(ep: torch.export.ExportedProgram, model: nn.Module, sentinel: in
             kind = spec.kind if spec is not None else InputKind.USER_INPUT
             if kind == InputKind.PARAMETER:
                 fqn = aliases.get(_strip_root(spec.target), _strip_root(spec.target))
-                nodes.append(Node(name, "param", "param", outputs=(tensor_info(val, False, True),),
+                grad = trainable.get(_strip_root(spec.target), True)  # frozen (fine-tuning): no gradient
+                nodes.append(Node(name, "param", "param", outputs=(tensor_info(val, False, grad),),
                                   target=fqn, params=(fqn,), layer=_layer_of(fqn, container)))
-                flow[name] = (False, True)
+                flow[name] = (False, grad)
             elif kind in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
                 target = _strip_root(spec.target)
                 k = "buffer" if kind == InputKind.BUFFER else "constant"
@@ -413,7 +415,7 @@ def _param_table(nodes: list[Node], aliases: dict[str, str], container: str | No
         if n.kind == "param":
             t = n.out
             params[n.target] = ParamInfo(n.target, t.shape, t.dtype, tuple(others.get(n.target, ())),
-                                         _layer_of(n.target, container))
+                                         _layer_of(n.target, container), trainable=t.requires_grad)
     return params
 
 
@@ -435,8 +437,9 @@ def _layer_table(nodes: list[Node], container: str | None, by_name: dict[str, No
                 if a.name in local:
                     return ("local", local[a.name], a.index)
                 src = by_name[a.name]
-                if src.kind == "param":
-                    return ("param", _relative(src.target, my_prefix), src.out.shape)
+                if src.kind == "param":  # a frozen block (fine-tuning) differs from a trainable one
+                    frozen = () if src.out.requires_grad else ("frozen",)
+                    return ("param", _relative(src.target, my_prefix), src.out.shape, *frozen)
                 t = src.outputs[a.index] if a.index < len(src.outputs) else None
                 return ("ext", src.kind, t.shape if t else None)
             if isinstance(a, (list, tuple)):
@@ -479,7 +482,7 @@ def _module_signature(block: nn.Module) -> tuple:
     for name, mod in block.named_modules():
         attrs = tuple(sorted((k, repr(v)) for k, v in vars(mod).items()
                              if not k.startswith("_") and k not in _INDEX_ATTRS and k != "training" and _plain(v)))
-        params = tuple((k, tuple(p.shape), p.dtype) for k, p in mod.named_parameters(recurse=False))
+        params = tuple((k, tuple(p.shape), p.dtype, p.requires_grad) for k, p in mod.named_parameters(recurse=False))
         buffers = tuple((k, tuple(b.shape), b.dtype) for k, b in mod.named_buffers(recurse=False))
         sig.append((name, type(mod).__qualname__, attrs, params, buffers))
     return tuple(sig)

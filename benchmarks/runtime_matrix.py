@@ -3,8 +3,9 @@
 Each case plans a small model with ``--fix`` on a 4- or 8-device ``cpu`` cluster, launches it on local
 CPU ranks (gloo), and compares loss, gradients and parameters with one process over 3 steps.  The cases
 include the sixteen HuggingFace decoders of ``examples/hf_decoder.py`` (global batch 8, sequence 32) at
-dp2 x tp2 and pp2 x dp2.  Plans of one world size run in one launch (``verify_many``); a launch that fails
-is rerun plan by plan to tell which.  Prints a table and writes ``benchmarks/results/runtime_matrix.json``.
+dp2 x tp2 and pp2 x dp2, and a LoRA fine-tune (``examples/lora_llama.py``: a frozen base, padded batches).
+Plans of one world size run in one launch (``verify_many``); a launch that fails is rerun plan by plan to tell
+which.  Prints a table and writes ``benchmarks/results/runtime_matrix.json``.
 
     python benchmarks/runtime_matrix.py [--only SUBSTRING]
 """
@@ -34,6 +35,7 @@ LLAMA = "layers=4,hidden=512,heads=8,kv_heads=4,vocab=256,seq_len=32"
 MOE = "layers=4,hidden=128,heads=4,vocab=256,seq_len=16,experts=4"
 HF_LLAMA = "layers=4,hidden=512,heads=8,ffn=1024,vocab=256,seq_len=16"
 HF_GPT2 = "layers=4,hidden=512,heads=8,vocab=256,seq_len=16"
+LORA = "layers=4,hidden=256,heads=8,kv_heads=4,ffn=512,vocab=256,seq_len=32,rank=8"
 
 CASES = [
     # name, model, config, --fix, devices
@@ -49,6 +51,10 @@ CASES = [
     ("hf llama tp4 sp zero0", str(ROOT / "examples/hf_llama.py"), HF_LLAMA, "tp=4,sp=on", 4),
     ("hf llama pp4 1f1b", str(ROOT / "examples/hf_llama.py"), HF_LLAMA, "pp=4,schedule=1f1b", 4),
     ("hf gpt2 dp2 x tp2 (Conv1D)", str(ROOT / "examples/hf_gpt2.py"), HF_GPT2, "dp=2,tp=2,sp=off", 4),
+    ("lora llama dp2 x tp2 zero3 (frozen base, padded)", str(ROOT / "examples/lora_llama.py"), LORA,
+     "dp=2,tp=2,zero=3", 4),
+    ("lora llama pp2 x dp2 interleaved_zb v2", str(ROOT / "examples/lora_llama.py"), LORA,
+     "pp=2,dp=2,schedule=interleaved_zb,v=2", 4),
 ]
 HF_DECODER = ROOT / "examples" / "hf_decoder.py"
 CASES += [(f"hf {arch} {name}", str(HF_DECODER), f"arch={arch},layers=4,hidden=64,heads=4,vocab=128,seq_len=32", fix, 4)

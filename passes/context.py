@@ -80,29 +80,47 @@ class PassContext:
         """Gradient and parameter collectives are bucketed: each bucket pays one collective's latency."""
         return self.framework.grad_bucket_bytes
 
-    def state_bytes(self, params: float, dp: int = 1, zero: int = 0) -> float:
-        """Bytes of model state one device holds between steps for ``params`` parameters under ZeRO level
-        ``zero`` over ``dp`` data-parallel ranks.  ``working-copy`` layout: 16-bit weights (sharded by ZeRO-3),
-        the gradient buffer in the framework's precision (ZeRO-2) and the fp32 master weights and Adam
-        moments (ZeRO-1).  ``fsdp2``: fp32 parameters, fp32 gradients and Adam moments, all sharded at 1-3."""
+    def state_bytes(self, params: float, dp: int = 1, zero: int = 0, frozen: float = 0.0) -> float:
+        """Bytes of model state one device holds between steps for ``params`` parameters, ``frozen`` of them frozen
+        (no gradient, no optimizer state), under ZeRO level ``zero`` over ``dp`` data-parallel ranks.
+        ``working-copy`` layout: 16-bit weights (sharded by ZeRO-3), the gradient buffer in the framework's
+        precision (ZeRO-2) and the fp32 master weights and Adam moments (ZeRO-1).  ``fsdp2``: fp32 parameters,
+        fp32 gradients and Adam moments, all sharded at 1-3.  Frozen parameters are held in 16 bits only,
+        sharded where the trainable weights are (ZeRO-3; FSDP2 at 1-3)."""
         p = self.precision
         share = lambda level: dp if zero >= level and dp > 1 else 1
+        trainable = params - frozen
         if self.framework.state_layout == "fsdp2":  # fp32 parameters (the master weights), grads and moments
-            return params * (p.optimizer_bytes + self.framework.main_grad_bytes) / share(1)
-        return params * (p.weight_bytes / share(3) + self.framework.main_grad_bytes / share(2)
-                         + p.optimizer_bytes / share(1))
+            return (trainable * (p.optimizer_bytes + self.framework.main_grad_bytes) + frozen * p.weight_bytes) \
+                / share(1)
+        return (trainable * (p.weight_bytes / share(3) + self.framework.main_grad_bytes / share(2)
+                             + p.optimizer_bytes / share(1)) + frozen * p.weight_bytes / share(3))
 
-    def held_bytes(self, params: float, dp: int, zero: int, pp: int, microbatches: int) -> float:
-        """Bytes one device holds for ``params`` parameters during a step on top of ``state_bytes``: FSDP2's
-        gathered 16-bit copy where it stays gathered (levels 0-2, any level under pipelining) and its
-        unsharded fp32 gradients where they accumulate before one reduction (level 1 over several
-        micro-batches; every level under pipelining).  Nothing for the ``working-copy`` layout."""
+    def state_parts(self, params: float, dp: int = 1, zero: int = 0, frozen: float = 0.0,
+                    ) -> tuple[float, float, float]:
+        """``state_bytes`` as (weights, gradients, optimizer state): under ``fsdp2`` the fp32 parameters are the
+        weights and the master copy both, and count as weights; the frozen ones are 16-bit weights alone."""
+        p, grad = self.precision, self.framework.main_grad_bytes
+        share = lambda level: dp if zero >= level and dp > 1 else 1
+        trainable = params - frozen
+        if self.framework.state_layout == "fsdp2":
+            return ((trainable * p.master_weight_bytes + frozen * p.weight_bytes) / share(1),
+                    trainable * grad / share(1), trainable * (p.optimizer_bytes - p.master_weight_bytes) / share(1))
+        return (params * p.weight_bytes / share(3), trainable * grad / share(2),
+                trainable * p.optimizer_bytes / share(1))
+
+    def held_bytes(self, params: float, dp: int, zero: int, pp: int, microbatches: int, frozen: float = 0.0) -> float:
+        """Bytes one device holds for ``params`` parameters (``frozen`` of them frozen) during a step on top of
+        ``state_bytes``: FSDP2's gathered 16-bit copy where it stays gathered (levels 0-2, any level under
+        pipelining) and its unsharded fp32 gradients where they accumulate before one reduction (level 1 over
+        several micro-batches; every level under pipelining).  Nothing for the ``working-copy`` layout."""
         if self.framework.state_layout != "fsdp2":
             return 0.0
         sharded = zero >= 1 and dp > 1
         working = self.precision.weight_bytes if zero <= 2 or pp > 1 else 0.0
         accumulating = sharded and (pp > 1 or (zero == 1 and microbatches > 1))
-        return params * (working + (self.framework.main_grad_bytes if accumulating else 0.0))
+        return (params - frozen) * (working + (self.framework.main_grad_bytes if accumulating else 0.0)) \
+            + frozen * working
 
     @property
     def flash(self) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 from autopar.passes import PassContext
@@ -14,6 +15,9 @@ from autopar.inter_op.bound import memory_bound_bytes, time_bound_s, unit_totals
 from autopar.inter_op.estimate import ModelFlops, SharedWork, estimate_layout
 from autopar.inter_op.search import UnitCostCache, expert_parallel_runs, layouts
 from autopar.inter_op.unit_costs import unit_sequence
+
+LORA = str(Path(__file__).parent.parent / "examples" / "lora_llama.py")
+TINY_LORA = {"layers": 4, "hidden": 128, "heads": 4, "kv_heads": 2, "ffn": 256, "vocab": 512, "rank": 8}
 
 #: (model, config, cluster, GPUs, global batch, framework, attention): dense, grouped-query and MoE models, every
 #: framework profile's way of reducing, overlapping, storing and splitting stages.
@@ -32,10 +36,13 @@ CASES = [
      "flash1"),
     ("moe", {"layers": 2, "hidden": 128, "heads": 4, "vocab": 256, "seq_len": 16, "experts": 8, "top_k": 2},
      "h100-80gb", 16, 32, "torchtitan", "flash"),
+    # a frozen base (LoRA): no gradients, no optimizer state, 16-bit weights, in both state layouts
+    (LORA, {**TINY_LORA, "seq_len": 256}, "h100-80gb", 16, 32, "torch", "flash"),
+    (LORA, {**TINY_LORA, "seq_len": 256}, "a100-80gb", 16, 32, "megatron-core", "flash"),
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[5]}")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{Path(c[0]).stem}-{c[5]}")
 def test_bounds_never_exceed_the_estimate(case):
     """On random layouts of each model (every kind the search enumerates: schedules, v, groups, cp, ep, ZeRO,
     recomputation), the time bound stays at or under the estimated iteration time, and the memory bound under

@@ -43,22 +43,25 @@ def unit_totals(costs: dict[str, UnitCost], counts: dict[str, int], layout: Layo
     recomputation, sequence parallelism and ep; ``counts``: how often each unit key occurs."""
     fw = ctx.framework
     hidden_tp = fw.tp_comm_overlap and layout.sp
-    work = rerun = sync = dense = experts = act = 0.0
+    work = rerun = sync = dense = experts = dense_frozen = expert_frozen = act = 0.0
     for k, n in counts.items():
         u = costs[k]
         tp = 0.0 if hidden_tp else u.tp_fwd_s + u.tp_bwd_s
         work += n * (max(u.fwd_s, u.fwd_host_s) + max(u.bwd_s, u.bwd_host_s) + tp)
         sync += n * u.tp_sync_s
-        expert = u.expert_params_local if layout.ep > 1 else 0.0
-        dense += n * (u.params_local - expert)
-        experts += n * expert
+        d, e, fd, fe = u.parameter_split(layout.ep)
+        dense += n * d
+        experts += n * e
+        dense_frozen += n * fd
+        expert_frozen += n * fe
         if k in (PRE, POST):
             act += n * u.activation_bytes
         else:
             rc = layer_recompute(u, layout.recompute, fw)
             rerun += n * rc.time_s
             act += n * rc.saved_bytes
-    return UnitTotals(work, rerun, sync, dense, experts, act, tied_params(costs))
+    return UnitTotals(work, rerun, sync, dense, experts, act, tied_params(costs), dense_frozen, expert_frozen,
+                      tied_params(costs, frozen=True))
 
 
 def time_bound_s(t: UnitTotals, layout: Layout, cluster: Cluster, ctx: PassContext, links: Links,

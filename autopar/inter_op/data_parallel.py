@@ -47,10 +47,11 @@ def zero3_collectives(u: UnitCost, ctx: PassContext) -> tuple[int, float]:
     return max(1, count), u.largest_module_params
 
 
-def state_and_held_bytes(params: float, replicas: int, layout: Layout, ctx: PassContext) -> float:
-    """State and step-time copies of ``params`` elements sharded (by ZeRO) over ``replicas`` ranks."""
-    return ctx.state_bytes(params, replicas, layout.zero) + ctx.held_bytes(params, replicas, layout.zero, layout.pp,
-                                                                           layout.num_microbatches)
+def state_and_held_bytes(params: float, replicas: int, layout: Layout, ctx: PassContext, frozen: float = 0.0) -> float:
+    """State and step-time copies of ``params`` elements (``frozen`` of them frozen) sharded (by ZeRO) over
+    ``replicas`` ranks."""
+    return ctx.state_bytes(params, replicas, layout.zero, frozen) + ctx.held_bytes(
+        params, replicas, layout.zero, layout.pp, layout.num_microbatches, frozen)
 
 
 def gathered_weight_bytes(u: UnitCost, ctx: PassContext) -> float:
@@ -63,8 +64,9 @@ def gathered_weight_bytes(u: UnitCost, ctx: PassContext) -> float:
 def dp_sync_exposed(groups: list[tuple[float, AxisLink]], bwd_window_s: float, fwd_window_s: float,
                      layout: Layout, cluster: Cluster, ctx: PassContext, mix: PowerMix = NO_POWER) -> float:
     """ZeRO 0-2: the gradient reduction (and weight gather) that compute does not hide, and what it costs the
-    compute it runs beside.  ``groups``: local parameters and the link of the ranks holding them (the dense
-    weights over dp x cp, expert-parallel experts over dp / ep), reduced one after the other on one stream;
+    compute it runs beside.  ``groups``: the local parameters whose gradients are reduced, those whose weights
+    levels 1-2 gather again (``dp_groups``), and the link of the ranks holding them (the dense weights over
+    dp x cp, expert-parallel experts over dp / ep), reduced one after the other on one stream;
     ``bwd_window_s`` and ``fwd_window_s``: one micro-batch's backward and forward, whose kernels ``mix`` holds
     (``autopar.power``)."""
     if layout.zero >= 3:
@@ -73,14 +75,14 @@ def dp_sync_exposed(groups: list[tuple[float, AxisLink]], bwd_window_s: float, f
     reduce = all_reduce_s if layout.zero == 0 or fw.sharded_grad_reduce == "all_reduce" else reduce_scatter_s
     total = last = gather = 0.0
     link_used = None
-    for local_params, link in groups:
+    for local_params, gathered, link in groups:
         if link.size <= 1 or local_params <= 0:
             continue
         t, one = bucketed_s(reduce, local_params * fw.grad_reduce_bytes, link, fw.grad_bucket_bytes)
         total, last = total + t, one  # the last bucket reduced is the last group's
         link_used = link_used or link
         if layout.zero >= 1:
-            gather += bucketed_s(all_gather_s, local_params * ctx.precision.weight_bytes, link, fw.grad_bucket_bytes)[0]
+            gather += bucketed_s(all_gather_s, gathered * ctx.precision.weight_bytes, link, fw.grad_bucket_bytes)[0]
     if total <= 0:
         return 0.0
 
@@ -92,6 +94,17 @@ def dp_sync_exposed(groups: list[tuple[float, AxisLink]], bwd_window_s: float, f
     if layout.zero >= 1:
         exposed += beside(gather, fwd_window_s) if fw.overlap_param_gather else gather
     return exposed
+
+
+def dp_groups(dense: float, experts: float, frozen: float, frozen_experts: float, links: Links,
+              ctx: PassContext) -> list[tuple[float, float, AxisLink]]:
+    """``dp_sync_exposed``'s groups for a stage holding ``dense`` and ``experts`` local parameters, ``frozen`` and
+    ``frozen_experts`` of them frozen: the trainable ones reduce their gradients; levels 1-2 gather the updated
+    weights again, and under FSDP2 the frozen ones too (they are stored sharded, and the first forward of a
+    step gathers every weight), while a working copy keeps them whole."""
+    every = ctx.framework.state_layout == "fsdp2"
+    return [(dense - frozen, dense if every else dense - frozen, links.dp),
+            (experts - frozen_experts, experts if every else experts - frozen_experts, links.expert_dp)]
 
 
 def dp_sync_floor_s(dense_params: float, expert_params: float, layout: Layout, links: Links,
@@ -165,9 +178,9 @@ def iteration_floor_s(dense_params: float, expert_params: float, layout: Layout,
 def unit_state_bytes(u: UnitCost, layout: Layout, ctx: PassContext) -> float:
     """The state and step-time copies of ``u``'s parameters one device holds: the dense ones sharded over the dp x cp
     replicas, the expert-parallel experts over the dp / ep ranks holding the same ones."""
-    experts = u.expert_params_local if layout.ep > 1 else 0.0  # with ep = 1 the experts are like the rest
-    return (state_and_held_bytes(u.params_local - experts, layout.replicas, layout, ctx)
-            + state_and_held_bytes(experts, layout.expert_replicas, layout, ctx))
+    dense, experts, frozen, frozen_experts = u.parameter_split(layout.ep)
+    return (state_and_held_bytes(dense, layout.replicas, layout, ctx, frozen)
+            + state_and_held_bytes(experts, layout.expert_replicas, layout, ctx, frozen_experts))
 
 
 def zero3_unit_s(u: UnitCost, is_layer: bool, layout: Layout, links: Links, cluster: Cluster, ctx: PassContext,
@@ -178,15 +191,19 @@ def zero3_unit_s(u: UnitCost, is_layer: bool, layout: Layout, links: Links, clus
     fw, dp = ctx.framework, layout.replicas
     if layout.zero < 3 or dp <= 1 or u.params_local <= 0:
         return 0.0, 0.0
-    experts = u.expert_params_local if layout.ep > 1 else 0.0
+    dense, experts, frozen, frozen_experts = u.parameter_split(layout.ep)
     count, gathered = zero3_collectives(u, ctx)
     copies = fw.list_collectives
     gather = scatter = 0.0
     expert_share = experts / u.params_local
-    for share, link in ((1 - expert_share, links.dp), (expert_share, links.expert_dp)):
+    for share, group, still, link in ((1 - expert_share, dense, frozen, links.dp),
+                                      (expert_share, experts, frozen_experts, links.expert_dp)):
         if share > 0:  # the experts (wrapped on their own) over the ranks holding the same ones
             gather += count * all_gather_s(share * gathered_weight_bytes(u, ctx) / count, link, copies)
-            scatter += count * reduce_scatter_s(share * u.params_local * fw.grad_reduce_bytes / count, link, copies)
+            trained = 1 - still / group  # frozen parameters have no gradient to reduce-scatter
+            if trained > 0:
+                scatter += count * reduce_scatter_s(share * u.params_local * trained * fw.grad_reduce_bytes / count,
+                                                    link, copies)
     gathers = 1 + (1 if fw.zero3_reshard_after_forward else 0)
     if is_layer and layout.recompute == "full" and fw.zero3_unit != "block":
         gathers += 1  # per-module runtimes release after every forward, the recomputed one too
@@ -194,7 +211,8 @@ def zero3_unit_s(u: UnitCost, is_layer: bool, layout: Layout, links: Links, clus
     zero3 = (overlapped_s(comm, window_s, compute_rate(cluster, links.dp, u.power)) if fw.zero3_prefetch
              else comm)
     zero3 += memory_s(cluster, u.params_local * fw.zero3_copy_bytes_per_param)
-    return zero3, 2 * gathered * ctx.precision.weight_bytes + gathered * fw.grad_reduce_bytes
+    trained_share = 1 - u.frozen_local / u.params_local  # of the gathered weights, those with a gradient
+    return zero3, 2 * gathered * ctx.precision.weight_bytes + gathered * trained_share * fw.grad_reduce_bytes
 
 
 #: The largest micro-batch the search offers (samples per data-parallel rank per micro-batch).
@@ -229,8 +247,9 @@ def _unit_step(d: UnitLoadDraft) -> None:
 
 
 def _time_bound_s(t: UnitTotals, layout: Layout, links: Links, cluster: Cluster, ctx: PassContext) -> float:
-    p = layout.pp  # at the mean stage's parameters
-    return iteration_floor_s(t.dense_params / p, t.expert_params / p, layout, links, cluster, ctx)
+    p = layout.pp  # at the mean stage's trainable parameters
+    return iteration_floor_s((t.dense_params - t.dense_frozen) / p, (t.expert_params - t.expert_frozen) / p, layout,
+                             links, cluster, ctx)
 
 
 def _bound_reads(layout: Layout) -> tuple:
@@ -242,10 +261,10 @@ def _bound_reads(layout: Layout) -> tuple:
 def _memory_bound_bytes(t: UnitTotals, layout: Layout, ctx: PassContext) -> float:
     """The mean stage's state at the ZeRO level; one stage holds the tied parameters once (``estimate_layout``
     adds them back to the budget)."""
-    state = (state_and_held_bytes(t.dense_params, layout.replicas, layout, ctx)
-             + state_and_held_bytes(t.expert_params, layout.expert_replicas, layout, ctx))
+    state = (state_and_held_bytes(t.dense_params, layout.replicas, layout, ctx, t.dense_frozen)
+             + state_and_held_bytes(t.expert_params, layout.expert_replicas, layout, ctx, t.expert_frozen))
     if layout.pp == 1:
-        return state - state_and_held_bytes(t.tied_params, layout.replicas, layout, ctx)
+        return state - state_and_held_bytes(t.tied_params, layout.replicas, layout, ctx, t.tied_frozen)
     return state / layout.pp
 
 
@@ -261,6 +280,7 @@ __all__ = [
     "MAX_MBS",
     "MICRO_BATCHES",
     "TECHNIQUE",
+    "dp_groups",
     "dp_sync_exposed",
     "dp_sync_floor_s",
     "gathered_weight_bytes",

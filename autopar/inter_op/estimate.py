@@ -64,6 +64,7 @@ from autopar.cluster import Cluster
 from autopar.inter_op import techniques
 from autopar.inter_op.data_parallel import (
     ADAM_BYTES_PER_PARAM,
+    dp_groups,
     dp_sync_exposed,
     grad_accumulation_s,
     optimizer_params,
@@ -112,6 +113,8 @@ class StageEstimate:
     tp_bytes: dict[str, float]  # collective kind -> bytes of the tp collectives of one micro-batch (``tp_bytes``)
     tp_sync_bytes: dict[str, float]  # the same for the once-per-iteration gradient synchronization on tp
     ep_bytes: dict[str, float]  # the expert-parallel all-to-alls of one micro-batch (``ep_bytes``)
+    state_parts_bytes: tuple[float, float, float] = (0.0, 0.0, 0.0)  # ``state_bytes`` as weights, gradients
+    # and optimizer state (``PassContext.state_parts``)
     parts_s: dict[str, float] = field(default_factory=dict)
     """One micro-batch of ``time_s`` by what the stage does: ``forward_s``, ``recompute_s``, ``backward_s``
     (exposed tp and ZeRO-3 communication included) and ``p2p_s`` add up to it; ``tp_forward_s``,
@@ -224,16 +227,19 @@ class SharedWork:
     _shares: dict[tuple, tuple[dict[str, UnitCost], dict[str, UnitCost]]] = field(default_factory=dict)
     _loads: dict[tuple, tuple[dict[str, UnitCost], dict[str, _UnitLoad]]] = field(default_factory=dict)
     _links: dict[tuple, Links] = field(default_factory=dict)
-    _members: dict[tuple, tuple[float, float, float]] = field(default_factory=dict)
+    _members: dict[tuple, tuple[float, float, float, float, float]] = field(default_factory=dict)
 
     def member_sums(self, costs: dict[str, UnitCost], members: list[str], key: tuple, ep: int,
-                    ) -> tuple[float, float, float]:
-        """The local parameters, expert-parallel ones (``ep > 1``) and tp-synced gradients' time of a stage's
-        units ``members``, once per ``key`` (naming ``costs``, kept here, and the members)."""
+                    ) -> tuple[float, float, float, float, float]:
+        """The local parameters, expert-parallel ones (``ep > 1``), the frozen ones of each, and the tp-synced
+        gradients' time of a stage's units ``members``, once per ``key`` (naming ``costs``, kept here, and the
+        members)."""
         out = self._members.get(key)
         if out is None:
             out = self._members[key] = (sum(costs[k].params_local for k in members),
                                         sum(costs[k].expert_params_local for k in members) if ep > 1 else 0.0,
+                                        sum(costs[k].frozen_local for k in members),
+                                        sum(costs[k].frozen_expert_local for k in members) if ep > 1 else 0.0,
                                         sum(costs[k].tp_sync_s for k in members))
         return out
 
@@ -323,17 +329,20 @@ class StageCost:
     tp_sync_s: float  # per iteration: tp gradient synchronization of split-computed replicated parameters
     local_params: float  # parameters one device of the stage holds
     expert_params: float  # of which expert-parallel experts
+    frozen_params: float = 0.0  # of ``local_params``, frozen (no gradient, no optimizer state)
+    frozen_expert_params: float = 0.0  # of ``expert_params``, frozen
 
     @classmethod
     def of(cls, span: _Span, p2p_s: float, accumulate_s: float, tp_sync_s: float, local_params: float,
-           expert_params: float) -> StageCost:
+           expert_params: float, frozen_params: float = 0.0, frozen_expert_params: float = 0.0) -> StageCost:
         """The stage whose units sum to ``span``."""
         return cls(time_s=span.time_s + p2p_s, compute_s=span.compute_s, tp_s=span.tp_s, tp_fwd_s=span.tp_fwd_s,
                    cp_s=span.cp_s, cp_fwd_s=span.cp_fwd_s, ep_s=span.ep_s, ep_fwd_s=span.ep_fwd_s,
                    recompute_s=span.recompute_s, p2p_s=p2p_s, zero3_s=span.zero3_s,
                    forward_s=span.fwd_s + span.tp_fwd_s + span.cp_fwd_s + span.ep_fwd_s, bwd_s=span.bwd_s,
                    weight_s=span.weight_s, rerun_s=span.rerun_s, accumulate_s=accumulate_s, tp_sync_s=tp_sync_s,
-                   local_params=local_params, expert_params=expert_params)
+                   local_params=local_params, expert_params=expert_params, frozen_params=frozen_params,
+                   frozen_expert_params=frozen_expert_params)
 
     def parts(self, layout: Layout) -> dict[str, float]:
         """``StageEstimate.parts_s``: one micro-batch of ``time_s`` by what the stage does."""
@@ -365,7 +374,7 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
     p, m, v = layout.pp, layout.num_microbatches, layout.v
     costs = shared.shares(costs, layout, cluster)
     links = shared.links(cluster, layout)
-    dp_link, tp_link = links.dp, links.tp
+    tp_link = links.tp
     pp_link = cached_axis_link(cluster, p, layout.replicas * layout.tp)
     by_key = shared.unit_loads(costs, keys, layout, links, cluster, ctx)
     v_shaped = layout.schedule in V_SHAPED and p > 1
@@ -377,8 +386,10 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
     residue = sum(x.residue_bytes for x in loads) / max(1.0, sum(x.activation_bytes for x in loads))
     in_flight = [in_flight_microbatches(layout.schedule, i, p, m, v, residue, layout.group) for i in range(p)]
     tied = tied_params(costs) if p == 1 else 0.0  # one stage holds both ends: count the shared ones once
-    tie_state = ctx.state_bytes(tied, layout.replicas, layout.zero)
-    tie_bytes = tie_state + ctx.held_bytes(tied, layout.replicas, layout.zero, p, m)
+    tied_frozen = tied_params(costs, frozen=True) if p == 1 else 0.0
+    tie_state = ctx.state_bytes(tied, layout.replicas, layout.zero, tied_frozen)
+    tie_parts = ctx.state_parts(tied, layout.replicas, layout.zero, tied_frozen)
+    tie_bytes = tie_state + ctx.held_bytes(tied, layout.replicas, layout.zero, p, m, tied_frozen)
     split_by = ctx.framework.pipeline_split
     split = _split(keys, by_key, loads, in_flight, memory_budget_bytes + tie_bytes, split_by)
     fits = split is not None
@@ -421,18 +432,22 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
         if fw.pp_p2p_overlap and p2p > 0:  # sent under the next micro-batch's compute, which it slows
             p2p_cost = overlapped_s(p2p, busy, compute_rate(cluster, pp_link, mix))
         member_key = (id(costs), a, b, v_shaped and k == 0, v_shaped and k == p - 1, layout.ep > 1)
-        local, expert_local, tp_sync = shared.member_sums(costs, members[k], member_key, layout.ep)
-        accumulate = grad_accumulation_s(local - expert_local, layout, cluster, ctx, layout.replicas) \
-            + grad_accumulation_s(expert_local, layout, cluster, ctx, layout.expert_replicas)
-        stage = StageCost.of(span, p2p_cost, accumulate, tp_sync, local, expert_local)
+        local, expert_local, frozen, frozen_expert, tp_sync = shared.member_sums(costs, members[k], member_key,
+                                                                                layout.ep)
+        trained = local - expert_local - (frozen - frozen_expert)  # frozen ones: no gradient, no update
+        trained_expert = expert_local - frozen_expert
+        accumulate = grad_accumulation_s(trained, layout, cluster, ctx, layout.replicas) \
+            + grad_accumulation_s(trained_expert, layout, cluster, ctx, layout.expert_replicas)
+        stage = StageCost.of(span, p2p_cost, accumulate, tp_sync, local, expert_local, frozen, frozen_expert)
         stage_times.append(stage.time_s)
-        groups = [(local - expert_local, dp_link), (expert_local, links.expert_dp)]
+        groups = dp_groups(local - expert_local, expert_local, frozen - frozen_expert, frozen_expert, links, ctx)
         dp_exposed = max(dp_exposed, dp_sync_exposed(groups, stage.bwd_s, span.fwd_s, layout, cluster, ctx, mix))
         per_stage.append(stage)
     bottleneck = max(range(p), key=lambda k: stage_times[k])
     bn = per_stage[bottleneck]
     accumulation_s = max(s.accumulate_s for s in per_stage)
-    local_opt = max(optimizer_params(s.local_params, s.expert_params, layout) for s in per_stage)
+    local_opt = max(optimizer_params(s.local_params - s.frozen_params, s.expert_params - s.frozen_expert_params,
+                                     layout) for s in per_stage)
     optimizer_s = memory_s(cluster, local_opt * ADAM_BYTES_PER_PARAM)
     breakdown = {
         "compute_s": m * bn.compute_s + optimizer_s + accumulation_s,
@@ -456,16 +471,20 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
         layer_idx = [i - 1 for i in range(a, b) if 0 < i < len(keys) - 1]
         last = len(keys) - 2
         layers = (layer_idx[0], layer_idx[-1] + 1) if layer_idx else ((0, 0) if a == 0 else (last, last))
-        expert_local = per_stage[k].expert_params
-        state = (ctx.state_bytes(per_stage[k].local_params - expert_local, layout.replicas, layout.zero)
-                 + ctx.state_bytes(expert_local, layout.expert_replicas, layout.zero) - tie_state)
+        sc = per_stage[k]
+        dense = (sc.local_params - sc.expert_params, layout.replicas, layout.zero,
+                 sc.frozen_params - sc.frozen_expert_params)
+        experts = (sc.expert_params, layout.expert_replicas, layout.zero, sc.frozen_expert_params)
+        state = ctx.state_bytes(*dense) + ctx.state_bytes(*experts) - tie_state
+        state_parts = tuple(x + y - z for x, y, z in zip(ctx.state_parts(*dense), ctx.state_parts(*experts),
+                                                         tie_parts, strict=True))
         memory = split.stage_memory_bytes[k] - tie_bytes
         held = sum(x.state_bytes for x in units) - tie_bytes  # the state and the copies held through the step
         gathered = max(x.gathered_bytes for x in units)
         stages.append(StageEstimate(k, (a, b), layers, stage_times[k], memory, state, memory - held - gathered,
                                     gathered, tp_bytes(costs, members[k], layout),
                                     _summed(costs[key].tp_sync_bytes for key in members[k]),
-                                    ep_bytes(costs, members[k], layout), parts[k]))
+                                    ep_bytes(costs, members[k], layout), state_parts, parts[k]))
     iteration = sum(breakdown.values())
     flops = flops or ModelFlops.of(graph)
     model_flops = flops.model_per_sample * global_batch
@@ -600,9 +619,12 @@ def _as_solver_load(x: _UnitLoad) -> UnitLoad:
     return UnitLoad(x.time_s, x.state_bytes, x.activation_bytes, x.extra_bytes)
 
 
-def tied_params(costs: dict[str, UnitCost]) -> float:
-    """Local parameters shared by ``pre`` and ``post`` (tied embeddings), which both units count."""
+def tied_params(costs: dict[str, UnitCost], frozen: bool = False) -> float:
+    """Local parameters shared by ``pre`` and ``post`` (tied embeddings), which both units count; ``frozen``: of
+    those, the frozen ones."""
     shared = set(costs[PRE].param_local) & set(costs[POST].param_local)
+    if frozen:
+        shared &= set(costs[POST].frozen_fqns)
     return sum(costs[POST].param_local[f] for f in shared)
 
 

@@ -113,6 +113,9 @@ class UnitTotals:
     expert_params: float  # local parameters of expert-parallel experts (0 with ep = 1)
     activation_bytes: float  # saved for backward under the layout's recomputation mode
     tied_params: float  # local parameters ``pre`` and ``post`` share (tied embeddings)
+    dense_frozen: float = 0.0  # of ``dense_params``, frozen ones (no gradient, no optimizer state)
+    expert_frozen: float = 0.0  # of ``expert_params``, frozen ones
+    tied_frozen: float = 0.0  # of ``tied_params``, frozen ones
 
 
 @dataclass(frozen=True, slots=True)

@@ -152,6 +152,8 @@ def build_plan(*, graph: OpGraph, model_ref: str, config: dict[str, Any], cluste
         ranks = stages_of.get(fqn, [0])
         parameters[fqn] = {"shape": list(p.shape), "dtype": p.dtype, "stage": ranks[0], "placements": placements,
                            "aliases": list(p.aliases)}
+        if not p.trainable:  # fine-tuning: held in 16 bits, no gradient, no optimizer state
+            parameters[fqn]["frozen"] = True
         if p.aliases:  # the pipeline ranks holding a copy (their gradients are summed)
             parameters[fqn]["stages"] = ranks
     keys = unit_sequence(graph)
@@ -169,6 +171,8 @@ def build_plan(*, graph: OpGraph, model_ref: str, config: dict[str, Any], cluste
             "estimated_time_per_microbatch_s": s.time_s, "estimated_memory_bytes": s.memory_bytes,
             "estimated_parts_per_microbatch_s": dict(sorted(s.parts_s.items())),
             "estimated_state_bytes": s.state_bytes, "estimated_activation_bytes": s.activation_bytes,
+            "estimated_state_parts_bytes": dict(zip(("weights", "grads", "optimizer"), s.state_parts_bytes,
+                                                    strict=True)),
             "estimated_gathered_weight_bytes": s.gathered_weight_bytes,
             "estimated_tp_bytes_per_microbatch": dict(sorted(s.tp_bytes.items())),
             "estimated_tp_sync_bytes_per_iteration": dict(sorted(s.tp_sync_bytes.items())),

@@ -106,10 +106,14 @@ class UnitCost:
     power: PowerMix = NO_POWER  # its kernels at the boost clock, as the power manager sees them (``autopar.power``)
     clock: float = 1.0  # the SM clock its forward and backward hold under the power cap, over the boost clock;
     # every time above is at this clock
+    frozen_fqns: tuple[str, ...] = ()  # the parameters of ``param_local`` that do not train (fine-tuning): no
+    # gradient, no optimizer state
     params_local: float = field(init=False)  # elements one device holds of all of them (read per layout)
+    frozen_local: float = field(init=False)  # of which frozen
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "params_local", sum(self.param_local.values()))
+        object.__setattr__(self, "frozen_local", sum(self.param_local[f] for f in self.frozen_fqns))
 
     @property
     def param_tensors(self) -> int:
@@ -119,6 +123,18 @@ class UnitCost:
     def expert_params_local(self) -> float:
         """Elements one device holds of the stacked expert weights."""
         return sum(self.param_local.get(f, 0.0) for f in self.expert_fqns)
+
+    @property
+    def frozen_expert_local(self) -> float:
+        """Elements one device holds of the frozen stacked expert weights."""
+        return sum(self.param_local.get(f, 0.0) for f in self.expert_fqns if f in self.frozen_fqns)
+
+    def parameter_split(self, ep: int) -> tuple[float, float, float, float]:
+        """(dense, expert-parallel, frozen dense, frozen expert-parallel) elements one device holds; with
+        ``ep == 1`` the experts count as dense."""
+        expert = self.expert_params_local if ep > 1 else 0.0
+        frozen_expert = self.frozen_expert_local if ep > 1 else 0.0
+        return self.params_local - expert, expert, self.frozen_local - frozen_expert, frozen_expert
 
 
 @dataclass(frozen=True, slots=True)
@@ -375,6 +391,7 @@ def _unit_cost(graph: OpGraph, names: list[str], strategies: dict[str, Strategy]
     act = 0.0
     input_bytes = 0.0
     params: dict[str, float] = {}
+    frozen: list[str] = []
     fwd_flops = attn_flops = kv_bytes = 0.0
     product = attention = fp8_cast = 0.0
     fp8_weights: set[str] = set()
@@ -437,6 +454,8 @@ def _unit_cost(graph: OpGraph, names: list[str], strategies: dict[str, Strategy]
                 _add_bytes(sync_bytes, pc.sync)
                 if src.target not in params:
                     params[src.target] = src.out.numel_at(1) / shard_factor(required, mesh)
+                    if not src.out.requires_grad:
+                        frozen.append(src.target)
                     owner = src.target.rsplit(".", 1)[0] if "." in src.target else ""
                     modules[owner] = modules.get(owner, 0.0) + params[src.target]
                 continue
@@ -474,7 +493,7 @@ def _unit_cost(graph: OpGraph, names: list[str], strategies: dict[str, Strategy]
                     expert_fqns=tuple(experts.counts), expert_counts=tuple(experts.counts.values()),
                     expert_dispatch_bytes=experts.dispatch_bytes(), expert_combine_bytes=experts.combine_bytes(),
                     expert_products=tuple(experts.products), fwd_host_s=host_fwd, bwd_host_s=host_bwd, power=power,
-                    clock=phi)
+                    clock=phi, frozen_fqns=tuple(frozen))
 
 
 @dataclass

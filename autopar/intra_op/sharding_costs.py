@@ -223,10 +223,11 @@ def param_cost(t: TensorInfo, required: Placements, consumer: Strategy, mesh: Me
     gathers) are priced per layout by one model, ``autopar.inter_op.data_parallel``; a ``dp`` axis here is one more
     axis of partial gradients."""
     numel = t.numel_at(1)
-    state = ctx.state_bytes(numel / shard_factor(required, mesh))
+    local = numel / shard_factor(required, mesh)
+    state = ctx.state_bytes(local, frozen=0.0 if t.requires_grad else local)
     per_iter = 0.0
     sync_collectives: list[AxisCollective] = []
-    for a, link in enumerate(mesh.links):
+    for a, link in enumerate(mesh.links if t.requires_grad else ()):  # a frozen parameter has no gradient
         if link.size == 1 or consumer_grad(required[a] or R, consumer, a) != PARTIAL:
             continue
         others = shard_factor(tuple(p if b != a else None for b, p in enumerate(required)), mesh)

@@ -248,10 +248,16 @@ _DECOMPOSED = {
     "aten.layer_norm.default": "native_layer_norm.default",
     "aten.rms_norm.default": "_fused_rms_norm.default",
     "aten.dropout.default": "native_dropout.default",
+    "aten.__and__.Tensor": "bitwise_and.Tensor",  # HuggingFace's masks: causal & padding
+    "aten.__or__.Tensor": "bitwise_or.Tensor",
 }
 #: Shape-changing views whose strategies are DTensor's ``reshape`` rule towards the traced output shape.
 _RESHAPES = frozenset({"aten.flatten.using_ints", "aten.unflatten.int", "aten.view.default", "aten.reshape.default",
                        "aten._unsafe_view.default"})
+
+
+#: ``Tensor.to`` overloads export keeps (PEFT casts an adapter's input to its weights' dtype and device).
+_TO_OPS = frozenset({"aten.to.dtype", "aten.to.device", "aten.to.dtype_layout"})
 
 
 def _resolve_op(name: str) -> Any:
@@ -278,6 +284,9 @@ def _registry_strategies(graph: OpGraph, node: Node, batch: int) -> list[AxisStr
     refs = tensor_refs(node)
     if node.op == "aten.type_as.default" and len(refs) == 2:
         return _type_as_strategies(graph, node, batch)
+    if node.op in _TO_OPS and refs and node.out is not None:  # composite: DTensor's rule is ``_to_copy``'s
+        node = Node(node.name, node.kind, "aten._to_copy.default", args=(refs[0],),
+                    kwargs={"dtype": getattr(torch, node.out.dtype)}, outputs=node.outputs)
     if node.op in _RESHAPES and refs:
         node = Node(node.name, node.kind, "aten.reshape.default", args=(refs[0], list(node.out.shape_at(batch))),
                     outputs=node.outputs)

@@ -77,6 +77,30 @@ def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, styles: Mapping[str, Parall
             setattr(module.get_submodule(owner), attr, getattr(module.get_submodule(src_owner), src_attr))
 
 
+def frozen_parameters(module: nn.Module) -> set[str]:
+    """FQNs of the parameters that train nothing (``requires_grad=False``: a fine-tuned model's frozen base)."""
+    return {clean_fqn(name) for name, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
+
+def freeze(module: nn.Module, frozen: Collection[str], dtype: torch.dtype | None) -> None:
+    """Keep ``frozen`` parameters frozen, in ``dtype`` where given (bf16 training holds them in bf16: no master
+    copy to update).  ``parallelize_module`` makes every parameter it shards trainable again (it wraps the
+    DTensor in a new ``nn.Parameter``); FSDP2, applied after, then leaves them out of its gradient
+    reduce-scatter (its ``FSDPParam`` keeps ``requires_grad``)."""
+    if not frozen:
+        return
+    cast: dict[int, nn.Parameter] = {}  # tied parameters stay tied
+    for name, sub in module.named_modules(remove_duplicate=False):
+        for attr, p in list(sub._parameters.items()):
+            if p is None or clean_fqn(f"{name}.{attr}" if name else attr) not in frozen:
+                continue
+            p.requires_grad_(False)
+            if (dtype is not None and p.dtype != dtype and p.is_floating_point()) or id(p) in cast:
+                if id(p) not in cast:
+                    cast[id(p)] = nn.Parameter(p.detach().to(dtype), requires_grad=False)
+                sub._parameters[attr] = cast[id(p)]
+
+
 def apply_ac(module: nn.Module, container: str | None, recompute: str, compiled: bool = False) -> None:
     """Activation checkpointing of the block stack (``none``, ``selective``, ``op`` or ``full``), for blocks that
     run ``torch.compile``d where ``compiled``."""
@@ -220,10 +244,12 @@ def parallelize(build: Callable[[], nn.Module], mesh: DeviceMesh, device: torch.
                 check_fp8_regions(fp8_linears, [name for name, style in tp_styles(chunk, part).items()
                                                 if type(style).__name__ == "PlacedParameters"])
             convert_linears_to_fp8(part, fp8_linears, gather_in_fp8=fp8_param_gather and zero >= 3)
+        frozen = frozen_parameters(part)
         if mesh["tp"].size() > 1:
             apply_tp(part, mesh["tp"], tp_styles(chunk, part), tied)
         if ep_mesh is not None:
             apply_ep(part, ep_mesh, experts or {})
+        freeze(part, frozen, torch.bfloat16 if precision == "bf16" else None)
         if compile and context is not None:
             # a compiled backward would recompute attention over this rank's keys only: checkpoint the compiled
             # blocks eagerly instead, recomputing in the context-parallel attention (autopar.runtime.recompute)

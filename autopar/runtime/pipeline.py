@@ -32,6 +32,7 @@ from autopar.inputs import ModelInputs
 from autopar.plan_file import Plan
 from autopar.runtime.document_masking import DocumentMask
 from autopar.runtime.materialize import clean_fqn
+from autopar.runtime.stages import wrapped_model
 from autopar.solvers.pipeline import MULTI_CHUNK, rank_of_chunk
 
 #: The plan's schedule names -> torch's schedule classes (``torch.distributed.pipelining.schedules``).
@@ -56,6 +57,7 @@ def stage_inputs(module: nn.Module, inputs: ModelInputs) -> tuple[torch.Tensor, 
     """What enters the first stage by position (the model's first input: the first positional one, or the
     keyword one named as ``forward``'s first parameter), and the others by their ``forward`` parameter names,
     as every stage gets them."""
+    module = wrapped_model(module)  # a PEFT model passes its inputs on to the model it wraps
     params = list(inspect.signature(type(module).forward).parameters.values())[1:]  # after self
     cls = type(module).__name__
     if inputs.args:
@@ -105,6 +107,17 @@ def _contiguous(module: nn.Module, args: tuple, output: Any) -> Any:
     return output
 
 
+def _differentiable(module: nn.Module, args: tuple, output: Any) -> Any:
+    """A stage's floating output as a tensor that takes a gradient, where nothing before it trains (the frozen
+    embeddings of a fine-tuned model): torch's split backward (the zero-bubble schedules) finds a later stage's
+    weights through the autograd path from its input, which an input without a gradient does not have."""
+    if not torch.is_grad_enabled():
+        return output
+    fix = lambda x: (x.detach().requires_grad_() if isinstance(x, torch.Tensor) and x.is_floating_point()
+                     and not x.requires_grad else x)
+    return tuple(fix(x) for x in output) if isinstance(output, tuple) else fix(output)
+
+
 def model_output(stage: nn.Module, output: Any) -> Any:
     """What the whole model returns, from what its last stage returns: the stage's ``output_type`` (a
     HuggingFace ``ModelOutput``) around its logits, else the output as it is."""
@@ -136,6 +149,9 @@ class PipelineRunner:
             m.register_forward_pre_hook(_enter_document_mask, with_kwargs=True)
             m.register_forward_hook(_exit_document_mask, always_call=True)
             m.register_forward_hook(_contiguous)
+        for m, c in zip(modules, chunks):
+            if c < num_chunks - 1:
+                m.register_forward_hook(_differentiable)
         self.has_first = 0 in chunks
         self.has_last = num_chunks - 1 in chunks
         self.first_rank = rank_of_chunk(schedule, 0, self.pp)  # pipeline ranks of the first and last chunk

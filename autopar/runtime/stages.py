@@ -58,6 +58,14 @@ def is_huggingface(model: nn.Module) -> bool:
     return any(cls.__module__.startswith("transformers.") for cls in type(model).__mro__)
 
 
+def wrapped_model(model: nn.Module) -> nn.Module:
+    """The HuggingFace model a PEFT model wraps (``get_base_model``, whose forward the wrapper's passes its
+    inputs on to), else ``model`` itself."""
+    get_base_model = getattr(model, "get_base_model", None)
+    inner = get_base_model() if callable(get_base_model) else None
+    return inner if isinstance(inner, nn.Module) else model
+
+
 def _block_dict(stage: nn.Module, container: str) -> nn.ModuleDict:
     """The block stack as a ``ModuleDict`` keyed by layer index (a ``ModuleList`` is converted in place)."""
     blocks = stage.get_submodule(container)

@@ -12,7 +12,7 @@ from autopar.errors import AutoparError
 from autopar.inter_op.expert_parallel import expert_parallel_refuses
 from autopar.plan_file import Plan
 from autopar.runtime.expert_parallel import planned_experts
-from autopar.runtime.stages import is_huggingface
+from autopar.runtime.stages import is_huggingface, wrapped_model
 from autopar.runtime.tensor_parallel import StyleSpec, tp_style_specs
 from autopar.solvers.pipeline import SPLIT_BACKWARD
 
@@ -44,6 +44,7 @@ def check_pipeline_stages(model: nn.Module) -> None:
     masks, which images or audio features (``pixel_values``, ``input_features``) cannot stand in for."""
     if not is_huggingface(model):
         return
+    model = wrapped_model(model)
     if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
         raise AutoparError(f"pipeline stages run one stack of layers; {type(model).__name__} is an encoder-decoder "
                            "(two stacks): plan with --fix pp=1")
@@ -104,13 +105,22 @@ def check_compiled_recompute(recompute: str, compiled: bool) -> None:
 
 
 def check_context_parallel(plan: Plan, model: nn.Module) -> None:
-    """What ``autopar.runtime.context_parallel`` needs of a model: its position tables named, and the default
-    next-token loss (the labels are shifted on the whole sequence before it is sliced)."""
+    """What ``autopar.runtime.context_parallel`` needs of a model: token ids as its only input (attention masked
+    by position, not by a padding mask), its position tables named, and the default next-token loss (the labels
+    are shifted on the whole sequence before it is sliced)."""
     from autopar.tracing import default_loss_fn
 
+    module = modelfile.load_for(plan.model)
+    inputs = modelfile.example_inputs(module, model, 1, plan.seq_len, dict(plan.model["config"]))
+    others = [*(f"input {i}" for i in range(1, len(inputs.args))),
+              *(k for k, v in inputs.kwargs.items() if v is not inputs.first)]
+    if others:
+        raise AutoparError(f"context parallelism runs on token ids alone, its attention masked by position; this "
+                           f"model also takes {others[0]} (a padding mask, say), which a rank's slice of the "
+                           "sequence cannot apply to the other ranks' keys: plan with --fix cp=1")
     if getattr(model, "cp_sequence_buffers", None) is None:
         raise AutoparError(f"context parallelism needs {type(model).__name__}.cp_sequence_buffers (its position "
                            "tables and their sequence dim, {} if it has none); plan with --fix cp=1")
-    if modelfile.loss_fn_of(modelfile.load_for(plan.model)) is not default_loss_fn:
+    if modelfile.loss_fn_of(module) is not default_loss_fn:
         raise AutoparError("context parallelism runs the default next-token loss only; this model file has its own "
                            "loss_fn; plan with --fix cp=1")

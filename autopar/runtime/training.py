@@ -63,9 +63,12 @@ def check_config(numerics: str, lr: float) -> TrainingConfig:
 
 
 def build_optimizer(params: list[nn.Parameter], config: TrainingConfig, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW (fused kernels on CUDA, foreach elsewhere) or plain SGD."""
+    """AdamW (fused kernels on CUDA, foreach elsewhere) or plain SGD, over the parameters that train: frozen ones
+    (``requires_grad=False``, a fine-tuned model's base) get no optimizer state, and a pipeline stage whose
+    parameters are all frozen gets an optimizer of one empty group."""
+    params = [p for p in params if p.requires_grad]
     if config.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=config.lr)
+        return torch.optim.SGD(params or [{"params": []}], lr=config.lr)
     if config.optimizer != "adamw":
         raise ValueError(f"optimizer must be adamw or sgd, not {config.optimizer!r}")
     fused = device.type == "cuda"
@@ -80,7 +83,7 @@ def _same_kind_groups(params: list[nn.Parameter]) -> list[dict[str, list[nn.Para
     for p in params:
         key = (id(p.device_mesh), tuple(p.placements)) if hasattr(p, "device_mesh") else None
         groups.setdefault(key, []).append(p)
-    return [{"params": group} for group in groups.values()]
+    return [{"params": group} for group in groups.values()] or [{"params": []}]
 
 
 def lr_factor(step: int, config: TrainingConfig) -> float:

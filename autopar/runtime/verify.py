@@ -210,6 +210,10 @@ def verify_many(plan_paths: Sequence[str | Path], steps: int = 3, seed: int = 0,
     floor = ZERO_FLOOR[numerics]
     results = []
     for i, plan in enumerate(plans):
+        trained = sorted(k for k in got[i]["grads"] if plan.parameters.get(k, {}).get("frozen"))
+        if trained:
+            raise AutoparError(f"{plan_paths[i]}: the distributed run computed a gradient of {trained[0]}, which the "
+                               "model freezes")
         want = reference_run(plan, steps, seed, check_config(numerics, lr))
         losses = torch.tensor(got[i]["losses"])
         ref = torch.tensor(want["losses"])
