@@ -107,7 +107,7 @@ def hf_module(ref: str) -> ModuleType:
         try:
             return build(config, attn_implementation="sdpa")
         except ValueError:  # an architecture without an SDPA path (BLOOM, Gemma 2) runs its eager attention
-            return build(config)
+            return build(config, attn_implementation="eager")
 
     module.build_model = build_model
     vocab = raw.get("vocab_size")

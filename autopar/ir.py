@@ -165,6 +165,40 @@ class ParamInfo:
         return math.prod(self.shape)
 
 
+def structural_hash(members: list[Node], prefix: str, by_name: dict[str, Node]) -> str:
+    """A hash of one block's structure: its ops in order, their modules relative to ``prefix`` (the block's
+    FQN), their output shapes and their wiring (inputs from inside the block by position, from outside by kind
+    and shape, parameters by their FQN relative to ``prefix``, and whether they train).  Identical blocks of a
+    stack hash alike whatever their index."""
+    local = {n.name: i for i, n in enumerate(members)}
+
+    def relative(path: str) -> str:
+        return path[len(prefix):] if path.startswith(prefix) else path
+
+    def rel(a: Any) -> Any:
+        if isinstance(a, Ref):
+            if a.name in local:
+                return ("local", local[a.name], a.index)
+            src = by_name[a.name]
+            if src.kind == "param":  # a frozen block (fine-tuning) differs from a trainable one
+                frozen = () if src.out.requires_grad else ("frozen",)
+                return ("param", relative(src.target), src.out.shape, *frozen)
+            t = src.outputs[a.index] if a.index < len(src.outputs) else None
+            return ("ext", src.kind, t.shape if t else None)
+        if isinstance(a, (list, tuple)):
+            return tuple(rel(x) for x in a)
+        if isinstance(a, dict):
+            return tuple(sorted((k, rel(v)) for k, v in a.items()))
+        return a
+
+    h = hashlib.sha1()
+    for n in members:
+        sig = (n.op, relative(n.module), rel(n.args), rel(n.kwargs),
+               tuple((o.shape, o.dtype, o.batch_dim) if o else None for o in n.outputs))
+        h.update(repr(sig).encode())
+    return h.hexdigest()[:12]
+
+
 @dataclass(frozen=True, slots=True)
 class LayerInfo:
     """One element of the repeated block stack (``blocks.3``) and its structural hash."""

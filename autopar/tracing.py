@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import io
 import logging
 import operator
@@ -45,7 +44,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from autopar.errors import TraceError
 from autopar.inputs import ModelInputs
-from autopar.ir import BatchScaled, LayerInfo, Node, OpGraph, ParamInfo, Ref, TensorInfo, iter_refs
+from autopar.ir import BatchScaled, LayerInfo, Node, OpGraph, ParamInfo, Ref, TensorInfo, iter_refs, structural_hash
 
 LossFn = Callable[..., torch.Tensor]
 
@@ -429,36 +428,9 @@ def _layer_table(nodes: list[Node], container: str | None, by_name: dict[str, No
             members.setdefault(n.layer, []).append(n)
     layers = []
     for idx in sorted(members):
-        local = {n.name: i for i, n in enumerate(members[idx])}
         my_prefix = f"{container}.{idx}" if container else str(idx)
-
-        def rel(a: Any, local: dict[str, int] = local, my_prefix: str = my_prefix) -> Any:
-            if isinstance(a, Ref):
-                if a.name in local:
-                    return ("local", local[a.name], a.index)
-                src = by_name[a.name]
-                if src.kind == "param":  # a frozen block (fine-tuning) differs from a trainable one
-                    frozen = () if src.out.requires_grad else ("frozen",)
-                    return ("param", _relative(src.target, my_prefix), src.out.shape, *frozen)
-                t = src.outputs[a.index] if a.index < len(src.outputs) else None
-                return ("ext", src.kind, t.shape if t else None)
-            if isinstance(a, (list, tuple)):
-                return tuple(rel(x) for x in a)
-            if isinstance(a, dict):
-                return tuple(sorted((k, rel(v)) for k, v in a.items()))
-            return a
-
-        h = hashlib.sha1()
-        for n in members[idx]:
-            sig = (n.op, _relative(n.module, my_prefix), rel(n.args), rel(n.kwargs),
-                   tuple((o.shape, o.dtype, o.batch_dim) if o else None for o in n.outputs))
-            h.update(repr(sig).encode())
-        layers.append(LayerInfo(idx, my_prefix, h.hexdigest()[:12]))
+        layers.append(LayerInfo(idx, my_prefix, structural_hash(members[idx], my_prefix, by_name)))
     return layers
-
-
-def _relative(path: str, prefix: str) -> str:
-    return path[len(prefix):] if path.startswith(prefix) else path
 
 
 

@@ -70,7 +70,7 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "configs"
 
 
 @pytest.mark.parametrize(("name", "gpus", "batch"), [("llama-3.1-8b", 64, 512), ("llama-3.1-70b", 256, 1024),
-                                                     ("mixtral-8x7b", 64, 512)])
+                                                     ("mixtral-8x7b", 64, 512), ("deepseek-v2-lite", 64, 512)])
 def test_published_configs_plan_at_full_size(tmp_path, capsys, name, gpus, batch):
     """The published configs build at full size on fake tensors and plan on an H100 cluster of their scale
     (the planning time is benchmarks' business: each takes seconds)."""
@@ -81,5 +81,6 @@ def test_published_configs_plan_at_full_size(tmp_path, capsys, name, gpus, batch
     assert out["estimate"]["peak_memory_bytes"] < 80e9
     params = json.loads((tmp_path / "plan.json").read_text())["parameters"]
     total = sum(math.prod(p["shape"]) for p in params.values())
-    expected = {"llama-3.1-8b": 8.03e9, "llama-3.1-70b": 70.6e9, "mixtral-8x7b": 46.7e9}[name]  # published counts
+    expected = {"llama-3.1-8b": 8.03e9, "llama-3.1-70b": 70.6e9, "mixtral-8x7b": 46.7e9,  # published counts
+                "deepseek-v2-lite": 15.7e9}[name]  # DeepSeek-V2 paper (arXiv 2405.04434), appendix B: 15.7B
     assert total == pytest.approx(expected, rel=0.01)

@@ -160,6 +160,32 @@ def test_layer_tying_keeps_the_problem_size_flat():
     assert sizes[0] == sizes[1]
 
 
+def test_blocks_of_a_second_stack_share_decisions_and_lose_nothing(monkeypatch):
+    """An encoder-decoder's other stack (T5's encoder, outside the layers) ties its identical blocks as the layers
+    do: the problem does not grow with its depth, and the tied optimum is the untied one (identical blocks have
+    an optimum that treats them alike)."""
+    import autopar.intra_op.problem as problem
+
+    mesh = MeshSpec.on_cluster(A100, ("tp",), (2,))
+    cfg = IntraOpConfig(batch=4)
+    sizes, solved = [], {}
+    for layers in (3, 5):
+        g = trace_model(f"hf:{FIXTURES / 'hf_configs' / 't5'}", {"num_layers": layers, "num_decoder_layers": layers},
+                        seq_len=32, ctx=CTX).graph
+        assert g.layer_container == "decoder.block"
+        p = build_intra_op(g, [n.name for n in g.ops()], mesh, cfg, A100, CTX)
+        sizes.append(len(p.request.node_names))
+        if layers == 3:
+            solved["tied"] = _solve(g, mesh, cfg).result.objective_s
+            monkeypatch.setattr(problem, "_tie_other_stacks", lambda *args: None)
+            untied = build_intra_op(g, [n.name for n in g.ops()], mesh, cfg, A100, CTX)
+            assert len(untied.request.node_names) > sizes[0]
+            solved["untied"] = _solve(g, mesh, cfg).result.objective_s
+            monkeypatch.undo()
+    assert sizes[0] == sizes[1]
+    assert solved["tied"] == pytest.approx(solved["untied"], rel=1e-6)
+
+
 def test_infeasible_memory_reports_the_minimum():
     g = _mlp_graph(1024)
     mesh = MeshSpec.on_cluster(A100, ("tp",), (8,))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import re
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -35,7 +36,7 @@ from autopar.intra_op.sharding_costs import (
     saved_bytes,
 )
 from autopar.intra_op.strategies import AxisStrategy, R, Strategy, divides, mesh_strategies, shard, tensor_refs
-from autopar.ir import Node, OpGraph, Ref, TensorInfo
+from autopar.ir import Node, OpGraph, Ref, TensorInfo, structural_hash
 from autopar.passes.context import PassContext
 from autopar.passes.experts import stacked_expert_params
 from autopar.solvers.evaluate import alternatives, min_memory_bytes
@@ -139,7 +140,31 @@ def _representatives(graph: OpGraph, nodes: list[Node]) -> dict[str, str]:
         if first != idx and len(by_layer[first]) == len(by_layer[idx]):
             for a, b in zip(by_layer[idx], by_layer[first]):
                 rep[a.name] = b.name
+    _tie_other_stacks(graph, nodes, rep)
     return rep
+
+
+#: A module path inside a stack of blocks: ``decoder.block.3.layer.0`` is block 3 of ``decoder.block``.
+_STACKED = re.compile(r"^(?P<stack>.*?)\.(?P<index>\d+)(?:\.|$)")
+
+
+def _tie_other_stacks(graph: OpGraph, nodes: list[Node], rep: dict[str, str]) -> None:
+    """Identical blocks of stacks other than the layers (an encoder-decoder's second stack, a vision tower)
+    share decisions too, in place: ``rep`` maps each op of a block onto its twin in the first block of the stack
+    with the same structure (``structural_hash``).  The solve then grows with neither stack's depth."""
+    blocks: dict[tuple[str, int], list[Node]] = {}
+    for n in nodes:
+        m = _STACKED.match(n.module) if n.layer is None else None
+        if m is not None:
+            blocks.setdefault((m["stack"], int(m["index"])), []).append(n)
+    by_name = {n.name: n for n in graph.nodes}
+    first_of: dict[tuple[str, str], list[Node]] = {}
+    for (stack, index), members in sorted(blocks.items()):
+        h = structural_hash(members, f"{stack}.{index}", by_name)
+        first = first_of.setdefault((stack, h), members)
+        if first is not members:
+            for a, b in zip(members, first, strict=True):
+                rep[a.name] = b.name
 
 
 def _input_strategies(t: TensorInfo, mesh: MeshSpec, batch: int) -> list[Strategy]:
