@@ -37,17 +37,20 @@ def replan(plan: Plan, gpus: int, framework: str | None = None, jobs: int = 1,
         raise AutoparError("the plan does not say which model it was made for (no path or zoo name)")
     cluster = Cluster.from_dict(plan.cluster).with_overrides(gpus=gpus, gpus_per_node=gpus_per_node)
     try:
-        return plan_model(model, config=plan.model.get("config") or {}, cluster=cluster,
-                          global_batch=plan.global_batch, seq_len=plan.seq_len, attention=plan.attention,
-                          precision=plan.precision.get("training", "bf16"), framework=framework,
-                          compile=plan.compile,
-                          memory_limit_gb=memory_limit_bytes(plan) / 2**30, jobs=jobs)
+        planning = plan_model(model, config=plan.model.get("config") or {}, cluster=cluster,
+                              global_batch=plan.global_batch, seq_len=plan.seq_len, attention=plan.attention,
+                              precision=plan.precision.get("training", "bf16"), framework=framework,
+                              compile=plan.compile,
+                              memory_limit_gb=memory_limit_bytes(plan) / 2**30, jobs=jobs)
     except AutoparError as exc:
         if plan.global_batch % gpus == 0:
             raise
         batch = math.lcm(plan.global_batch, gpus)
         raise AutoparError(f"{exc}; the global batch of {plan.global_batch} may have to change for {gpus} devices: "
                            f"{batch} (a multiple of both) lets every device take its share") from None
+    for new in planning.plans:  # the model as the user named it (a zoo name, an hf: folder), not its file
+        new.model["ref"] = plan.model.get("ref") or new.model["ref"]
+    return planning
 
 
 def check_checkpoint(plan: Plan, path: str | Path) -> tuple[Path, int]:

@@ -26,6 +26,12 @@ def test_the_plan_file_and_the_script_keep_the_reference(tmp_path, capsys):
     assert plan["model"]["path"] == located and plan["model"]["ref"] == ref
     assert f"MODEL_FILE = {located!r}" in (tmp_path / "train.py").read_text()
     assert type(modelfile.load_for(plan["model"]).build_model()).__name__ == "LlamaForCausalLM"
+    # replanned for fewer devices, from the plan file alone: the hf: reference carries on
+    assert main(["replan", str(tmp_path / "plan.json"), "--gpus", "2", "-q", "-o", str(tmp_path / "two")]) == 0
+    replanned = json.loads((tmp_path / "two" / "plan.json").read_text())
+    assert replanned["model"]["path"] == located and replanned["model"]["ref"] == ref
+    assert math.prod(replanned["mesh"]["shape"]) == 2
+    assert f"MODEL_FILE = {located!r}" in (tmp_path / "two" / "train.py").read_text()
 
 
 @pytest.mark.parametrize(("name", "architecture", "inputs"), [
