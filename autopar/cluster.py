@@ -17,6 +17,8 @@ TOML format (all keys of ``Cluster`` except ``name`` may appear; unknown keys ar
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import math
 from dataclasses import dataclass, fields
 from typing import Any
@@ -326,6 +328,13 @@ class Cluster:
     def from_dict(cls, data: dict[str, Any]) -> Cluster:
         """The inverse of ``to_dict`` (a plan's ``cluster``): JSON lists back to tuples."""
         return cls(**_parsed_structures(data))
+
+    def fabric_key(self) -> str:
+        """The spec less its number of devices, as a hash: what an intra-op solve depends on (clusters of one GPU
+        type and size of node, whatever their count; a GB200 NVL72 of part of one rack has a smaller NVLink
+        domain, so another key)."""
+        spec = {k: v for k, v in self.to_dict().items() if k != "gpus"}
+        return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
     def to_dict(self) -> dict[str, Any]:
         out = {}

@@ -188,7 +188,7 @@ class _UnitLoad:
 
 @dataclass(frozen=True, slots=True)
 class _Span:
-    """A run of units' loads summed (a stage, or a stage's units): each field as ``StageCost`` sums it."""
+    """A run of units' loads summed (a stage's units, ``StageCost.span``)."""
 
     time_s: float
     compute_s: float
@@ -308,23 +308,10 @@ class ModelFlops:
 
 @dataclass(frozen=True, slots=True)
 class StageCost:
-    """One pipeline stage per micro-batch: its units' loads summed, its transfers, and what it holds."""
+    """One pipeline stage per micro-batch: its units' loads summed (``span``), its transfers, and what it holds."""
 
-    time_s: float  # the stage's slot: its units' times and its exposed transfers
-    compute_s: float
-    tp_s: float  # exposed tensor-parallel communication
-    tp_fwd_s: float
-    cp_s: float
-    cp_fwd_s: float
-    ep_s: float
-    ep_fwd_s: float
-    recompute_s: float
+    span: _Span  # the stage's units: compute, exposed tp / cp / ep / ZeRO-3 communication, recomputation
     p2p_s: float  # exposed pipeline transfers
-    zero3_s: float  # exposed ZeRO-3 gathers and reduce-scatters
-    forward_s: float  # the forward with its exposed tp, cp and ep communication
-    bwd_s: float  # the backward's compute
-    weight_s: float  # split backward: the weight step
-    rerun_s: float  # split backward: what the weight step recomputes again
     accumulate_s: float  # per iteration: adding the micro-batches' gradients
     tp_sync_s: float  # per iteration: tp gradient synchronization of split-computed replicated parameters
     local_params: float  # parameters one device of the stage holds
@@ -332,28 +319,28 @@ class StageCost:
     frozen_params: float = 0.0  # of ``local_params``, frozen (no gradient, no optimizer state)
     frozen_expert_params: float = 0.0  # of ``expert_params``, frozen
 
-    @classmethod
-    def of(cls, span: _Span, p2p_s: float, accumulate_s: float, tp_sync_s: float, local_params: float,
-           expert_params: float, frozen_params: float = 0.0, frozen_expert_params: float = 0.0) -> StageCost:
-        """The stage whose units sum to ``span``."""
-        return cls(time_s=span.time_s + p2p_s, compute_s=span.compute_s, tp_s=span.tp_s, tp_fwd_s=span.tp_fwd_s,
-                   cp_s=span.cp_s, cp_fwd_s=span.cp_fwd_s, ep_s=span.ep_s, ep_fwd_s=span.ep_fwd_s,
-                   recompute_s=span.recompute_s, p2p_s=p2p_s, zero3_s=span.zero3_s,
-                   forward_s=span.fwd_s + span.tp_fwd_s + span.cp_fwd_s + span.ep_fwd_s, bwd_s=span.bwd_s,
-                   weight_s=span.weight_s, rerun_s=span.rerun_s, accumulate_s=accumulate_s, tp_sync_s=tp_sync_s,
-                   local_params=local_params, expert_params=expert_params, frozen_params=frozen_params,
-                   frozen_expert_params=frozen_expert_params)
+    @property
+    def time_s(self) -> float:
+        """The stage's slot: its units' times and its exposed transfers."""
+        return self.span.time_s + self.p2p_s
+
+    @property
+    def forward_s(self) -> float:
+        """The forward with its exposed tp, cp and ep communication."""
+        sp = self.span
+        return sp.fwd_s + sp.tp_fwd_s + sp.cp_fwd_s + sp.ep_fwd_s
 
     def parts(self, layout: Layout) -> dict[str, float]:
         """``StageEstimate.parts_s``: one micro-batch of ``time_s`` by what the stage does."""
-        tp_bwd, cp_bwd, ep_bwd = self.tp_s - self.tp_fwd_s, self.cp_s - self.cp_fwd_s, self.ep_s - self.ep_fwd_s
-        parts = {"forward_s": self.forward_s, "recompute_s": self.recompute_s,
-                 "backward_s": self.bwd_s + tp_bwd + cp_bwd + ep_bwd + self.zero3_s, "p2p_s": self.p2p_s,
-                 "tp_forward_s": self.tp_fwd_s, "tp_backward_s": tp_bwd, "cp_forward_s": self.cp_fwd_s,
-                 "cp_backward_s": cp_bwd, "ep_forward_s": self.ep_fwd_s, "ep_backward_s": ep_bwd,
-                 "zero3_s": self.zero3_s}
+        sp = self.span
+        tp_bwd, cp_bwd, ep_bwd = sp.tp_s - sp.tp_fwd_s, sp.cp_s - sp.cp_fwd_s, sp.ep_s - sp.ep_fwd_s
+        parts = {"forward_s": self.forward_s, "recompute_s": sp.recompute_s,
+                 "backward_s": sp.bwd_s + tp_bwd + cp_bwd + ep_bwd + sp.zero3_s, "p2p_s": self.p2p_s,
+                 "tp_forward_s": sp.tp_fwd_s, "tp_backward_s": tp_bwd, "cp_forward_s": sp.cp_fwd_s,
+                 "cp_backward_s": cp_bwd, "ep_forward_s": sp.ep_fwd_s, "ep_backward_s": ep_bwd,
+                 "zero3_s": sp.zero3_s}
         if splits_backward(layout.schedule, layout.pp):
-            parts["weight_s"], parts["rerun_s"] = self.weight_s, self.rerun_s
+            parts["weight_s"], parts["rerun_s"] = sp.weight_s, sp.rerun_s
         return parts
 
 
@@ -438,13 +425,13 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
         trained_expert = expert_local - frozen_expert
         accumulate = grad_accumulation_s(trained, layout, cluster, ctx, layout.replicas) \
             + grad_accumulation_s(trained_expert, layout, cluster, ctx, layout.expert_replicas)
-        stage = StageCost.of(span, p2p_cost, accumulate, tp_sync, local, expert_local, frozen, frozen_expert)
+        stage = StageCost(span, p2p_cost, accumulate, tp_sync, local, expert_local, frozen, frozen_expert)
         stage_times.append(stage.time_s)
         groups = dp_groups(local - expert_local, expert_local, frozen - frozen_expert, frozen_expert, links, ctx)
-        dp_exposed = max(dp_exposed, dp_sync_exposed(groups, stage.bwd_s, span.fwd_s, layout, cluster, ctx, mix))
+        dp_exposed = max(dp_exposed, dp_sync_exposed(groups, span.bwd_s, span.fwd_s, layout, cluster, ctx, mix))
         per_stage.append(stage)
     bottleneck = max(range(p), key=lambda k: stage_times[k])
-    bn = per_stage[bottleneck]
+    bn = per_stage[bottleneck].span
     accumulation_s = max(s.accumulate_s for s in per_stage)
     local_opt = max(optimizer_params(s.local_params - s.frozen_params, s.expert_params - s.frozen_expert_params,
                                      layout) for s in per_stage)
@@ -455,7 +442,7 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
         "cp_comm_s": m * bn.cp_s,
         "ep_comm_s": m * bn.ep_s,
         "recompute_s": m * bn.recompute_s,
-        "pp_p2p_s": m * bn.p2p_s,
+        "pp_p2p_s": m * per_stage[bottleneck].p2p_s,
         "pp_bubble_s": 0.0,
         "dp_comm_exposed_s": m * bn.zero3_s + dp_exposed,
     }

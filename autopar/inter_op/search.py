@@ -99,8 +99,7 @@ class SearchResult:
 
 def same_fabric(a: Cluster, b: Cluster | None) -> bool:
     """Whether clusters ``a`` and ``b`` differ at most in their number of devices."""
-    return b is not None and all(getattr(a, f.name) == getattr(b, f.name) for f in dataclasses.fields(a)
-                                 if f.name != "gpus")
+    return b is not None and a.fabric_key() == b.fabric_key()
 
 
 class UnitCostCache:
@@ -301,6 +300,39 @@ def _totals(costs: dict[str, UnitCost], counts: dict[str, int], layout: Layout, 
     return memo[key]
 
 
+@dataclass
+class _Estimator:
+    """One search's way from a queued layout to a candidate: the unit costs of its tp solve, the runtime's
+    verdict, the estimate and the runtime's check of it.  ``evaluated`` counts the estimates made."""
+
+    graph: OpGraph
+    cache: UnitCostCache
+    global_batch: int
+    cluster: Cluster
+    ctx: PassContext
+    memory_budget_bytes: float
+    flops: ModelFlops
+    sequence: list[str]
+    shared: SharedWork
+    accept: Callable[[Estimate, dict[str, Strategy]], bool] | None
+    may_accept: Callable[[Layout, dict[str, Strategy]], bool] | None
+    exhaustive: bool
+    evaluated: int = 0
+
+    def candidate(self, layout: Layout, variant: str, fitting: bool = False, **options: Any) -> Candidate | None:
+        """``layout``'s candidate, or ``None`` where the runtime refuses it, ``estimate_layout`` (given
+        ``options``) prunes it, or ``fitting`` asks for one that fits and it does not."""
+        costs, strategies = self.cache.get(layout.tp, layout.mbs, layout.sp, variant)
+        if self.may_accept is not None and not self.exhaustive and not self.may_accept(layout, strategies):
+            return None  # the runtime cannot run it: it would not be kept
+        est = estimate_layout(self.graph, costs, layout, self.global_batch, self.cluster, self.ctx,
+                              self.memory_budget_bytes, self.flops, keys=self.sequence, shared=self.shared, **options)
+        self.evaluated += 1
+        if est is None or (fitting and not est.fits) or (self.accept is not None and not self.accept(est, strategies)):
+            return None
+        return Candidate(est, variant, strategies, self.cache.alternatives(strategies))
+
+
 def search(graph: OpGraph, cluster: Cluster, ctx: PassContext, global_batch: int, fixed: dict[str, Any],
            memory_budget_bytes: float, backend: Backend = "cbc", time_limit_s: float = 60.0, top_k: int = 1,
            progress: Callable[[str], None] | None = None, cache: UnitCostCache | None = None,
@@ -326,7 +358,9 @@ def search(graph: OpGraph, cluster: Cluster, ctx: PassContext, global_batch: int
     shared = SharedWork()
     fitting: list[Candidate] = []
     spill: list[Candidate] = []  # filled only when nothing fits
-    evaluated = pruned_bound = pruned_memory = 0
+    pruned_bound = pruned_memory = 0
+    estimator = _Estimator(graph, cache, global_batch, cluster, ctx, memory_budget_bytes, flops, sequence, shared,
+                           accept, may_accept, exhaustive)
     # best first: every layout's lower bound, then the layouts in its order, until the bound of the next one
     # cannot beat the K-th best found (the rest cannot either); a layout whose memory bound exceeds the budget
     # cannot fit and is not estimated (unless nothing fits)
@@ -357,16 +391,13 @@ def search(graph: OpGraph, cluster: Cluster, ctx: PassContext, global_batch: int
         if not exhaustive and memory_bound_bytes(totals, layout, ctx) > memory_budget_bytes:
             pruned_memory += 1
             continue
-        costs, strategies = cache.get(layout.tp, layout.mbs, layout.sp, variant)
-        if may_accept is not None and not exhaustive and not may_accept(layout, strategies):
-            continue  # the runtime cannot run it: it would not be kept
-        est = estimate_layout(graph, costs, layout, global_batch, cluster, ctx, memory_budget_bytes, flops,
-                              allow_spill=False, prune_above_s=cutoff, keys=sequence, shared=shared)
-        evaluated += 1
-        if progress is not None:
-            progress(f"searching layouts: {evaluated} evaluated")
-        if est is not None and est.fits and (accept is None or accept(est, strategies)):
-            _keep(fitting, Candidate(est, variant, strategies, cache.alternatives(strategies)), top_k, _rank)
+        before = estimator.evaluated
+        cand = estimator.candidate(layout, variant, fitting=True, allow_spill=False, prune_above_s=cutoff)
+        if progress is not None and estimator.evaluated > before:
+            progress(f"searching layouts: {estimator.evaluated} evaluated")
+        if cand is not None:
+            _keep(fitting, cand, top_k, _rank)
+    evaluated = estimator.evaluated  # the estimates of the search proper (not those made after nothing fit)
     leanest = None
     if not fitting:
         # nothing fits: the fastest layouts, marked as not fitting (best first in their time bound, as above), and
@@ -375,15 +406,10 @@ def search(graph: OpGraph, cluster: Cluster, ctx: PassContext, global_batch: int
             cutoff = spill[-1].estimate.iteration_time_s if len(spill) >= _bucket_size(top_k) else None
             if cutoff is not None and bound > cutoff and not exhaustive:
                 break
-            costs, strategies = cache.get(layout.tp, layout.mbs, layout.sp, variant)
-            if may_accept is not None and not exhaustive and not may_accept(layout, strategies):
-                continue
-            est = estimate_layout(graph, costs, layout, global_batch, cluster, ctx, memory_budget_bytes, flops,
-                                  prune_above_s=None if exhaustive else cutoff, keys=sequence, shared=shared)
-            if est is not None and (accept is None or accept(est, strategies)):
-                _keep(spill, Candidate(est, variant, strategies, cache.alternatives(strategies)), top_k, _rank)
-        leanest = _leanest(queue, graph, cache, global_batch, cluster, ctx, memory_budget_bytes, flops, sequence,
-                           shared, accept, may_accept, exhaustive)
+            cand = estimator.candidate(layout, variant, prune_above_s=None if exhaustive else cutoff)
+            if cand is not None:
+                _keep(spill, cand, top_k, _rank)
+        leanest = _leanest(queue, estimator)
     # the closed-form bubble is exact only for equal stages: the candidates kept are re-estimated with their
     # schedules simulated op by op (as the timeline draws them) and ranked again
     fitting = sorted(_exact(fitting, graph, cache, global_batch, cluster, ctx, memory_budget_bytes, flops),
@@ -396,26 +422,18 @@ def search(graph: OpGraph, cluster: Cluster, ctx: PassContext, global_batch: int
                         pruned_memory=pruned_memory, leanest=leanest)
 
 
-def _leanest(queue: list[tuple[float, tuple, str, Layout, UnitTotals]], graph: OpGraph, cache: UnitCostCache,
-             global_batch: int, cluster: Cluster, ctx: PassContext, memory_budget_bytes: float, flops: ModelFlops,
-             sequence: list[str], shared: SharedWork, accept: Callable[[Estimate, dict[str, Strategy]], bool] | None,
-             may_accept: Callable[[Layout, dict[str, Strategy]], bool] | None, exhaustive: bool) -> Candidate | None:
+def _leanest(queue: list[tuple[float, tuple, str, Layout, UnitTotals]], estimator: _Estimator) -> Candidate | None:
     """The layout that needs the least memory per device: the layouts in the order of their memory bound, until
     the next bound exceeds the least found (``exhaustive``: all of them)."""
     best: Candidate | None = None
+    ctx = estimator.ctx
     for bound, _, variant, layout in sorted((memory_bound_bytes(t, lay, ctx), key, variant, lay)
                                             for _, key, variant, lay, t in queue):
-        if best is not None and bound > best.estimate.peak_memory_bytes and not exhaustive:
+        if best is not None and bound > best.estimate.peak_memory_bytes and not estimator.exhaustive:
             break  # no layout left can need less
-        costs, strategies = cache.get(layout.tp, layout.mbs, layout.sp, variant)
-        if may_accept is not None and not exhaustive and not may_accept(layout, strategies):
-            continue
-        est = estimate_layout(graph, costs, layout, global_batch, cluster, ctx, memory_budget_bytes, flops,
-                              keys=sequence, shared=shared)
-        if est is not None and (accept is None or accept(est, strategies)):
-            cand = Candidate(est, variant, strategies, cache.alternatives(strategies))
-            if best is None or _spill_rank(cand) < _spill_rank(best):
-                best = cand
+        cand = estimator.candidate(layout, variant)
+        if cand is not None and (best is None or _spill_rank(cand) < _spill_rank(best)):
+            best = cand
     return best
 
 

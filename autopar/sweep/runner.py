@@ -11,8 +11,6 @@ solved its ILPs: the pool, Ray and one process give the same sweep.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import multiprocessing
 import time
 from collections.abc import Callable, Iterator
@@ -31,7 +29,7 @@ from autopar.runnable import runtime_filter
 from autopar.sweep.grid import Point
 
 Solved = dict[tuple, Any]  # UnitCostCache.solved(): solve key -> (mesh, strategies, solution)
-Shared = dict[str, dict[tuple[str, str], Solved]]  # GPU type -> (training precision, fabric_key) -> solves
+Shared = dict[str, dict[tuple[str, str], Solved]]  # GPU type -> (training precision, Cluster.fabric_key) -> solves
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +79,7 @@ class PointResult:
     elapsed_s: float = 0.0
     """How long planning the point took (not part of the sweep's answer: it varies run to run)."""
     solved: dict[tuple[str, str], Solved] = field(default_factory=dict, repr=False)
-    """Per training precision and ``fabric_key``, the intra-op solves this point's caches hold (for the tasks
+    """Per training precision and ``Cluster.fabric_key``, the intra-op solves this point's caches hold (for the tasks
     after it)."""
 
 
@@ -104,7 +102,7 @@ def plan_point(point: Point, solved: dict[tuple[str, str], Solved], options: Pla
     graph = graphs[point.cluster].graph
     spec, ctx, batch, budget = options.setup(point.cluster, point.gpus)
     caches: dict[str, UnitCostCache] = {}
-    fabric = fabric_key(spec)
+    fabric = spec.fabric_key()
     for training in training_precisions(options.precision, spec, ctx.framework):
         tried = dataclasses.replace(ctx, precision=dataclasses.replace(ctx.precision, training=training))
         key = (point.cluster, training, fabric)
@@ -134,13 +132,6 @@ def plan_point(point: Point, solved: dict[tuple[str, str], Solved], options: Pla
     result.solved = {(training, fabric): cache.solved() for training, cache in caches.items()}
     result.elapsed_s = time.perf_counter() - start
     return result
-
-
-def fabric_key(cluster: Cluster) -> str:
-    """What the intra-op solves of a GPU type depend on: the cluster spec less its number of devices (a GB200
-    NVL72 of part of one rack has a smaller NVLink domain than one of several racks)."""
-    spec = {k: v for k, v in cluster.to_dict().items() if k != "gpus"}
-    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def run_points(points: list[Point], options: PlanningOptions, graphs: dict[str, TypeGraph], jobs: int = 1,
