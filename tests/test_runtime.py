@@ -112,6 +112,9 @@ VERIFIED = {
                                 8, "pp=2,dp=2"),
     "hf-config-bert-masked-dp2-tp2": ("hf:" + str(ROOT / "tests" / "fixtures" / "hf_configs" / "bert"),
                                       ["--seq-len", "16", "--cluster", "cpu"], 8, "dp=2,tp=2"),
+    # BERT ties its word embeddings to the head across the stages, and its decoder bias within the last one
+    "hf-config-bert-masked-pp2-dp2": ("hf:" + str(ROOT / "tests" / "fixtures" / "hf_configs" / "bert"),
+                                      ["--seq-len", "16", "--cluster", "cpu"], 8, "pp=2,dp=2,schedule=1f1b"),
     # grouped-query attention with fewer K/V heads than tp (8 query, 2 kv, tp=4): query heads split, K/V whole
     "hf-llama-gqa-tp4": (str(EXAMPLES / "hf_decoder.py"), ["--config", "arch=llama,layers=2,hidden=128,heads=8,"
                                                            "kv_heads=2,vocab=128,seq_len=32", "--cluster", "cpu"], 8,
@@ -527,7 +530,8 @@ def test_verify_models_that_are_not_language_models(verified, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["hf-config-llama-pp2-dp2", "hf-config-bert-masked-dp2-tp2"])
+@pytest.mark.parametrize("name", ["hf-config-llama-pp2-dp2", "hf-config-bert-masked-dp2-tp2",
+                                  "hf-config-bert-masked-pp2-dp2"])
 def test_verify_models_built_from_a_config_json(verified, name):
     plan, _ = _verified(verified, name)
     assert plan["model"]["path"].startswith("hf:/") and plan["model"]["path"].endswith("config.json")

@@ -161,6 +161,7 @@ class PipelineRunner:
         self.last_module = modules[chunks.index(num_chunks - 1)] if self.has_last else None
         self.schedule = cls(stages, n_microbatches=num_microbatches, loss_fn=self._loss)
         self._tie_group = self._make_tie_group()
+        self._cross_ties = self._ties_across_stages()
 
     def _make_tie_group(self) -> dist.ProcessGroup | None:
         """One group per (dp, cp, tp) coordinate of the ranks of the first and last chunk; every rank creates
@@ -174,6 +175,17 @@ class PipelineRunner:
             if dist.get_rank() in (first, last):
                 mine = g
         return mine
+
+    def _ties_across_stages(self) -> list[tuple[str, str]]:
+        """The tied pairs whose copies this rank and its tie-group peer both hold: one at each end of the
+        pipeline.  A pair tied within one chunk (BERT's decoder bias and ``cls.predictions.bias``) has its peer
+        hold nothing, and is left out on both ranks alike (summing it would wait for a peer that never sends)."""
+        if self._tie_group is None:
+            return []
+        names = dict(self.named_parameters())
+        held = torch.tensor([float(f in names or a in names) for f, a in self.tied], device=self.device)
+        dist.all_reduce(held, group=self._tie_group)
+        return [pair for pair, n in zip(self.tied, held.tolist(), strict=True) if n == 2]
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for m in self.modules for p in m.parameters()]
@@ -230,10 +242,12 @@ class PipelineRunner:
             return
         if self._tie_group is None:  # a middle rank: no tied copy
             return
-        for fqn, alias in self.tied:
+        for fqn, alias in self._cross_ties:
             p = names.get(fqn, names.get(alias))
-            if p is None or p.grad is None:
+            if not p.requires_grad:  # frozen: so is the copy at the other end
                 continue
+            if p.grad is None:  # unused this step: its peer still waits for a sum
+                p.grad = torch.zeros_like(p)
             g = p.grad.redistribute(p.grad.device_mesh, p.placements) if hasattr(p.grad, "redistribute") else p.grad
             local = g._local_tensor if hasattr(g, "_local_tensor") else g
             dist.all_reduce(local, group=self._tie_group)

@@ -192,7 +192,8 @@ def hf_stage(model: nn.Module, container: str, lo: int, hi: int, first: bool, la
     layers = StageLayers(kept)
     setattr(owner, attr, layers)
     config = getattr(owner, "config", None)
-    if getattr(config, "layer_types", None):  # the loop looks a layer's type up by its position in the stack
+    if getattr(config, "layer_types", None) and not isinstance(getattr(type(config), "layer_types", None), property):
+        # the loop looks a layer's type up by its position in the stack (Mamba's config derives it: no setter)
         owner.config = copy.copy(config)
         owner.config.layer_types = [config.layer_types[int(i)] for i in kept]
     before, after = _hf_ends(model, ends)
