@@ -183,7 +183,8 @@ class PipelineRunner:
         if self._tie_group is None:
             return []
         names = dict(self.named_parameters())
-        held = torch.tensor([float(f in names or a in names) for f, a in self.tied], device=self.device)
+        device = "cpu" if self.device.type == "meta" else self.device  # a stage built to be measured, not run
+        held = torch.tensor([float(f in names or a in names) for f, a in self.tied], device=device)
         dist.all_reduce(held, group=self._tie_group)
         return [pair for pair, n in zip(self.tied, held.tolist(), strict=True) if n == 2]
 
