@@ -8,6 +8,7 @@ Public API::
     cluster = autopar.load_cluster("a100-80gb")            # a Cluster
     trainer = autopar.apply(plan)                          # under torchrun: this rank's part of the model
     graph = autopar.trace(model, example_inputs)           # OpGraph (fake tensors, no real memory)
+    rows = autopar.gather_batch(embeddings)                # in a loss_fn: the whole batch's rows (contrastive)
 
     @autopar.parallelize(cluster="a100-80gb", gpus=64, global_batch=512)  # plan a model class where it is
     class MyModel(nn.Module): ...                                          # defined (autopar.decorator)
@@ -18,6 +19,7 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from autopar.api import plan
+from autopar.batch_loss import gather_batch
 from autopar.cluster import Cluster, load_cluster
 from autopar.decorator import parallelize
 from autopar.ir import OpGraph
@@ -25,4 +27,5 @@ from autopar.plan_file import Plan
 from autopar.runtime.apply import apply
 from autopar.tracing import trace
 
-__all__ = ["Cluster", "OpGraph", "Plan", "__version__", "apply", "load_cluster", "parallelize", "plan", "trace"]
+__all__ = ["Cluster", "OpGraph", "Plan", "__version__", "apply", "gather_batch", "load_cluster", "parallelize", "plan",
+           "trace"]

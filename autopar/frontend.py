@@ -172,6 +172,8 @@ def trace_model(ref: str, config: dict[str, Any] | None = None, seq_len: int | N
     if seq < 1:
         raise ModelFileError(f"sequence length must be >= 1, got {seq}")
     inputs = inputs_in_trace_dtype(modelfile.example_inputs(module, model, 1, seq, config))
-    exported = trace(model, inputs, modelfile.loss_fn_of(module), repeat_identical_layers=not every_layer)
+    tokens = seq_len if seq_len is not None else modelfile.declared_seq_len(model, config)
+    exported = trace(model, inputs, modelfile.loss_fn_of(module), repeat_identical_layers=not every_layer,
+                     tokens=tokens)
     graph = run_pipeline(copy.deepcopy(exported), ctx or PassContext())
     return TracedModel(ref, config, module, model, graph, graph.seq_len, exported)

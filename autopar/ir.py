@@ -220,6 +220,8 @@ class OpGraph:
     trace_time_s: float = 0.0
     #: "derived-per-op": the backward pass is not traced; passes derive it from each forward op.
     backward: str = "derived-per-op"
+    #: the loss compares the samples of the batch (``autopar.gather_batch``): one micro-batch per step
+    loss_gathers_batch: bool = False
     annotations: dict[str, Any] = field(default_factory=dict)
     _index: dict[str, Node] = field(default_factory=dict, repr=False)
     _compute_itemsize: int = field(default=0, repr=False)

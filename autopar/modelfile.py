@@ -262,6 +262,13 @@ def build(module: ModuleType, config: dict[str, Any], ref: str = "model") -> nn.
 
 def infer_seq_len(model: nn.Module, config: dict[str, Any]) -> int:
     """The sequence length to trace with when the user gives none: the config's, the model's, or 2048."""
+    declared = declared_seq_len(model, config)
+    return DEFAULT_SEQ_LEN if declared is None else declared
+
+
+def declared_seq_len(model: nn.Module, config: dict[str, Any]) -> int | None:
+    """The sequence length the config or the model states (``seq_len``, ``max_position_embeddings``,
+    ``n_positions``), if any."""
     if isinstance(config.get("seq_len"), int):
         return config["seq_len"]
     for owner in (getattr(model, "cfg", None), getattr(model, "config", None)):
@@ -269,7 +276,7 @@ def infer_seq_len(model: nn.Module, config: dict[str, Any]) -> int:
             value = getattr(owner, key, None)
             if isinstance(value, int):
                 return value
-    return DEFAULT_SEQ_LEN
+    return None
 
 
 def vocab_size(model: nn.Module, config: dict[str, Any]) -> int:

@@ -42,6 +42,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
+from autopar.batch_loss import gathering_over
 from autopar.errors import TraceError
 from autopar.inputs import ModelInputs
 from autopar.ir import BatchScaled, LayerInfo, Node, OpGraph, ParamInfo, Ref, TensorInfo, iter_refs, structural_hash
@@ -104,6 +105,7 @@ def trace(
     example_inputs: Sequence[torch.Tensor] | ModelInputs,
     loss_fn: LossFn | None = None,
     repeat_identical_layers: bool = True,
+    tokens: int | None = None,
 ) -> OpGraph:
     """Trace ``loss_fn(model(*args, **kwargs), *args, **kwargs)`` into an ``OpGraph``.
 
@@ -112,7 +114,8 @@ def trace(
     The model is traced in training mode.  Build it under ``FakeTensorMode`` to trace a model that
     does not fit in memory (``autopar.modelfile.load_model`` does).  ``repeat_identical_layers``: export
     a few blocks of an identical stack and repeat them (the module docstring says when); ``False``
-    exports every block.
+    exports every block.  ``tokens``: the sequence length when no input is ``[batch, seq]`` token ids (a
+    model that patchifies images states its own), else 1.
     """
     t0 = time.perf_counter()
     example_inputs = ModelInputs.of(example_inputs)
@@ -122,16 +125,18 @@ def trace(
     if sentinel is None:
         raise TraceError("could not find a sentinel batch size that divides no model dimension")
     inputs = _rebatch_inputs(example_inputs, sentinel, fake_mode)
-    seq_len = _seq_len_of(example_inputs.tensors())
+    seq_len = _seq_len_of(example_inputs.tensors()) or tokens or 1
     container = _find_layer_container(model)
     graph = None
-    if repeat_identical_layers and _identical_blocks(model, container):
-        with _truncated_stack(model, container, TRACED_LAYERS):
-            ep = _export(model, inputs, loss_fn)
-        graph = _repeat_layers(_to_opgraph(ep, model, sentinel, seq_len), container,
-                               len(list(model.get_submodule(container).children())))
-    if graph is None:
-        graph = _to_opgraph(_export(model, inputs, loss_fn), model, sentinel, seq_len)
+    with gathering_over(None) as gathers:  # does the loss compare the batch's samples (autopar.gather_batch)?
+        if repeat_identical_layers and _identical_blocks(model, container):
+            with _truncated_stack(model, container, TRACED_LAYERS):
+                ep = _export(model, inputs, loss_fn)
+            graph = _repeat_layers(_to_opgraph(ep, model, sentinel, seq_len), container,
+                                   len(list(model.get_submodule(container).children())))
+        if graph is None:
+            graph = _to_opgraph(_export(model, inputs, loss_fn), model, sentinel, seq_len)
+    graph.loss_gathers_batch = bool(gathers)
     graph.trace_time_s = time.perf_counter() - t0
     return graph
 
@@ -217,12 +222,12 @@ def _model_dims(model: nn.Module, example_inputs: Sequence[torch.Tensor]) -> set
     return dims
 
 
-def _seq_len_of(example_inputs: Sequence[torch.Tensor]) -> int:
-    """Tokens per sample: the length of the first ``[batch, seq]`` integer input, else 1."""
+def _seq_len_of(example_inputs: Sequence[torch.Tensor]) -> int | None:
+    """Tokens per sample: the length of the first ``[batch, seq]`` integer input, if any."""
     for x in example_inputs:
         if isinstance(x, torch.Tensor) and x.dim() >= 2 and not x.is_floating_point():
             return int(x.shape[1])
-    return 1
+    return None
 
 
 def _rebatch_inputs(example_inputs: ModelInputs, batch: int, fake_mode: FakeTensorMode) -> ModelInputs:

@@ -62,6 +62,10 @@ HF_MODELS = ROOT / "examples" / "hf_models.py"
 CASES += [(f"hf {arch} {name}", str(HF_MODELS), f"arch={arch},seq_len=32", fix, 4)
           for arch in modelfile.load_module(str(HF_MODELS)).ARCHS
           for name, fix in (("dp2 x tp2", "dp=2,tp=2"), ("pp2 x dp2", "pp=2,dp=2"))]
+# the zoo's diffusion transformer: adaLN-Zero blocks split on tp, the conditioning carried across pipeline stages
+DIT = "layers=2,hidden=256,heads=4,image=8,classes=10"
+CASES += [(f"dit {name}", str(ROOT / "models" / "dit.py"), DIT, fix, 4)
+          for name, fix in (("dp2 x tp2", "dp=2,tp=2"), ("pp2 x dp2", "pp=2,dp=2"))]
 HF_DECODER = ROOT / "examples" / "hf_decoder.py"
 CASES += [(f"hf {arch} {name}", str(HF_DECODER), f"arch={arch},layers=4,hidden=64,heads=4,vocab=128,seq_len=32", fix, 4)
           for arch in modelfile.load_module(str(HF_DECODER)).ARCHS

@@ -7,7 +7,8 @@ download), with the inputs and the loss it trains on, as one autopar model file.
 - ``t5``, ``bart``: encoder-decoders; the encoder reads ``input_ids``, the decoder ``decoder_input_ids``,
   cross-entropy on the decoder's next tokens.
 - ``vit``: an image classifier on ``pixel_values`` (patch embedding, blocks, head); cross-entropy on labels.
-- ``clip``: a vision and a text tower trained contrastively (the symmetric InfoNCE loss over the batch).
+- ``clip``: a vision and a text tower trained contrastively (the symmetric InfoNCE loss over the whole batch:
+  ``autopar.gather_batch`` gathers the data-parallel ranks' embeddings, so each step runs one micro-batch).
 - ``whisper``: a speech encoder-decoder on log-mel ``input_features`` (two 1-d convolutions, then blocks).
 - ``mamba``: a state-space LM (a causal 1-d convolution and a selective scan), next-token cross-entropy.
 
@@ -22,6 +23,8 @@ import torch
 import transformers
 from torch import nn
 from torch.nn import functional as F
+
+import autopar
 
 ARCHS = ("bert", "roberta", "t5", "bart", "vit", "clip", "whisper", "mamba")
 MASK_FRACTION = 0.15
@@ -59,8 +62,7 @@ def build_model(arch: str = "bert", layers: int = 2, hidden: int = 64, heads: in
                 "num_attention_heads": heads, "intermediate_size": ffn, "max_position_embeddings": seq_len}
         vision = {"hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": heads,
                   "intermediate_size": ffn, "image_size": image, "patch_size": patch}
-        return transformers.CLIPModel(transformers.CLIPConfig(text_config=text, vision_config=vision,
-                                                              projection_dim=hidden))
+        return ContrastiveCLIP(transformers.CLIPConfig(text_config=text, vision_config=vision, projection_dim=hidden))
     if arch == "whisper":
         return transformers.WhisperForConditionalGeneration(transformers.WhisperConfig(
             vocab_size=vocab, d_model=hidden, encoder_layers=layers, decoder_layers=layers,
@@ -71,6 +73,15 @@ def build_model(arch: str = "bert", layers: int = 2, hidden: int = 64, heads: in
     return transformers.MambaForCausalLM(transformers.MambaConfig(
         num_hidden_layers=layers, hidden_size=hidden, vocab_size=vocab, state_size=16, intermediate_size=ffn,
         use_cache=False))
+
+
+class ContrastiveCLIP(transformers.CLIPModel):
+    """CLIP returning what its contrastive loss compares, as OpenCLIP's model does: the normalized image and text
+    embeddings and the temperature ``exp(logit_scale)``.  The loss scores them across the whole batch."""
+
+    def forward(self, input_ids: torch.Tensor, pixel_values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out = super().forward(input_ids=input_ids, pixel_values=pixel_values)
+        return out.image_embeds, out.text_embeds, self.logit_scale.exp()
 
 
 def example_inputs(batch_size: int, seq_len: int, arch: str = "bert", vocab: int = 128, image: int = 32,
@@ -104,8 +115,10 @@ def loss_fn(output: object, *args: torch.Tensor, **kwargs: torch.Tensor) -> torc
     if "decoder_input_ids" in kwargs:  # encoder-decoder: the decoder's next tokens
         logits = output.logits[:, :-1].float()  # type: ignore[attr-defined]
         return F.cross_entropy(logits.flatten(0, 1), kwargs["decoder_input_ids"][:, 1:].flatten())
-    if "pixel_values" in kwargs:  # CLIP: each image against each caption of the batch, both ways
-        logits = output.logits_per_image.float()  # type: ignore[attr-defined]
+    if "pixel_values" in kwargs:  # CLIP: each image against each caption of the whole batch, both ways
+        image, text, scale = output  # type: ignore[misc]
+        image, text = autopar.gather_batch(image.float()), autopar.gather_batch(text.float())
+        logits = scale.float() * image @ text.t()
         target = torch.arange(logits.shape[0], device=logits.device)
         return (F.cross_entropy(logits, target) + F.cross_entropy(logits.t(), target)) / 2
     logits = output.logits[:, :-1].float()  # type: ignore[attr-defined]

@@ -1,10 +1,14 @@
 """Models beyond decoder LMs as a new user brings them: an initialization that reads values (a ViT), floating
-inputs (a convolutional speech front end), and layouts the runtime cannot split refused in one line."""
+inputs (a convolutional speech front end), layouts the runtime cannot split refused in one line, and the zoo's
+diffusion transformer (DiT) trained split on tensor- and pipeline-parallel ranks."""
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
+
+import pytest
+import torch
 
 from autopar import modelfile
 from autopar.cli import main
@@ -43,3 +47,37 @@ def test_floating_inputs_are_traced_in_the_training_dtype():
     assert source.out.dtype == "bfloat16"
     inputs = {n.out.dtype for n in traced.graph.nodes if n.kind == "input"}
     assert inputs == {"bfloat16", "int64"}  # the labels stay integers
+
+
+DIT = str(Path(__file__).parent.parent / "models" / "dit.py")
+SMALL_DIT = {"layers": 2, "hidden": 256, "heads": 4, "image": 8, "classes": 10}
+
+
+def test_dit_is_dit_xl_2_by_default_and_its_tokens_are_its_patches():
+    """The zoo's DiT has DiT-XL/2's 675M parameters (Peebles & Xie, table 1), and its plan counts patches as
+    tokens, (32 / 2)^2 = 256 per image, since no input is token ids."""
+    module = modelfile.load_module(DIT)
+    with torch.device("meta"):
+        model = modelfile.build(module, {}, DIT)
+    assert sum(p.numel() for p in model.parameters()) == pytest.approx(675e6, rel=1e-3)
+    assert trace_model(DIT, SMALL_DIT).graph.seq_len == (8 // 2) ** 2
+    with pytest.raises(modelfile.ModelFileError, match=r"seq_len is the tokens, \(image / patch\)\^2 = 16"):
+        trace_model(DIT, SMALL_DIT, seq_len=64)
+
+
+def test_dit_trains_split_on_tensor_parallel_and_pipeline_ranks(tmp_path):
+    """dp2 x tp2 splits the adaLN modulations, attention and MLP; pp2 x dp2 carries the conditioning across the
+    stage boundary with the tokens.  Both train as one process does."""
+    from autopar.api import plan_model
+    from autopar.runtime.verify import verify_many
+
+    paths = []
+    for fixed in ({"dp": 2, "tp": 2}, {"pp": 2, "dp": 2}):
+        plan = plan_model(DIT, config=SMALL_DIT, cluster="cpu", gpus=4, global_batch=8, fix=fixed).plans[0]
+        paths.append(tmp_path / f"{len(paths)}.json")
+        plan.save(paths[-1])
+        if fixed.get("tp"):
+            split = {fqn for fqn, p in plan.parameters.items() if p["placements"]["tp"] != "R"}
+            assert {"blocks.0.adaln.weight", "blocks.0.attn.q.weight", "blocks.0.fc1.weight"} <= split
+    for result in verify_many(paths, steps=3):
+        assert result.ok, result

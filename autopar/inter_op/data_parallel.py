@@ -221,8 +221,9 @@ MAX_MBS = 16
 
 def _expand_micro_batches(space: SearchSpace, p: Partial) -> Iterator[Partial]:
     dp, batch = p["dp"], space.global_batch
-    for mbs in space.allowed("mbs", [d for d in divisors(batch // dp) if d <= MAX_MBS]):
-        if batch % (dp * mbs) == 0:
+    sizes = [batch // dp] if space.one_microbatch else [d for d in divisors(batch // dp) if d <= MAX_MBS]
+    for mbs in space.allowed("mbs", sizes):
+        if batch % (dp * mbs) == 0 and not (space.one_microbatch and dp * mbs != batch):
             yield {**p, "mbs": mbs, "num_microbatches": batch // (dp * mbs)}
 
 
@@ -232,6 +233,9 @@ def _check_fixed_micro_batches(space: SearchSpace, graph: OpGraph) -> None:
         raise AutoparError(f"global batch {batch} is not divisible by dp={fixed['dp']}")
     if "dp" in fixed and "mbs" in fixed and batch % (fixed["dp"] * fixed["mbs"]):
         raise AutoparError(f"global batch {batch} is not divisible by dp*mbs = {fixed['dp'] * fixed['mbs']}")
+    if graph.loss_gathers_batch and "dp" in fixed and "mbs" in fixed and fixed["dp"] * fixed["mbs"] != batch:
+        raise AutoparError(f"the loss gathers the batch (autopar.gather_batch), so each step runs one micro-batch: "
+                           f"mbs must be global batch / dp = {batch // fixed['dp']}, not {fixed['mbs']}")
 
 
 def _expand_zero(space: SearchSpace, p: Partial) -> Iterator[Partial]:

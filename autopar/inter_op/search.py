@@ -241,7 +241,8 @@ def search_space(graph: OpGraph, cluster: Cluster, global_batch: int, fixed: dic
     return SearchSpace(gpus=cluster.gpus, layers=max(1, len(graph.layers)), global_batch=global_batch,
                        seq_len=graph.seq_len, heads=tuple(attention_heads(graph)),
                        experts=expert_parallel_count(graph), cluster=cluster,
-                       fw=fw or load_framework(DEFAULT_FRAMEWORK), fixed=dict(fixed))
+                       fw=fw or load_framework(DEFAULT_FRAMEWORK), fixed=dict(fixed),
+                       one_microbatch=graph.loss_gathers_batch)
 
 
 def check_fixed(graph: OpGraph, cluster: Cluster, global_batch: int, fixed: dict[str, Any],

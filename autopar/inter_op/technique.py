@@ -57,6 +57,8 @@ class SearchSpace:
     cluster: Cluster
     fw: Framework
     fixed: Mapping[str, Any]
+    one_microbatch: bool = False
+    """The loss compares the batch's samples (``autopar.gather_batch``): no gradient accumulation."""
 
     def allowed(self, key: str, values: list[Any]) -> list[Any]:
         """``values``, or the pinned value alone."""

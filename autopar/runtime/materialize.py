@@ -13,6 +13,10 @@ How one parameter is drawn, first that applies:
 - the model defines ``init_parameter(name, tensor)``, which fills ``tensor`` in place (the zoo models do);
 - a HuggingFace model: its own ``_init_weights`` on a CPU copy of the module that owns the parameter;
 - the owning module's ``reset_parameters()`` (``nn.Linear``, ``nn.Embedding``, the norms ...).
+
+Before either of the last two, a small parameter holds the value its constructor gave it: CLIP's
+``logit_scale`` is ``nn.Parameter(torch.tensor(2.6592))`` in ``__init__``, and its ``_init_weights`` leaves
+it alone (it would otherwise be whatever ``to_empty`` allocated).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import copy
 import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -38,15 +42,26 @@ def clean_fqn(name: str) -> str:
     return name
 
 
+SMALL_PARAMETER_NUMEL = 1 << 16
+"""Parameters up to this size keep their constructor's value (``build_on_meta``): a few per model, where
+``_init_weights`` and ``reset_parameters`` need not reach."""
+
+
 @contextmanager
-def parameters_on_meta() -> Iterator[None]:
+def parameters_on_meta(constructed: dict[int, tuple[nn.Parameter, torch.Tensor]] | None = None) -> Iterator[None]:
     """Register every new parameter on the meta device; buffers stay real (as accelerate's
-    ``init_empty_weights(include_buffers=False)``).  Initialisation inside constructors then costs nothing."""
+    ``init_empty_weights(include_buffers=False)``).  Initialisation inside constructors then costs nothing.
+
+    ``constructed`` collects the constructor's value of each small parameter (``SMALL_PARAMETER_NUMEL``),
+    under the ``id`` of its meta parameter."""
     register = nn.Module.register_parameter
 
     def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         if param is not None and param.device.type != "meta":
-            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+            value = param.detach()
+            param = nn.Parameter(value.to("meta"), requires_grad=param.requires_grad)
+            if constructed is not None and value.numel() <= SMALL_PARAMETER_NUMEL:
+                constructed[id(param)] = (param, value.clone())
         register(module, name, param)
 
     nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
@@ -58,18 +73,23 @@ def parameters_on_meta() -> Iterator[None]:
 
 @dataclass
 class MetaModel:
-    """A model whose parameters are on the meta device, and the real values of its buffers."""
+    """A model whose parameters are on the meta device, the real values of its buffers, and the values its
+    constructor gave its small parameters (by FQN)."""
 
     model: nn.Module
     buffers: dict[str, torch.Tensor]
+    constructed: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def build_on_meta(build: Callable[[], nn.Module]) -> MetaModel:
-    """Call ``build()`` with parameters on the meta device; keep its buffers' values for ``materialize``."""
-    with parameters_on_meta():
+    """Call ``build()`` with parameters on the meta device; keep its buffers' values and its small parameters'
+    constructor values for ``materialize``."""
+    made: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
+    with parameters_on_meta(made):
         model = build()
     buffers = {name: b.detach().clone() for name, b in model.named_buffers() if b.device.type != "meta"}
-    return MetaModel(model, buffers)
+    constructed = {name: made[id(p)][1] for name, p in model.named_parameters() if id(p) in made}
+    return MetaModel(model, buffers, constructed)
 
 
 def parameter_seed(seed: int, fqn: str) -> int:
@@ -82,8 +102,9 @@ def _owner(model: nn.Module, fqn: str) -> tuple[nn.Module, str]:
     return (model.get_submodule(owner) if owner else model), name
 
 
-def initial_value(model: nn.Module, fqn: str, seed: int) -> torch.Tensor:
-    """Parameter ``fqn`` of ``model`` (meta or real; never modified) as initialized from ``seed``, on the CPU."""
+def initial_value(reference: MetaModel, fqn: str, seed: int) -> torch.Tensor:
+    """Parameter ``fqn`` of the reference model (never modified) as initialized from ``seed``, on the CPU."""
+    model = reference.model
     module, name = _owner(model, fqn)
     meta = getattr(module, name)
     with torch.random.fork_rng(devices=[]):
@@ -95,6 +116,11 @@ def initial_value(model: nn.Module, fqn: str, seed: int) -> torch.Tensor:
                 hook(fqn, value)
             return value
         shadow = copy.deepcopy(module).to_empty(device="cpu", recurse=False)
+        prefix = fqn[:len(fqn) - len(name)]
+        with torch.no_grad():
+            for own, param in shadow.named_parameters(recurse=False):
+                if prefix + own in reference.constructed:
+                    param.copy_(reference.constructed[prefix + own])
         init_weights = getattr(model, "_init_weights", None)  # HuggingFace PreTrainedModel
         reset = getattr(shadow, "reset_parameters", None)
         with torch.no_grad():
@@ -102,6 +128,8 @@ def initial_value(model: nn.Module, fqn: str, seed: int) -> torch.Tensor:
                 init_weights(shadow)
             elif callable(reset):
                 reset()
+            elif fqn in reference.constructed:  # the constructor's value is its only recipe
+                return reference.constructed[fqn].clone()
             else:
                 raise AutoparError(f"cannot initialize {fqn}: its module {type(module).__name__} has no "
                                    "reset_parameters(); define init_parameter(name, tensor) on the model")
@@ -149,7 +177,7 @@ def materialize(module: nn.Module, reference: MetaModel, device: torch.device, s
                 buf.copy_(reference.buffers[fqn])
         for name, param in module.named_parameters():
             fqn = canonical.get(clean_fqn(name), clean_fqn(name))
-            whole = initial_value(reference.model, fqn, seed).to(param.dtype)
+            whole = initial_value(reference, fqn, seed).to(param.dtype)
             local = param.to_local() if hasattr(param, "to_local") else param
             local.copy_(_local_part(param, whole))
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Iterable, Mapping
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
@@ -136,6 +137,26 @@ def mixed_precision(precision: str):  # -> MixedPrecisionPolicy
     return MixedPrecisionPolicy()
 
 
+def scalar_parameters(module: nn.Module) -> set[nn.Parameter]:
+    """The 0-dim parameters of ``module`` (CLIP's ``logit_scale``), which FSDP2 cannot shard ("fully_shard
+    doesn't support scalar parameters"): ``apply_dp`` leaves them whole on every rank, and the ``Trainer``
+    averages their gradients over the replicas itself (``reduce_scalar_grads``)."""
+    return {p for p in module.parameters() if p.ndim == 0}
+
+
+def reduce_scalar_grads(params: Iterable[nn.Parameter], replicas: DeviceMesh) -> None:
+    """Average the gradients of the parameters data parallelism left whole (``scalar_parameters``) over the
+    ranks holding the same weights, as FSDP2 averages the rest: one all-reduce for all of them."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads or replicas.size() == 1:
+        return
+    flat = torch.stack([g.float() for g in grads])
+    dist.all_reduce(flat, group=replicas.get_group())
+    flat /= replicas.size()
+    for g, total in zip(grads, flat, strict=True):
+        g.copy_(total)
+
+
 def apply_dp(module: nn.Module, dp_mesh: DeviceMesh, container: str | None, zero: int,
              precision: str = "bf16", experts: tuple[DeviceMesh, Collection[str]] | None = None) -> bool:
     """Data parallelism at ZeRO level ``zero`` on every block and on the root; returns whether it applied.
@@ -147,12 +168,15 @@ def apply_dp(module: nn.Module, dp_mesh: DeviceMesh, container: str | None, zero
     ``experts``: the expert-parallel experts modules and the mesh of the ranks holding the same experts
     (``dp / ep``), over which they are wrapped first, as torchtitan does; their gradients are divided by
     all ``dp x cp`` replicas like the rest, since each rank's already sum its ``ep`` peers' tokens.
+
+    Scalar parameters stay out of FSDP2 (``scalar_parameters``): whole, in fp32, on every rank.
     """
     if dp_mesh.size() == 1:
         if precision != "bf16":
             return False
         zero = 0  # one rank: nothing to shard
     policy = mixed_precision(precision)
+    ignored = scalar_parameters(module) or None
     blocks = list(module.get_submodule(container).children()) if container else []
     from torch.distributed._composable.replicate_with_fsdp import replicate
     from torch.distributed.fsdp import fully_shard
@@ -162,20 +186,21 @@ def apply_dp(module: nn.Module, dp_mesh: DeviceMesh, container: str | None, zero
         if name in present:
             mesh = experts[0]
             if zero == 0 or mesh.size() == 1:
-                wrapped = replicate(present[name], mesh=mesh, mp_policy=policy)
+                wrapped = replicate(present[name], mesh=mesh, mp_policy=policy, ignored_params=ignored)
             else:
-                wrapped = fully_shard(present[name], mesh=mesh, reshard_after_forward=zero >= 3, mp_policy=policy)
+                wrapped = fully_shard(present[name], mesh=mesh, reshard_after_forward=zero >= 3, mp_policy=policy,
+                                      ignored_params=ignored)
                 if mesh.device_type == "cpu":  # gloo has no pre-multiplied sum: divide beside a plain one
                     wrapped.set_force_sum_reduction_for_comms(True)
             wrapped.set_gradient_divide_factor(float(dp_mesh.size()))
     if zero == 0:
         for block in blocks:
-            replicate(block, mesh=dp_mesh, mp_policy=policy)
-        replicate(module, mesh=dp_mesh, mp_policy=policy)
+            replicate(block, mesh=dp_mesh, mp_policy=policy, ignored_params=ignored)
+        replicate(module, mesh=dp_mesh, mp_policy=policy, ignored_params=ignored)
         return True
     for block in blocks:
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=zero >= 3, mp_policy=policy)
-    fully_shard(module, mesh=dp_mesh, reshard_after_forward=zero >= 3, mp_policy=policy)
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=zero >= 3, mp_policy=policy, ignored_params=ignored)
+    fully_shard(module, mesh=dp_mesh, reshard_after_forward=zero >= 3, mp_policy=policy, ignored_params=ignored)
     return True
 
 
@@ -270,4 +295,5 @@ def parallelize(build: Callable[[], nn.Module], mesh: DeviceMesh, device: torch.
 
 
 __all__ = ["MESH_DIMS", "apply_ac", "apply_compile", "apply_dp", "apply_pp", "apply_tp", "compiled_blocks",
-           "context_of", "mixed_precision", "parallelize", "replica_mesh", "set_micro_batch"]
+           "context_of", "mixed_precision", "parallelize", "reduce_scalar_grads", "replica_mesh", "scalar_parameters",
+           "set_micro_batch"]

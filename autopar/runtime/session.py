@@ -76,18 +76,21 @@ def batch_for_step(plan: Plan, session: ModelSession, step: int, seed: int) -> M
 
 
 def reference_run(plan: Plan, steps: int, seed: int, config: TrainingConfig,
-                  batches: Callable[[int], tuple[Any, torch.Tensor | None]] | None = None
-                  ) -> dict[str, object]:
+                  batches: Callable[[int], tuple[Any, torch.Tensor | None]] | None = None,
+                  dtype: torch.dtype = torch.float32) -> dict[str, object]:
     """Single-process training on the full batch: losses, last-step gradients and final parameters.
 
     Clipping and bf16 mixed precision are the distributed run's; with ``fp32`` and SGD the two agree to
     rounding.  Dropout is off (``disable_dropout``, as in the distributed run of ``autopar verify``).
     ``batches(step)``: the global batch's inputs and document ids (``None``: no document masking), instead of
-    the synthetic batches.
+    the synthetic batches.  ``dtype=torch.float64``: the model and its floating inputs in float64 (under fp32
+    training), to measure how far fp32 rounding takes the reference itself.
     """
     from autopar.runtime.training import bf16_parameters, clip_grads, fp32_loss, grad_norm
 
     s = build_model(plan, seed)
+    if dtype != torch.float32:
+        s.model.to(dtype)
     dropout = disable_dropout(s.model)
     device = torch.device("cpu")
     opt = build_optimizer(list(s.model.parameters()), config, device)
@@ -96,6 +99,8 @@ def reference_run(plan: Plan, steps: int, seed: int, config: TrainingConfig,
     for step in range(steps):
         inputs, documents = batches(step) if batches else (batch_for_step(plan, s, step, seed), None)
         inputs = ModelInputs.of(inputs)
+        if dtype != torch.float32:
+            inputs = inputs.map(lambda t: t.to(dtype) if t.is_floating_point() else t)
         opt.zero_grad(set_to_none=True)
         mixed = bf16_parameters(list(s.model.parameters())) if config.precision == "bf16" else nullcontext()
         with mixed:

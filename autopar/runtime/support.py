@@ -30,7 +30,7 @@ def check_runnable(plan: Plan, model: nn.Module, compiled: bool | None = None) -
     lay = plan.layout
     check_compiled(lay["schedule"], lay.get("cp", 1), lay["recompute"], plan.compile if compiled is None else compiled)
     if lay["pp"] > 1:
-        check_pipeline_stages(model)
+        check_pipeline_stages(model, plan.model.get("layer_container"))
     if lay.get("cp", 1) > 1:
         check_context_parallel(plan, model)
     if lay.get("ep", 1) > 1:
@@ -38,21 +38,42 @@ def check_runnable(plan: Plan, model: nn.Module, compiled: bool | None = None) -
     return tp_style_specs(plan, model) if lay["tp"] > 1 else None
 
 
-def check_pipeline_stages(model: nn.Module) -> None:
-    """What ``autopar.runtime.stages.hf_stage`` splits: HuggingFace models whose forward takes token ids
-    (``input_ids``) first; a later stage makes ids of its hidden states' shape to drive the positions and
-    masks, which images or audio features (``pixel_values``, ``input_features``) cannot stand in for."""
-    if not is_huggingface(model):
-        return
+def check_pipeline_stages(model: nn.Module, container: str | None = None) -> None:
+    """What pipeline stages split: models of one stack of layers (``container``); of HuggingFace models
+    (``autopar.runtime.stages.hf_stage``) those whose forward takes token ids (``input_ids``) first: a later
+    stage makes ids of its hidden states' shape to drive the positions and masks, which images or audio
+    features (``pixel_values``, ``input_features``) cannot stand in for."""
     model = wrapped_model(model)
     if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
         raise AutoparError(f"pipeline stages run one stack of layers; {type(model).__name__} is an encoder-decoder "
                            "(two stacks): plan with --fix pp=1")
+    others = other_stacks(model, container) if container else []
+    if others:
+        raise AutoparError(f"pipeline stages run one stack of layers; {type(model).__name__} has another beside "
+                           f"{container} ({others[0]}, whose output the last stage would need): plan with --fix pp=1")
+    if not is_huggingface(model):
+        return
     first = list(inspect.signature(type(model).forward).parameters)[1:2]
     if first != ["input_ids"]:
         raise AutoparError(f"pipeline stages of a HuggingFace model run its forward on token ids (input_ids); "
                            f"{type(model).__name__}.forward takes {first[0] if first else 'nothing'} first: plan "
                            "with --fix pp=1")
+
+
+def other_stacks(model: nn.Module, container: str) -> list[str]:
+    """Stacks of blocks in ``model`` outside ``container`` (the stack the pipeline splits): module lists (or
+    dicts) of two or more modules of one class, each holding parameters (CLIP's vision tower beside its text
+    one)."""
+    found = []
+    for name, module in model.named_modules():
+        inside = name == container or name.startswith(container + ".")
+        if inside or not isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            continue
+        children = list(module.children())
+        if (len(children) >= 2 and len({type(c) for c in children}) == 1
+                and all(any(True for _ in c.parameters()) for c in children)):
+            found.append(name)
+    return found
 
 
 def check_expert_parallel(plan: Plan, model: nn.Module) -> None:

@@ -17,12 +17,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from autopar.batch_loss import gathering_over
 from autopar.errors import AutoparError
 from autopar.inputs import ModelInputs
 from autopar.runtime.context_parallel import ContextParallel
 from autopar.runtime.document_masking import document_mask
 from autopar.runtime.materialize import clean_fqn
-from autopar.runtime.parallelize import replica_mesh, set_micro_batch
+from autopar.runtime.parallelize import reduce_scalar_grads, replica_mesh, scalar_parameters, set_micro_batch
 from autopar.runtime.pipeline import PipelineRunner
 
 
@@ -211,6 +212,7 @@ class Trainer:
         self._tied_copies = {alias for _, alias in tied} if self.pipeline is not None else set()
         self._stage_ranks = mesh["dp"].size() * mesh["cp"].size() * mesh["tp"].size()
         self._replicas = replica_mesh(mesh)  # the loss is averaged over dp x cp, as the gradients are
+        self._scalars = [p for part in parts for p in scalar_parameters(part)]  # left whole by data parallelism
         self.last_grad_norm: torch.Tensor | None = None
         self.bad_steps = torch.zeros((), dtype=torch.int64, device=device)
         """Steps skipped for a non-finite loss or gradient norm (a device tensor: reading it waits on the device)."""
@@ -238,7 +240,8 @@ class Trainer:
                                    "masks by global positions); plan with --fix cp=1")
             documents = documents.to(self.device)
         self.optimizer.zero_grad(set_to_none=True)
-        with self._loss_context():
+        dp_group = self.mesh["dp"].get_group() if self.dp_size > 1 else None
+        with self._loss_context(), gathering_over(dp_group, self.num_microbatches):
             if self.pipeline is None:
                 return self._accumulate(local, documents)
             if self.context is None:
@@ -258,6 +261,7 @@ class Trainer:
         if self._replicas.size() > 1:
             dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=self._replicas.get_group())
             loss /= self._replicas.size()
+            reduce_scalar_grads(self._scalars, self._replicas)
         finite = torch.isfinite(loss.detach().float())
         if self.config.max_grad_norm is not None:
             norm = grad_norm(self.named_parameters(), self._stage_ranks, self._tied_copies, self.device)
