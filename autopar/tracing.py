@@ -44,6 +44,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from autopar.batch_loss import gathering_over
 from autopar.errors import TraceError
+from autopar.fused_kernels import traced_as_fused_kernels
 from autopar.inputs import ModelInputs
 from autopar.ir import BatchScaled, LayerInfo, Node, OpGraph, ParamInfo, Ref, TensorInfo, iter_refs, structural_hash
 
@@ -128,7 +129,8 @@ def trace(
     seq_len = _seq_len_of(example_inputs.tensors()) or tokens or 1
     container = _find_layer_container(model)
     graph = None
-    with gathering_over(None) as gathers:  # does the loss compare the batch's samples (autopar.gather_batch)?
+    # does the loss compare the batch's samples (autopar.gather_batch)?  Fused kernels as one op each
+    with gathering_over(None) as gathers, traced_as_fused_kernels():
         if repeat_identical_layers and _identical_blocks(model, container):
             with _truncated_stack(model, container, TRACED_LAYERS):
                 ep = _export(model, inputs, loss_fn)

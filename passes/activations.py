@@ -30,6 +30,7 @@ from autopar.passes.traffic import (
     tensor_bytes,
 )
 
+from autopar.fused_kernels import SELECTIVE_SCAN
 from autopar.ir import BatchLinear, Node, OpGraph, Ref, TensorInfo
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,8 @@ _SAVES_ONE = frozenset({
     "aten._softmax.default", "aten.log_softmax.int", "aten._log_softmax.default", "aten.abs.default",
     "aten.reciprocal.default", "aten.erf.default", "aten.square.default", "aten.relu_.default",
     "aten.silu_.default", "aten.gelu_.default", "aten.amax.default", "aten.max.dim", "aten.norm.ScalarOpt_dim",
-    "aten.linalg_vector_norm.default", "aten.clamp.default", "aten.hardtanh.default",
+    "aten.linalg_vector_norm.default", "aten.clamp.default", "aten.hardtanh.default", "aten.clamp_min.default",
+    "aten.clamp_max.default",
 })
 # Ops whose backward needs nothing but shapes (or is not differentiable in the activations).
 _SAVES_NOTHING = frozenset({
@@ -77,8 +79,10 @@ _SAVES_NOTHING = frozenset({
     "aten.bitwise_not.default", "aten.logical_not.default", "aten.sort.default", "aten.unsqueeze.default",
     "aten._assert_tensor_metadata.default", "aten.alias.default", "aten.detach.default", "aten.sym_size.int",
     "aten.full_like.default", "aten.rand.default", "aten.randn.default", "aten.new_empty.default",
-    "aten.histc.default",
+    "aten.histc.default", "aten.rsub.Scalar", "aten.expand_as.default", "aten.expand.default",
 })
+#: Convolutions save their input for the weight's gradient, as a Linear does (the weight is resident).
+CONVOLUTIONS = ("aten.conv1d.default", "aten.conv2d.default", "aten.conv3d.default", "aten.convolution.default")
 _INDEX_SAVING = frozenset({
     "aten.embedding.default", "aten.index_select.default", "aten.gather.default", "aten.index.Tensor",
     "aten.scatter.src", "aten.scatter_add.default", "aten.index_add.default", "aten.topk.default",
@@ -147,10 +151,13 @@ def saved_tensors(graph: OpGraph, node: Node, ctx: PassContext, unknown: set[str
         return ()
     s = _Saver(graph, node, ctx)
     op = node.op
-    if op == "aten.linear.default":
+    if op in ("aten.linear.default", *CONVOLUTIONS):
         (x_ref, _), (_, w) = _arg(graph, node, 0), _arg(graph, node, 1)
         if w is not None and w.requires_grad:
-            s.ref(x_ref)  # dW = dY^T X
+            s.ref(x_ref)  # dW = dY^T X (a convolution's: the input correlated with dY)
+    elif op == SELECTIVE_SCAN:  # the fused kernel saves its inputs and recomputes the states in backward
+        for a in node.args:
+            s.ref(a if isinstance(a, Ref) else None)
     elif op in ("aten.matmul.default", "aten.mm.default", "aten.bmm.default", "aten.mul.Tensor",
                 "aten.div.Tensor", "aten.div_.Tensor", "aten.addmm.default", "aten.baddbmm.default",
                 "aten._grouped_mm.default"):

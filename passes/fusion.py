@@ -14,7 +14,8 @@ The model of it, per block (``annotations["fusion"]`` = ``FusedIO`` on each op a
 ``annotations["fused_neighbours"]`` on each product, ``fused_neighbours``'s answer):
 
 - an op is fusible if it has no FLOPs by the flops pass (not a product, a convolution or attention), is not a
-  view (views cost nothing either way) and is not the loss (outside the blocks);
+  view (views cost nothing either way), is not the loss (outside the blocks) and is an aten op (a custom op
+  such as ``autopar::selective_scan`` is a kernel of its own);
 - fusible ops of the same block connected through their tensors (views followed), with no other kernel between
   them on any path, form one group (``fused_groups``);
 - the group's kernels read each tensor that comes from outside the group once and write each of its outputs
@@ -75,6 +76,8 @@ def fusible(node: Node, ctx: PassContext) -> bool:
     if not ctx.compile or node.kind != "op" or node.layer is None or _transparent(node):
         return False
     if not any(t is not None for t in node.outputs):  # a check on metadata: no kernel, eager or compiled
+        return False
+    if not node.op.startswith("aten."):  # a custom op (a fused kernel of its own): Inductor calls it as it is
         return False
     flops: NodeFlops | None = node.annotations.get("flops")
     return flops is not None and flops.fwd == 0 and node.op not in LOSS_OPS

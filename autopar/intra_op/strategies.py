@@ -20,7 +20,8 @@ Hand-written rules, only where DTensor has none (each tested in ``tests/test_str
   head reads it whole), as Megatron-LM runs it;
 - ``cross_entropy_loss``: batch-sharded (``S(0)`` logits and targets -> partial mean) and vocab-parallel
   (``S(1)`` logits, replicated targets -> replicated loss, as ``loss_parallel`` does);
-- ``one_hot``: element-wise in the input's dims.
+- ``one_hot``: element-wise in the input's dims;
+- Mamba's selective scan (``autopar.fused_kernels``): split on its channels or its batch.
 
 An op with no rule falls back to all-Replicate with one warning naming it.  Rules are written for one
 mesh axis; ``mesh_strategies`` expands them to N-D as the Cartesian product over axes and drops every
@@ -45,6 +46,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
 from torch.distributed.tensor._ops._einsum_strategy import gen_einsum_strategies
 
+from autopar.fused_kernels import SELECTIVE_SCAN
 from autopar.ir import BatchScaled, Node, OpGraph, Ref, TensorInfo, tensor_refs
 
 log = logging.getLogger(__name__)
@@ -244,6 +246,22 @@ def _gather_strategies(graph: OpGraph, node: Node, batch: int) -> list[AxisStrat
     return [r for r in rules if not (r.inputs[0] in (R, None) and r.inputs[1] == shard(dim))]
 
 
+def _selective_scan_strategies(graph: OpGraph, node: Node) -> list[AxisStrategy]:
+    """``autopar::selective_scan(u, dt, A, B, C, D?, z?, delta_bias?)``: the recurrence runs per channel and per
+    sample, so it splits the channels (``u, dt, z, y`` on dim 1, ``A, D, delta_bias`` on dim 0, ``B, C``
+    whole: every channel reads the same input-dependent projections) or the batch (``u, dt, B, C, z, y`` on
+    dim 0, the parameters whole)."""
+    refs = tensor_refs(node)
+    names = ("u", "dt", "A", "B", "C", "D", "z", "delta_bias")
+    present = [names[i] for i, a in enumerate(node.args[:len(names)]) if isinstance(a, Ref)]
+    if len(present) != len(refs):  # not called as traced_as_fused_kernels calls it
+        return []
+    channels = {"u": shard(1), "dt": shard(1), "z": shard(1), "A": shard(0), "D": shard(0), "delta_bias": shard(0)}
+    batch = {"u": shard(0), "dt": shard(0), "z": shard(0), "B": shard(0), "C": shard(0)}
+    return [AxisStrategy((shard(1),), tuple(channels.get(n, R) for n in present)),
+            AxisStrategy((shard(0),), tuple(batch.get(n, R) for n in present))]
+
+
 _DECOMPOSED = {
     "aten.layer_norm.default": "native_layer_norm.default",
     "aten.rms_norm.default": "_fused_rms_norm.default",
@@ -375,6 +393,8 @@ def axis_strategies(graph: OpGraph, node: Node, batch: int) -> tuple[AxisStrateg
             rules = _metadata_check_strategies(graph, node)
         elif op == "aten.gather.default":
             rules = _gather_strategies(graph, node, batch)
+        elif op == SELECTIVE_SCAN:
+            rules = _selective_scan_strategies(graph, node)
         else:
             rules = _registry_strategies(graph, node, batch) or _replicate_fallback(node)
     except Exception as exc:  # a DTensor rule that rejects these arguments: run replicated

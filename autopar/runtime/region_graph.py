@@ -34,6 +34,8 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from autopar.fused_kernels import register_dtensor_rules, traced_as_fused_kernels
+
 log = logging.getLogger(__name__)
 
 #: Ops that only check metadata the export saw (a dtype, say); under autocast they would fail, and they
@@ -311,12 +313,13 @@ class PlannedRegion:
             # identity hooks: an activation checkpoint running around this first call must not count the
             # trace's tensors as saved by the forward (its recomputation finds the graph made and saves fewer)
             with autocast, torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t), \
-                    _attention_as_traced(shadow):
+                    _attention_as_traced(shadow), traced_as_fused_kernels():
                 program = torch.export.export(shadow, fake_args, fake_kwargs, strict=False)
         except Exception as exc:  # any export failure: the region still runs, by DTensor's own rules
             log.warning("autopar: %s could not be exported (%s); it runs by DTensor's own sharding choices, "
                         "not the plan's", self.name, exc)
             return None
+        register_dtensor_rules()  # the fused kernels the export traced (Mamba's scan) run on DTensors
         graph = RegionGraph(program, self.ops)
         if not graph.matches:
             log.warning("autopar: %s's ops differ from the plan's; it runs by DTensor's own sharding choices",

@@ -182,8 +182,9 @@ def _mixed_regions(model: nn.Module, styles: dict[str, StyleSpec]) -> list[str]:
 
     A module with a column-parallel Linear (local output) is a clean pair when every Linear directly in it
     has a style and a row-parallel one reads the local shards back.  Anything else (say q column-parallel,
-    k and v replicated, the layout the ILP picks for GQA when tp exceeds the KV heads) would feed shards
-    to code that expects whole tensors, so the whole module runs as one ``PlacedParameters`` region.
+    k and v replicated, the layout the ILP picks for GQA when tp exceeds the KV heads; or a module whose own
+    code reads whole channels, ``_works_on_whole_channels``) would feed shards to code that expects whole
+    tensors, so the whole module runs as one ``PlacedParameters`` region.
     """
     mixed = []
     for name, mod in model.named_modules():
@@ -192,9 +193,19 @@ def _mixed_regions(model: nn.Module, styles: dict[str, StyleSpec]) -> list[str]:
         if not starts:
             continue
         ends = [n for n in linears if styles.get(n) == ("RowwiseParallel", {})]
-        if not ends or any(n not in styles for n in linears) or len(starts) + len(ends) != len(linears):
+        if (not ends or any(n not in styles for n in linears) or len(starts) + len(ends) != len(linears)
+                or _works_on_whole_channels(mod)):
             mixed.append(name)
     return mixed
+
+
+def _works_on_whole_channels(module: nn.Module) -> bool:
+    """Whether code between a module's Linears reads whole channels: a convolution, or parameters of the module's
+    own (Mamba's mixer: its depthwise ``conv1d``, ``A_log`` and ``D`` over all ``d_inner`` channels), which
+    column-parallel shards would not match."""
+    if any(True for _ in module.parameters(recurse=False)):
+        return True
+    return any(isinstance(child, nn.modules.conv._ConvNd) for child in module.children())
 
 
 def _inside(name: str, region: str) -> bool:
