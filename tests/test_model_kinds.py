@@ -65,18 +65,21 @@ def test_dit_is_dit_xl_2_by_default_and_its_tokens_are_its_patches():
         trace_model(DIT, SMALL_DIT, seq_len=64)
 
 
-def test_dit_trains_split_on_tensor_parallel_and_pipeline_ranks(tmp_path):
-    """dp2 x tp2 splits the adaLN modulations, attention and MLP; pp2 x dp2 carries the conditioning across the
-    stage boundary with the tokens.  Both train as one process does."""
+def test_dit_and_a_conv_net_train_split_on_tensor_parallel_and_pipeline_ranks(tmp_path):
+    """DiT: dp2 x tp2 splits the adaLN modulations, attention and MLP; pp2 x dp2 carries the conditioning across
+    the stage boundary with the tokens.  A U-Net-style conv net (2-d convolutions, GroupNorm) under dp2 x tp2.
+    All train as one process does (one launch)."""
     from autopar.api import plan_model
     from autopar.runtime.verify import verify_many
 
+    cases = [(DIT, SMALL_DIT, {"dp": 2, "tp": 2}), (DIT, SMALL_DIT, {"pp": 2, "dp": 2}),
+             (str(FIXTURES / "conv_groupnorm.py"), {}, {"dp": 2, "tp": 2})]
     paths = []
-    for fixed in ({"dp": 2, "tp": 2}, {"pp": 2, "dp": 2}):
-        plan = plan_model(DIT, config=SMALL_DIT, cluster="cpu", gpus=4, global_batch=8, fix=fixed).plans[0]
+    for ref, config, fixed in cases:
+        plan = plan_model(ref, config=config, cluster="cpu", gpus=4, global_batch=8, fix=fixed).plans[0]
         paths.append(tmp_path / f"{len(paths)}.json")
         plan.save(paths[-1])
-        if fixed.get("tp"):
+        if ref == DIT and fixed.get("tp"):
             split = {fqn for fqn, p in plan.parameters.items() if p["placements"]["tp"] != "R"}
             assert {"blocks.0.adaln.weight", "blocks.0.attn.q.weight", "blocks.0.fc1.weight"} <= split
     for result in verify_many(paths, steps=3):

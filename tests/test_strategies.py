@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 
@@ -107,3 +109,68 @@ def test_unknown_op_falls_back_to_replicate(caplog):
         rules = axis_strategies(g, nodes[1], 2)
     assert [(r.outputs, r.inputs) for r in rules] == [(("R",), ("R",))]
     assert "aten.some_new_op.default" in caplog.text
+
+
+def test_convolutions_and_group_norm_split_the_batch_by_dtensors_rules():
+    """``conv1d/2d`` and ``group_norm`` map onto DTensor's ``convolution`` and ``native_group_norm`` rules: the
+    batch splits (every sample is convolved and normalized alone), the weights stay whole."""
+    conv, norm = torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.GroupNorm(2, 8)
+    x = torch.randn(4, 3, 6, 6)
+    torch.testing.assert_close(torch.cat([norm(conv(x[i:i + 2])) for i in (0, 2)]), norm(conv(x)))
+    fixtures = Path(__file__).parent / "fixtures"
+    g = trace_model(str(fixtures / "conv_groupnorm.py")).graph
+    for op in ("aten.conv2d.default", "aten.group_norm.default"):
+        rules = {(r.outputs, r.inputs) for r in axis_strategies(g, _node(g, op), 4)}
+        assert rules == {(("R",), ("R", "R", "R")), (("S(0)",), ("S(0)", "R", "R"))}, op
+    g = trace_model(str(fixtures / "conv_features.py"), {"seq_len": 16}).graph
+    rules = {(r.outputs, r.inputs) for r in axis_strategies(g, _node(g, "aten.conv1d.default"), 4)}
+    assert (("S(0)",), ("S(0)", "R", "R")) in rules
+
+
+CROSS_ATTENTION = '''
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class CrossAttention(nn.Module):
+    """A decoder of 8 tokens attending to an encoder output of 32 (an encoder-decoder's cross-attention)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.kv, self.o = nn.Linear(64, 64), nn.Linear(64, 128), nn.Linear(64, 64)
+
+    def forward(self, decoder, encoder):
+        b = decoder.shape[0]
+        q = self.q(decoder).view(b, 8, 4, 16).transpose(1, 2)
+        k, v = (t.view(b, 32, 4, 16).transpose(1, 2) for t in self.kv(encoder).chunk(2, dim=-1))
+        return self.o(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, 8, 64))
+
+
+def build_model(seq_len=None):
+    return CrossAttention()
+
+
+def example_inputs(batch_size, seq_len, **config):
+    return torch.randn(batch_size, 8, 64), torch.randn(batch_size, 32, 64)
+
+
+def loss_fn(output, decoder, encoder):
+    return output.float().pow(2).mean()
+'''
+
+
+def test_cross_attention_splits_heads_or_batch_and_counts_queries_times_keys(tmp_path):
+    """Cross-attention reads keys and values of another length (the encoder's): the heads split on q, k and v
+    alike, or the batch; its FLOPs are ``4 b h s_q s_kv d`` (no causal halving)."""
+    path = tmp_path / "cross.py"
+    path.write_text(CROSS_ATTENTION)
+    g = trace_model(str(path)).graph
+    sdpa = _node(g, "aten.scaled_dot_product_attention.default")
+    rules = {(r.outputs, r.inputs) for r in axis_strategies(g, sdpa, 4)}
+    assert (("S(1)",), ("S(1)",) * 3) in rules and (("S(0)",), ("S(0)",) * 3) in rules
+    assert sdpa.annotations["flops"].fwd == 4 * 1 * 4 * 8 * 32 * 16
+    q, k, v = torch.randn(2, 4, 8, 16), torch.randn(2, 4, 32, 16), torch.randn(2, 4, 32, 16)
+    full = F.scaled_dot_product_attention(q, k, v)
+    heads = [F.scaled_dot_product_attention(q[:, h], k[:, h], v[:, h]) for h in (slice(0, 2), slice(2, 4))]
+    torch.testing.assert_close(torch.cat(heads, dim=1), full)

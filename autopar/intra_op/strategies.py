@@ -9,6 +9,7 @@ onto the ops they decompose into:
 - ``linear``/``matmul``/``einsum`` -> DTensor's einsum strategy generator (``gen_einsum_strategies``),
   the rule behind its ``mm``/``bmm``; the bias follows the output's last dim;
 - ``layer_norm`` -> ``native_layer_norm``; ``rms_norm`` -> ``_fused_rms_norm``; ``dropout`` -> ``native_dropout``;
+  ``group_norm`` -> ``native_group_norm``; ``conv1d/2d/3d`` -> ``convolution`` (both split the batch);
 - ``scaled_dot_product_attention`` -> ``_scaled_dot_product_flash_attention`` (or the efficient kernel
   when a mask is given).
 
@@ -246,6 +247,45 @@ def _gather_strategies(graph: OpGraph, node: Node, batch: int) -> list[AxisStrat
     return [r for r in rules if not (r.inputs[0] in (R, None) and r.inputs[1] == shard(dim))]
 
 
+#: Convolutions as ``aten.convolution``'s arguments: ``(input, weight, bias, stride, padding, dilation, groups)``
+#: with the defaults of ``conv1d/2d/3d``.
+CONVOLUTIONS = {"aten.conv1d.default": 1, "aten.conv2d.default": 2, "aten.conv3d.default": 3}
+
+
+def _convolution_strategies(graph: OpGraph, node: Node, batch: int) -> list[AxisStrategy] | None:
+    """``conv1d/2d/3d`` by DTensor's rule for ``aten.convolution`` (what they decompose into): the batch splits,
+    the weight and bias whole.  (Splitting channels would be exact too, but DTensor's convolution runs a
+    channel-sharded input as a spatial split with halo exchange, so the runtime could not run it.)"""
+    dims = CONVOLUTIONS[node.op]
+    defaults = (None, None, None, [1] * dims, [0] * dims, [1] * dims, 1)
+    args = list(node.args) + list(defaults[len(node.args):])
+    for i, key in enumerate(("input", "weight", "bias", "stride", "padding", "dilation", "groups")):
+        if key in node.kwargs:
+            args[i] = node.kwargs[key]
+    stride, padding, dilation = ([a] * dims if isinstance(a, int) else list(a) if isinstance(a, (list, tuple)) else a
+                                 for a in args[3:6])
+    conv = Node(node.name, node.kind, "aten.convolution.default",
+                args=(args[0], args[1], args[2], stride, padding, dilation, False, [0] * dims, args[6]),
+                outputs=node.outputs)
+    return _registry_strategies(graph, conv, batch)
+
+
+def _group_norm_strategies(graph: OpGraph, node: Node, batch: int) -> list[AxisStrategy] | None:
+    """``group_norm(x, groups, weight, bias, eps)`` by DTensor's rule for ``native_group_norm`` (what it
+    decomposes into): the batch splits, the affine parameters whole."""
+    x = graph.tensor(node.args[0]).shape_at(batch)
+    groups = node.args[1] if len(node.args) > 1 else node.kwargs.get("num_groups")
+    weight = node.args[2] if len(node.args) > 2 else node.kwargs.get("weight")
+    bias = node.args[3] if len(node.args) > 3 else node.kwargs.get("bias")
+    eps = node.args[4] if len(node.args) > 4 else node.kwargs.get("eps", 1e-5)
+    hw = 1
+    for d in x[2:]:
+        hw *= d
+    native = Node(node.name, node.kind, "aten.native_group_norm.default",
+                  args=(node.args[0], weight, bias, x[0], x[1], hw, groups, eps), outputs=node.outputs)
+    return _registry_strategies(graph, native, batch)
+
+
 def _selective_scan_strategies(graph: OpGraph, node: Node) -> list[AxisStrategy]:
     """``autopar::selective_scan(u, dt, A, B, C, D?, z?, delta_bias?)``: the recurrence runs per channel and per
     sample, so it splits the channels (``u, dt, z, y`` on dim 1, ``A, D, delta_bias`` on dim 0, ``B, C``
@@ -395,6 +435,10 @@ def axis_strategies(graph: OpGraph, node: Node, batch: int) -> tuple[AxisStrateg
             rules = _gather_strategies(graph, node, batch)
         elif op == SELECTIVE_SCAN:
             rules = _selective_scan_strategies(graph, node)
+        elif op in CONVOLUTIONS:
+            rules = _convolution_strategies(graph, node, batch) or _replicate_fallback(node)
+        elif op == "aten.group_norm.default":
+            rules = _group_norm_strategies(graph, node, batch) or _replicate_fallback(node)
         else:
             rules = _registry_strategies(graph, node, batch) or _replicate_fallback(node)
     except Exception as exc:  # a DTensor rule that rejects these arguments: run replicated
