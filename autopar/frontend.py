@@ -171,7 +171,10 @@ def trace_model(ref: str, config: dict[str, Any] | None = None, seq_len: int | N
     seq = seq_len if seq_len is not None else modelfile.infer_seq_len(model, config)
     if seq < 1:
         raise ModelFileError(f"sequence length must be >= 1, got {seq}")
-    inputs = inputs_in_trace_dtype(modelfile.example_inputs(module, model, 1, seq, config))
+    for batch_size in (2, 1):  # the batch is dim 0: checked at two sizes, so that a batch of one is no accident
+        drawn = modelfile.example_inputs(module, model, batch_size, seq, config)
+        drawn.check_batch(batch_size)
+    inputs = inputs_in_trace_dtype(drawn)
     tokens = seq_len if seq_len is not None else modelfile.declared_seq_len(model, config)
     exported = trace(model, inputs, modelfile.loss_fn_of(module), repeat_identical_layers=not every_layer,
                      tokens=tokens)

@@ -52,6 +52,16 @@ class ModelInputs:
             return fn(x) if isinstance(x, torch.Tensor) else x
         return ModelInputs(tuple(one(x) for x in self.args), {k: one(v) for k, v in self.kwargs.items()})
 
+    def check_batch(self, batch_size: int, what: str = "example_inputs") -> None:
+        """A one-line ``ModelFileError`` unless dim 0 of every tensor is the batch, ``batch_size`` samples."""
+        named = [*((f"input {i}", x) for i, x in enumerate(self.args)), *self.kwargs.items()]
+        for name, x in named:
+            if isinstance(x, torch.Tensor) and (x.dim() == 0 or x.shape[0] != batch_size):
+                raise ModelFileError(
+                    f"{what}(batch_size={batch_size}, ...) returned {name} of shape {list(x.shape)}: dim 0 of every "
+                    f"input must be the batch ({batch_size} samples); put the batch first (a forward that wants it "
+                    "elsewhere can transpose)")
+
     def rows(self, lo: int, hi: int) -> ModelInputs:
         """Samples ``lo .. hi - 1`` of every tensor (dim 0)."""
         return self.map(lambda x: x[lo:hi])

@@ -35,6 +35,16 @@ MODEL_FILES = {
         def build_model():
             return M()
     '''),
+    "batch_second.py": textwrap.dedent('''
+        import torch
+        from torch import nn
+
+        def build_model(seq_len=16):
+            return nn.Sequential(nn.Embedding(64, 32), nn.Linear(32, 64))
+
+        def example_inputs(batch_size, seq_len, **config):
+            return torch.randint(0, 64, (seq_len, batch_size))  # [seq, batch], as nn.Transformer's default
+    '''),
 }
 
 
@@ -67,6 +77,8 @@ def _fails(capsys, tmp_path, argv: list[str], *expected: str) -> None:
     (["plan", "{files}/raises.py"], ["build_model raised RuntimeError: weights server down"]),
     (["plan", "{files}/untraceable.py", "--seq-len", "8", *CPU],
      ["could not trace the model at", "untraceable.py:12 (if h.sum() > 0:)"]),
+    (["plan", "{files}/batch_second.py", "--seq-len", "16", *CPU],
+     ["returned input 0 of shape [16, 2]: dim 0 of every input must be the batch"]),
     (["plan", "gpt", "--config", "layers=-1"], ["layers must be a positive integer, got -1"]),
     (["plan", "gpt", "--config", "layers=two"], ["build_model rejected the config"]),
     (["plan", "llama", "--config", "hidden=0"], ["hidden must be a positive integer, got 0"]),
@@ -79,7 +91,8 @@ def _fails(capsys, tmp_path, argv: list[str], *expected: str) -> None:
      ["global batch 12 is not divisible by dp=8"]),
     (["plan", "gpt", "--config", SMALL, "--fix", "foo=1"], ["unknown layout key 'foo'"]),
     (["plan", "gpt", "--gpus", "8", "--memory-limit", "0.01"], ["no layout fits in", "the leanest needs"]),
-], ids=["missing-file", "no-build-model", "build-model-raises", "untraceable", "negative-layers", "wrong-type",
+], ids=["missing-file", "no-build-model", "build-model-raises", "untraceable", "batch-second", "negative-layers",
+        "wrong-type",
         "zero-hidden", "unknown-config-key", "unknown-preset", "malformed-cluster", "unknown-cluster-key",
         "unknown-framework", "batch-does-not-divide", "unknown-layout-key", "nothing-fits"])
 def test_bad_planning_input(capsys, files, argv, expected):
