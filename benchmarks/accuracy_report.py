@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,13 @@ WIDER = (("llm_foundry_tables", "MosaicML llm-foundry's MPT benchmark tables (FS
           "(FSDP, 8 and 128 GPUs; what torch.compile and compiled FP8 casts buy)",
           "python benchmarks/calibration.py --references benchmarks/reference/torchtitan_h100_tables.json "
           "--output benchmarks/results/torchtitan_h100_tables.json"))
+
+
+#: Models other than decoder LMs: (results file stem, what, command); each row shown, none pooled into the per-GPU
+#: accuracy ``autopar sweep`` prints (those are LLM training runs).
+BEYOND_DECODERS = ("beyond_decoders", "models other than decoder LMs (a diffusion transformer, BERT-large)",
+                   "python benchmarks/calibration.py --references benchmarks/reference/beyond_decoders.json "
+                   "--output benchmarks/results/beyond_decoders.json")
 
 
 def _load(name: str) -> dict[str, Any]:
@@ -131,6 +139,7 @@ def render(calib: dict[str, Any], ranking: dict[str, Any]) -> str:
     lines += ["", "The per-layer row sums its variants (no recompute, sequence parallel, full and selective",
               "recompute); each variant is in `benchmarks/results/calibration.json`.", ""]
     lines += _wider_checks()
+    lines += _beyond_decoders()
     lines += _ablation()
     return "\n".join(lines) + "\n"
 
@@ -169,6 +178,33 @@ def _wider_checks() -> list[str]:
                   "cost model.", ""]
         lines += _by_gpu(rows)
     return lines
+
+
+def _beyond_decoders() -> list[str]:
+    """Every row of the published runs of other model kinds, with its source's own words in the reference file."""
+    stem, what, command = BEYOND_DECODERS
+    path = RESULTS / f"{stem}.json"
+    if not path.exists():
+        return []
+    lines = [f"## Beyond decoders: {what}", "", f"Written by `{command}`; the sources and what they leave unstated "
+             f"are in `benchmarks/reference/{stem}.json`. None of these rows set a number of the cost model.", "",
+             "| run | GPU | GPUs | layout | estimate | measured | error | MFU (est.) |",
+             "|---|---|---:|---|---:|---:|---:|---:|"]
+    for r in json.loads(path.read_text())["rows"]:
+        error = f"{r['error']:+.1%}" if r["error"] is not None else "refused"
+        mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else ""
+        lines.append(f"| {r['case_id']} | {r.get('cluster')} | {r['gpus']} | {_layout(r)} | "
+                     f"{_seconds(r.get('estimate_s'))} | {_seconds(r.get('measured_s'))} | {error} | {mfu} |")
+    lines += ["", *textwrap.wrap(
+        "The DiT run trained under `torch.autocast` on fp32 weights: LayerNorm and softmax write fp32 outputs there, "
+        "and every product casts its weight again, recomputation included. The estimate does not price that; it "
+        "prices FSDP2's bf16 weights, cast once. The run's A100 variant (SXM, or the 300 W PCIe card) and its "
+        "attention kernel (timm's, fused or not by version) are not stated either.", 110), ""]
+    return lines
+
+
+def _seconds(value: float | None) -> str:
+    return f"{value:.3g} s" if value is not None else ""
 
 
 def _by_gpu(rows: list[dict[str, Any]]) -> list[str]:

@@ -152,7 +152,9 @@ def _before_flash_attention(case: dict[str, Any]) -> bool:
 def attention_of(case: dict[str, Any]) -> str:
     """The row's attention kernel: unfused before FlashAttention; Megatron-Core on Hopper runs Transformer
     Engine's cuDNN fused attention (FlashAttention-3 class); llm-foundry's tables MPT's Triton kernel
-    (FlashAttention v1 class); other rows FlashAttention-2."""
+    (FlashAttention v1 class); other rows FlashAttention-2.  A row may name its kernel (``layout.attention_kernel``)."""
+    if case.get("layout", {}).get("attention_kernel"):
+        return case["layout"]["attention_kernel"]
     if _before_flash_attention(case):
         return "math"
     if framework_of(case) in ("megatron-core", "nemo") and "h100" in _lower(case["cluster"].get("gpu")):
@@ -178,8 +180,11 @@ def _megatron_2021_defaults(case: dict[str, Any]) -> bool:
 
 
 def model_of(case: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """Zoo model and config of a row."""
+    """Zoo model and config of a row: the model file the row names (``model.file``, relative to the repository,
+    with ``model.config``), else the zoo's Llama or GPT of the row's shape."""
     m = case["model"]
+    if m.get("file"):
+        return str(HERE.parent / m["file"]), dict(m.get("config", {}))
     if "llama" in m["name"].lower():
         cfg = {"layers": m["layers"], "hidden": m["hidden"], "heads": m["heads"],
                "kv_heads": m.get("kv_heads") or m["heads"], "ffn": m["ffn"], "vocab": m["vocab"],

@@ -7,7 +7,7 @@ dp2 x tp2 and pp2 x dp2, and a LoRA fine-tune (``examples/lora_llama.py``: a fro
 Plans of one world size run in one launch (``verify_many``); a launch that fails is rerun plan by plan to tell
 which.  Prints a table and writes ``benchmarks/results/runtime_matrix.json``.
 
-    python benchmarks/runtime_matrix.py [--only SUBSTRING]
+    python benchmarks/runtime_matrix.py [--only SUBSTRING[,SUBSTRING...]]
 """
 
 from __future__ import annotations
@@ -113,9 +113,10 @@ def _devices(plan: dict) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", help="run the cases whose name contains this")
+    ap.add_argument("--only", help="run the cases whose name contains this (or any of A,B,...)")
     args = ap.parse_args()
-    cases = [c for c in CASES if not args.only or args.only in c[0]]
+    wanted = args.only.split(",") if args.only else []
+    cases = [c for c in CASES if not wanted or any(w in c[0] for w in wanted)]
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         plans, rows = {}, {}

@@ -12,8 +12,9 @@ download), with the inputs and the loss it trains on, as one autopar model file.
 - ``whisper``: a speech encoder-decoder on log-mel ``input_features`` (two 1-d convolutions, then blocks).
 - ``mamba``: a state-space LM (a causal 1-d convolution and a selective scan), next-token cross-entropy.
 
-Config keys: ``arch, layers, hidden, heads, vocab, seq_len`` (``seq_len``: tokens for the text models, mel frames
-over 2 for Whisper; the images are ``image`` pixels square in ``patch`` patches).  Every model computes in the
+Config keys: ``arch, layers, hidden, heads, vocab, seq_len, ffn`` (``seq_len``: tokens for the text models, mel
+frames over 2 for Whisper; the images are ``image`` pixels square in ``patch`` patches; ``ffn``: the MLP's width,
+2 x hidden by default).  Every model computes in the
 default eager kernels HuggingFace picks for it.
 """
 
@@ -32,10 +33,11 @@ MASK_ID = 1  # the token the masked positions read (a real tokenizer's [MASK])
 
 
 def build_model(arch: str = "bert", layers: int = 2, hidden: int = 64, heads: int = 4, vocab: int = 128,
-                seq_len: int = 32, image: int = 32, patch: int = 8, classes: int = 10) -> nn.Module:
+                seq_len: int = 32, image: int = 32, patch: int = 8, classes: int = 10,
+                ffn: int | None = None) -> nn.Module:
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {', '.join(ARCHS)}, not {arch!r}")
-    ffn = 2 * hidden
+    ffn = ffn or 2 * hidden
     if arch in ("bert", "roberta"):
         cls = transformers.BertConfig if arch == "bert" else transformers.RobertaConfig
         cfg = cls(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
