@@ -262,7 +262,7 @@ def verify_many(plan_paths: Sequence[str | Path], steps: int = 3, seed: int = 0,
         want = reference_run(plan, steps, seed, check_config(numerics, lr))
         result = _compare(got[i], want, None, floor, tolerance)
         if not result.ok and (exact := _exact_reference(plan, steps, seed, lr, numerics)) is not None:
-            result = _compare(got[i], want, exact, floor, tolerance)  # only where fp32 alone judges it too close
+            result = _compare(got[i], want, exact, floor, tolerance)  # only where fp32 alone judges it too far
         results.append(replace(result, activations=_activations(plan, got[i]) if memory else {},
                                compiled=got[i].get("compiled", {}) if compile else {}))
     return results
