@@ -72,13 +72,18 @@ CASES += [(f"hf {arch} {name}", str(HF_DECODER), f"arch={arch},layers=4,hidden=6
           for name, fix in (("dp2 x tp2", "dp=2,tp=2"), ("pp2 x dp2", "pp=2,dp=2"))]
 
 
-def plan_case(model: str, config: str, fix: str, devices: int, workdir: Path) -> dict | None:
-    """Plan one case into ``workdir``; its plan, or ``None`` when planning failed."""
+def plan_case(model: str, config: str, fix: str, devices: int, workdir: Path) -> tuple[dict | None, str]:
+    """Plan one case into ``workdir``: its plan, or ``None`` and the planner's one-line error (a layout the
+    runtime cannot run is refused so, with its reason)."""
     argv = ["plan", model, "--config", config, "--cluster", "cpu", "--gpus", str(devices), "--global-batch", "8",
             "--fix", fix, "-o", str(workdir)]
-    with contextlib.redirect_stdout(io.StringIO()):  # the plan summary: not what this benchmark reports
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):  # the summary is not reported
         code = cli(argv)
-    return json.loads((workdir / "plan.json").read_text()) if code == 0 else None
+    if code == 0:
+        return json.loads((workdir / "plan.json").read_text()), ""
+    errors = [line for line in err.getvalue().splitlines() if line.startswith("autopar: error: ")]
+    return None, errors[-1].removeprefix("autopar: error: ") if errors else "planning failed"
 
 
 def report(plan: dict, res: VerifyResult) -> dict:
@@ -122,9 +127,10 @@ def main() -> None:
         plans, rows = {}, {}
         for i, (name, model, config, fix, devices) in enumerate(cases):
             workdir = Path(tmp) / str(i)
-            plan = plan_case(model, config, fix, devices, workdir)
+            plan, error = plan_case(model, config, fix, devices, workdir)
             if plan is None:
-                rows[name] = {"ok": False, "error": "planning failed"}
+                refused = "autopar's runtime can run" in error  # the planner's one line: this layout cannot run
+                rows[name] = {"ok": False, "refused": error} if refused else {"ok": False, "error": error}
             else:
                 plans[name] = (plan, workdir / "plan.json")
         rows.update(verify_all(plans))
@@ -134,8 +140,8 @@ def main() -> None:
         table.add_column(col)
     for r in rows:
         diffs = [f"{r[k]:.1e}" if k in r else "-" for k in ("loss_rel_diff", "grad_rel_diff", "param_rel_diff")]
-        table.add_row(r["case"], "OK" if r["ok"] else f"FAIL {r.get('error', '')}", *diffs,
-                      str(r.get("dropout_off", "-")))
+        status = "OK" if r["ok"] else f"refused: {r['refused']}" if "refused" in r else f"FAIL {r.get('error', '')}"
+        table.add_row(r["case"], status, *diffs, str(r.get("dropout_off", "-")))
     Console().print(table)
     out = ROOT / "benchmarks" / "results" / "runtime_matrix.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -43,11 +43,11 @@ def check_pipeline_stages(model: nn.Module, container: str | None = None) -> Non
     (``autopar.runtime.stages.hf_stage``) those whose forward takes token ids (``input_ids``) first: a later
     stage makes ids of its hidden states' shape to drive the positions and masks, which images or audio
     features (``pixel_values``, ``input_features``) cannot stand in for."""
+    others = other_stacks(model, container) if container else []  # the plan's names: of the model as it is built
     model = wrapped_model(model)
     if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
         raise AutoparError(f"pipeline stages run one stack of layers; {type(model).__name__} is an encoder-decoder "
                            "(two stacks): plan with --fix pp=1")
-    others = other_stacks(model, container) if container else []
     if others:
         raise AutoparError(f"pipeline stages run one stack of layers; {type(model).__name__} has another beside "
                            f"{container} ({others[0]}, whose output the last stage would need): plan with --fix pp=1")
