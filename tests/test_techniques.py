@@ -106,3 +106,17 @@ def test_pinned_values_each_technique_refuses_are_one_line_errors(fixed, message
     with pytest.raises(AutoparError) as err:
         check_fixed(graph, cluster, 64, fixed)
     assert str(err.value) == message
+
+
+def test_a_model_of_one_block_refuses_pipeline_stages_in_one_line():
+    """One block is no stack: ``--fix pp=2`` has nothing to cut into stages, and says so (it said "exceeds the 0
+    layers")."""
+    from autopar.errors import AutoparError
+    from autopar.inter_op.search import check_fixed
+
+    cluster = load_cluster("a100-80gb").with_overrides(gpus=8)
+    graph = trace_model("gpt", {**GPT, "layers": 1}, ctx=PassContext(cluster=cluster)).graph
+    assert not graph.layers
+    with pytest.raises(AutoparError, match=r"this model has none .* plan with --fix pp=1$") as err:
+        check_fixed(graph, cluster, 64, {"pp": 2})
+    assert "\n" not in str(err.value)

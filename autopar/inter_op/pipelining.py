@@ -268,6 +268,10 @@ def _check_fixed_stages(space: SearchSpace, graph: OpGraph) -> None:
     fixed, n = space.fixed, space.gpus
     check_divides(space, "dp")
     check_divides(space, "pp")
+    if "pp" in fixed and fixed["pp"] > 1 and not graph.layers:
+        raise AutoparError(f"--fix pp={fixed['pp']} splits a stack of layers into stages, and this model has none (a "
+                           "stack is two or more blocks of one kind; a model of one block has no stages to cut): "
+                           "plan with --fix pp=1")
     if "pp" in fixed and fixed["pp"] > space.layers:
         raise AutoparError(f"--fix pp={fixed['pp']} exceeds the {len(graph.layers)} layers")
     product = fixed.get("dp", 0) * fixed.get("tp", 0) * fixed.get("pp", 0) * fixed.get("cp", 1)
