@@ -32,7 +32,7 @@ from autopar.inputs import ModelInputs
 from autopar.plan_file import Plan
 from autopar.runtime.document_masking import DocumentMask
 from autopar.runtime.materialize import clean_fqn
-from autopar.runtime.stages import wrapped_model
+from autopar.runtime.stages import FIRST_INPUT_KWARG, wrapped_model
 from autopar.solvers.pipeline import MULTI_CHUNK, rank_of_chunk
 
 #: The plan's schedule names -> torch's schedule classes (``torch.distributed.pipelining.schedules``).
@@ -208,6 +208,8 @@ class PipelineRunner:
         ids, extras = stage_inputs(self.modules[0], local_inputs)
         if documents is not None:
             extras[DOCUMENTS_KWARG] = documents
+        if getattr(self.modules[0], "wants_first_input", False):  # images first: every stage gets them too
+            extras[FIRST_INPUT_KWARG] = ids
         self._inputs = local_inputs if target is None else None
         if target is None:
             target = torch.arange(ids.shape[0], device=ids.device)

@@ -22,6 +22,7 @@ How a stage runs:
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Mapping
 
 import torch
@@ -130,6 +131,11 @@ class _Injected:
         return getattr(self._layer, name)
 
 
+#: The keyword under which every stage of a model that reads images first (not token ids) gets the micro-batch's
+#: first input too: a later stage runs the model's own forward on it, its embeddings placeholders.
+FIRST_INPUT_KWARG = "_autopar_first_input"
+
+
 class _StageEnd(Exception):
     def __init__(self, hidden: torch.Tensor) -> None:
         super().__init__()
@@ -146,6 +152,16 @@ class _Placeholder(nn.Module):
         super().__init__()
         object.__setattr__(self, "_shape", copy.deepcopy(module).to("meta") if before else None)
         self.dtype = torch.float32  # the stage input's (set by the stage forward)
+
+    def __getattr__(self, name: str) -> object:
+        """Attributes of the module it stands in for (ViT's forward reads its patch embedding's weight dtype)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            shape = self.__dict__.get("_shape")
+            if shape is None:
+                raise
+            return getattr(shape, name)
 
     def forward(self, *args: object, **kwargs: object) -> object:
         if self._shape is None:
@@ -176,7 +192,8 @@ def hf_stage(model: nn.Module, container: str, lo: int, hi: int, first: bool, la
     """A HuggingFace decoder cut down to layers ``[lo, hi)``, running its own ``forward``: the other layers
     leave the stack; the embeddings of a later stage and the final norm and head of an earlier one become
     parameter-free placeholders.  A later stage takes hidden states (token ids of their shape drive the
-    positions and masks, as in the whole model) and hands them to its first layer; an earlier one stops at
+    positions and masks, as in the whole model; a model that reads images first gets the micro-batch's images,
+    ``FIRST_INPUT_KWARG``) and hands them to its first layer; an earlier one stops at
     the final norm and returns what it was about to normalize.  Every stage takes the model's other inputs
     by keyword (``attention_mask=...``); the last returns the logits and records the model's output type.
     No per-architecture code: whatever the decoder does around its layers (masks, rotary or learned
@@ -203,21 +220,32 @@ def hf_stage(model: nn.Module, container: str, lo: int, hi: int, first: bool, la
             placeholders.append(_Placeholder(getattr(parent, name), is_before))
             setattr(parent, name, placeholders[-1])
     cls_forward = type(model).forward
+    params = list(inspect.signature(cls_forward).parameters)
+    lead = params[1] if len(params) > 1 else "input_ids"  # what the model reads first: token ids, or images
+    cache = {"use_cache": False} if "use_cache" in params else {}
+    if lead != "input_ids":  # a later stage drives its placeholder embeddings with the images' shape
+        model.wants_first_input = True
     received: list[torch.Tensor] = []
     if not kept and not first and last and after:  # a head-only chunk: its input goes to the final norm
         parent, name = after[0]
         getattr(parent, name).register_forward_pre_hook(lambda _module, args: (received[-1], *args[1:]))
 
     def forward(x: torch.Tensor, **inputs: torch.Tensor) -> torch.Tensor:
+        original = inputs.pop(FIRST_INPUT_KWARG, None)
         if not kept and not first and not last:
             return x  # a chunk without layers between two others (never planned; kept exact anyway)
-        ids = x if first else torch.zeros(x.shape[:2], dtype=torch.long, device=x.device)
+        if first:
+            ids = x
+        elif lead == "input_ids":
+            ids = torch.zeros(x.shape[:2], dtype=torch.long, device=x.device)
+        else:  # the first input itself (images): only its shape reaches the placeholder embeddings
+            ids = original
         layers.inject = None if first else x
         received[:] = [x]
         for placeholder in placeholders:
             placeholder.dtype = x.dtype if x.is_floating_point() else torch.float32
         try:
-            out = cls_forward(model, input_ids=ids, use_cache=False, **inputs)
+            out = cls_forward(model, **{lead: ids}, **cache, **inputs)
         except _StageEnd as end:  # a view (OPT's layers return one) would refuse the split backward's detach_
             return end.hidden if end.hidden._base is None else end.hidden.clone()
         finally:

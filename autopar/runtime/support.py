@@ -39,10 +39,9 @@ def check_runnable(plan: Plan, model: nn.Module, compiled: bool | None = None) -
 
 
 def check_pipeline_stages(model: nn.Module, container: str | None = None) -> None:
-    """What pipeline stages split: models of one stack of layers (``container``); of HuggingFace models
-    (``autopar.runtime.stages.hf_stage``) those whose forward takes token ids (``input_ids``) first: a later
-    stage makes ids of its hidden states' shape to drive the positions and masks, which images or audio
-    features (``pixel_values``, ``input_features``) cannot stand in for."""
+    """What pipeline stages split: models of one stack of layers (``container``), not encoder-decoders; of
+    HuggingFace models (``autopar.runtime.stages.hf_stage``) those whose forward takes an input first (token ids,
+    or images that every stage gets)."""
     others = other_stacks(model, container) if container else []  # the plan's names: of the model as it is built
     model = wrapped_model(model)
     if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
@@ -54,10 +53,9 @@ def check_pipeline_stages(model: nn.Module, container: str | None = None) -> Non
     if not is_huggingface(model):
         return
     first = list(inspect.signature(type(model).forward).parameters)[1:2]
-    if first != ["input_ids"]:
-        raise AutoparError(f"pipeline stages of a HuggingFace model run its forward on token ids (input_ids); "
-                           f"{type(model).__name__}.forward takes {first[0] if first else 'nothing'} first: plan "
-                           "with --fix pp=1")
+    if not first:
+        raise AutoparError(f"pipeline stages of a HuggingFace model run its forward on its first input; "
+                           f"{type(model).__name__}.forward takes none: plan with --fix pp=1")
 
 
 def other_stacks(model: nn.Module, container: str) -> list[str]:
