@@ -47,7 +47,10 @@ def example_inputs(batch_size: int, seq_len: int, vocab: int = 128256, **_: obje
 
 
 def loss_fn(output: object, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Next-token cross-entropy on the tokens that are not padding."""
+    """Next-token cross-entropy on the tokens that are not padding, summed and divided by every target position
+    (padding included): the same for every split of the batch into ranks and micro-batches.  (A mean over the
+    micro-batch's own unpadded tokens would weigh a micro-batch with more padding more.)"""
     logits = output.logits[:, :-1].float()  # type: ignore[attr-defined]
     labels = input_ids[:, 1:].masked_fill(attention_mask[:, 1:] == 0, -100)
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+    total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum")
+    return total / labels.numel()
