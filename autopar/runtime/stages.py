@@ -222,9 +222,8 @@ def hf_stage(model: nn.Module, container: str, lo: int, hi: int, first: bool, la
     cls_forward = type(model).forward
     # what the model reads first, token ids or images (a PEFT model's: the model it wraps, which gets its inputs)
     params = list(inspect.signature(type(wrapped_model(model)).forward).parameters.values())[1:]
-    named = params[0].kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY) if params \
-        else False
-    lead = params[0].name if named else "input_ids"
+    by_name = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    lead = params[0].name if params and params[0].kind in by_name else "input_ids"
     # no KV cache in training (a PEFT model passes it on through **kwargs); an image model may take no such key
     cache = {"use_cache": False} if lead == "input_ids" or any(p.name == "use_cache" for p in params) else {}
     if lead != "input_ids":  # a later stage drives its placeholder embeddings with the images' shape
