@@ -64,7 +64,7 @@ def test_the_trace_has_one_scan_per_layer_whatever_the_sequence():
 
 def test_a_plan_that_splits_the_scan_channels_trains_as_one_process(tmp_path):
     """tp4 on a Mamba wide enough that the ILP splits the mixer: its mixer runs as a region op by op, the scan
-    on a quarter of the channels per rank."""
+    and the depthwise convolution before it on a quarter of the channels per rank."""
     from autopar.api import plan_model
     from autopar.runtime.verify import verify
 
@@ -73,6 +73,9 @@ def test_a_plan_that_splits_the_scan_channels_trains_as_one_process(tmp_path):
                       global_batch=8, fix={"tp": 4}).plans[0]
     scans = [s for s in plan.op_strategies.values() if s["op"] == SELECTIVE_SCAN]
     assert scans and all(s["tp"]["outputs"] == ["S(1)"] for s in scans)
+    # the depthwise conv1d before the scan splits on the same channels (autopar.conv_channels)
+    convs = [s for s in plan.op_strategies.values() if s["op"] == "aten.conv1d.default"]
+    assert convs and all(s["tp"]["inputs"][:2] == ["S(1)", "S(0)"] for s in convs)
     plan.save(tmp_path / "plan.json")
     result = verify(tmp_path / "plan.json", steps=3)
     assert result.ok, result

@@ -119,9 +119,12 @@ def test_convolutions_and_group_norm_split_the_batch_by_dtensors_rules():
     torch.testing.assert_close(torch.cat([norm(conv(x[i:i + 2])) for i in (0, 2)]), norm(conv(x)))
     fixtures = Path(__file__).parent / "fixtures"
     g = trace_model(str(fixtures / "conv_groupnorm.py")).graph
-    for op in ("aten.conv2d.default", "aten.group_norm.default"):
-        rules = {(r.outputs, r.inputs) for r in axis_strategies(g, _node(g, op), 4)}
-        assert rules == {(("R",), ("R", "R", "R")), (("S(0)",), ("S(0)", "R", "R"))}, op
+    batch_split = {(("R",), ("R", "R", "R")), (("S(0)",), ("S(0)", "R", "R"))}
+    rules = {(r.outputs, r.inputs) for r in axis_strategies(g, _node(g, "aten.group_norm.default"), 4)}
+    assert rules == batch_split
+    # and split on the channels, column- or row-parallel (autopar.conv_channels; tests/test_conv_channels.py)
+    rules = {(r.outputs, r.inputs) for r in axis_strategies(g, _node(g, "aten.conv2d.default"), 4)}
+    assert rules == batch_split | {(("S(1)",), ("R", "S(0)", "S(0)")), (("P",), ("S(1)", "S(1)", "P"))}
     g = trace_model(str(fixtures / "conv_features.py"), {"seq_len": 16}).graph
     rules = {(r.outputs, r.inputs) for r in axis_strategies(g, _node(g, "aten.conv1d.default"), 4)}
     assert (("S(0)",), ("S(0)", "R", "R")) in rules

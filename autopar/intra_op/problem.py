@@ -28,6 +28,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from autopar.cluster import Cluster, MeshSpec
+from autopar.conv_channels import CONV_MODULE_TYPES, conv_region
 from autopar.intra_op.sharding_costs import (
     PRODUCT_OPS,
     compute_s,
@@ -208,13 +209,22 @@ STYLED_MODULE_TYPES = frozenset({"Linear", "Embedding"})
 
 def region_modules(graph: OpGraph) -> tuple[str, ...]:
     """Modules with parameters of their own that are not a Linear or an Embedding (norms, stacked experts,
-    whose region is the block's child holding them): the runtime runs one as a ``PlacedParameters`` region
-    once its weights are sharded on tp, and then hands its output on whole (``autopar.runtime.styles``)."""
+    whose region is the block's child holding them; convolutions, whose region is the module calling them,
+    ``conv_region``): the runtime runs one as a ``PlacedParameters`` region once its weights are sharded on
+    tp, and then hands its output on whole (``autopar.runtime.styles``)."""
     prefix = {layer.index: layer.prefix for layer in graph.layers}
     experts = stacked_expert_params(graph)
-    return tuple(sorted({_block_child(n.module, prefix.get(n.layer)) if experts.intersection(n.params) else n.module
-                         for n in graph.nodes
-                         if n.kind == "op" and n.params and n.module_type not in STYLED_MODULE_TYPES}))
+
+    def region(n: Node) -> str:
+        if experts.intersection(n.params):
+            return _block_child(n.module, prefix.get(n.layer))
+        return conv_region(n.module) if n.module_type in CONV_MODULE_TYPES else n.module
+
+    owning = [n for n in graph.nodes if n.kind == "op" and n.params and n.module_type not in STYLED_MODULE_TYPES]
+    regions = {region(n) for n in owning}
+    convs = {region(n) for n in owning if n.module_type in CONV_MODULE_TYPES}
+    # a module inside a convolutions' region (a norm between them) runs in it, not as a region of its own
+    return tuple(sorted(r for r in regions if not any(r != c and _within(r, c) for c in convs)))
 
 
 def _block_child(module: str, block: str | None) -> str:

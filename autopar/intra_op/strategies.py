@@ -22,7 +22,8 @@ Hand-written rules, only where DTensor has none (each tested in ``tests/test_str
 - ``cross_entropy_loss``: batch-sharded (``S(0)`` logits and targets -> partial mean) and vocab-parallel
   (``S(1)`` logits, replicated targets -> replicated loss, as ``loss_parallel`` does);
 - ``one_hot``: element-wise in the input's dims;
-- Mamba's selective scan (``autopar.fused_kernels``): split on its channels or its batch.
+- Mamba's selective scan (``autopar.fused_kernels``): split on its channels or its batch;
+- convolutions split on their channels (``autopar.conv_channels``), which DTensor's rule does not offer.
 
 An op with no rule falls back to all-Replicate with one warning naming it.  Rules are written for one
 mesh axis; ``mesh_strategies`` expands them to N-D as the Cartesian product over axes and drops every
@@ -47,6 +48,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
 from torch.distributed.tensor._ops._einsum_strategy import gen_einsum_strategies
 
+from autopar.conv_channels import channel_rules
 from autopar.fused_kernels import SELECTIVE_SCAN
 from autopar.ir import BatchScaled, Node, OpGraph, Ref, TensorInfo, tensor_refs
 
@@ -254,8 +256,8 @@ CONVOLUTIONS = {"aten.conv1d.default": 1, "aten.conv2d.default": 2, "aten.conv3d
 
 def _convolution_strategies(graph: OpGraph, node: Node, batch: int) -> list[AxisStrategy] | None:
     """``conv1d/2d/3d`` by DTensor's rule for ``aten.convolution`` (what they decompose into): the batch splits,
-    the weight and bias whole.  (Splitting channels would be exact too, but DTensor's convolution runs a
-    channel-sharded input as a spatial split with halo exchange, so the runtime could not run it.)"""
+    the weight and bias whole; and split on the channels as ``autopar.conv_channels`` runs them (column- or
+    row-parallel, depthwise), which DTensor itself does not (it takes a channel split for a spatial one)."""
     dims = CONVOLUTIONS[node.op]
     defaults = (None, None, None, [1] * dims, [0] * dims, [1] * dims, 1)
     args = list(node.args) + list(defaults[len(node.args):])
@@ -267,7 +269,11 @@ def _convolution_strategies(graph: OpGraph, node: Node, batch: int) -> list[Axis
     conv = Node(node.name, node.kind, "aten.convolution.default",
                 args=(args[0], args[1], args[2], stride, padding, dilation, False, [0] * dims, args[6]),
                 outputs=node.outputs)
-    return _registry_strategies(graph, conv, batch)
+    has_bias = isinstance(args[2], Ref)
+    in_channels = graph.tensor(args[0]).shape_at(batch)[1]
+    channels = [AxisStrategy((r.output,), (r.input, r.weight, *([r.bias] if has_bias else [])))
+                for r in channel_rules(in_channels, args[6])]
+    return (_registry_strategies(graph, conv, batch) or []) + channels or None
 
 
 def _group_norm_strategies(graph: OpGraph, node: Node, batch: int) -> list[AxisStrategy] | None:

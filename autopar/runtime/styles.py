@@ -30,6 +30,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.utils._pytree import tree_map
 
+from autopar.conv_channels import install_dtensor_handlers
 from autopar.errors import AutoparError
 from autopar.runtime.region_graph import PlannedOp, PlannedRegion
 
@@ -97,6 +98,7 @@ class PlacedParameters(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if device_mesh.device_type == "cpu":
             register_cpu_attention_rules()
+        install_dtensor_handlers()  # convolutions split on their channels, as the planner prices them
         planned = PlannedRegion(module, self.ops) if self.ops else None  # a meta copy, before distribution
         activation = next(iter(inspect.signature(module.forward).parameters), None)
         distribute_module(module, device_mesh, self._partition, self._inputs, self._outputs)

@@ -15,7 +15,8 @@ A plan's parameter placements on ``tp`` map onto module styles when they follow 
   them.
 
 Any other sharded parameter (stacked expert weights sharded on the expert dimension, say) makes its
-module (for stacked experts in a block: the block's child holding them) a ``PlacedParameters`` region
+module (for stacked experts in a block: the block's child holding them; for a convolution split on its
+channels: the module calling it, ``autopar.conv_channels.conv_region``) a ``PlacedParameters`` region
 (``autopar.runtime.styles``): its parameters become DTensors with
 the plan's placements, its inputs whole DTensors, and every op inside runs on inputs laid out as the
 plan's ``op_strategies`` say (``region_ops``, ``autopar.runtime.region_graph``); the output leaves whole
@@ -35,6 +36,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from autopar import modelfile
+from autopar.conv_channels import CONV_MODULE_TYPES, conv_region
 from autopar.errors import AutoparError
 from autopar.plan_file import Plan
 from autopar.runtime.region_graph import planned_op_source
@@ -112,6 +114,9 @@ def tp_style_specs(plan: Plan, model: nn.Module) -> dict[str, StyleSpec] | None:
             handled.update(f"{name}.{p}" if name else p for p, _ in mod.named_parameters(recurse=False))
     present = {n for n, _ in model.named_parameters(remove_duplicate=False)}  # a pipeline stage holds a part
     regions = _mixed_regions(model, styles)
+    regions += sorted({conv_region(name) for name, mod in model.named_modules()
+                       if type(mod).__name__ in CONV_MODULE_TYPES and placement.get(f"{name}.weight", "R") != "R"}
+                      - set(regions))
     experts = set(plan.model.get("expert_weights", ()))
     for region in regions:  # DTensor runs the whole module: drop the styles inside it
         for name in [s for s in styles if _inside(s, region)]:
