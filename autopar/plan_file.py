@@ -98,6 +98,9 @@ class Plan:
     compile: bool = False
     """Whether each block of the stack runs ``torch.compile``d, as the estimate priced it (files without the key
     were priced eager)."""
+    context_parallel: dict[str, Any] = field(default_factory=dict)
+    """With ``cp > 1``: how the sequence is split, how keys and values are exchanged, and which attention kernel
+    each kind of device runs (``autopar.inter_op.context_parallel.RUNTIME_PATH``); written only then."""
     schema_version: int = SCHEMA_VERSION
     autopar_version: str = __version__
 
@@ -109,6 +112,7 @@ class Plan:
             "schedule": self.schedule, "zero": self.zero, "parameters": self.parameters,
             "estimate": self.estimate, "op_strategies": self.op_strategies, "attention": self.attention,
             "precision": self.precision, "compile": self.compile,
+            **({"context_parallel": self.context_parallel} if self.context_parallel else {}),
         }
         return _round_floats(json.loads(json.dumps(body)))
 
@@ -151,7 +155,10 @@ class Plan:
             raise PlanError(f"{origin}: plan file was modified after it was written (checksum mismatch)")
         if not isinstance(data.get("compile", False), bool):
             raise PlanError(f"{origin}: plan field 'compile' is not true or false")
-        fields = {k: data[k] for k in (*REQUIRED, "op_strategies", "attention", "compile") if k in data}
+        if not isinstance(data.get("context_parallel", {}), dict):
+            raise PlanError(f"{origin}: plan field 'context_parallel' is not an object")
+        fields = {k: data[k] for k in (*REQUIRED, "op_strategies", "attention", "compile", "context_parallel")
+                  if k in data}
         return cls(**fields)
 
     @classmethod

@@ -89,6 +89,11 @@ def render_show(plan: Plan, console: Console) -> None:
         head.add_row("precision", "bf16")
     head.add_row("compile", "each block torch.compile'd (Inductor fuses its element-wise work)" if plan.compile
                  else "eager (no torch.compile)")
+    if plan.context_parallel:
+        cp = plan.context_parallel
+        kernels = "; ".join(f"{device}: {kernel}" for device, kernel in cp.get("attention", {}).items())
+        head.add_row("context parallel", f"sequence in {cp.get('sequence', '?')}; keys and values "
+                                         f"{cp.get('keys_values', '?')}; attention {kernels}")
     console.print(head)
 
     stages = Table(title="Stages", title_justify="left")

@@ -34,10 +34,63 @@ def test_labels_are_shifted_on_the_whole_sequence_before_slicing():
     assert local.first.tolist() == [[0, 10, 60, 70]] and labels.tolist() == [[10, 20, 70, -100]]  # the last has none
 
 
+@pytest.mark.parametrize("cp", [2, 4])
+def test_each_query_chunk_attends_causally_to_the_keys_before_its_end(monkeypatch, cp):
+    """A rank's attention (its two chunks of queries against the all-gathered keys, each under a causal mask
+    aligned to its end) equals its rows of whole-sequence causal attention, grouped-query heads included; and it
+    scores only the (query, key) pairs up to each chunk's end: the causal share, not every gathered key."""
+    import torch.distributed._functional_collectives as collectives
+    from torch.nn import functional as F
+
+    from autopar.runtime.context_parallel import ContextParallelAttention
+
+    torch.manual_seed(0)
+    seq = 8 * cp
+    q, k, v = (torch.randn(2, heads, seq, 8, dtype=torch.float64) for heads in (4, 2, 2))
+    whole = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    scored = []
+    real_sdpa = F.scaled_dot_product_attention
+
+    def counted(query, key, *args, **kwargs):
+        scored.append(query.shape[-2] * key.shape[-2])
+        return real_sdpa(query, key, *args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", counted)
+    for rank in range(cp):
+        part = ContextParallel(None, cp, rank, seq)
+        mine = part.positions(torch.device("cpu"))
+        slices = {name: t.index_select(2, mine).contiguous() for name, t in (("k", k), ("v", v))}
+        everyone = {name: torch.cat([t.index_select(2, rank_positions(seq, cp, r)) for r in range(cp)], 2)
+                    for name, t in (("k", k), ("v", v))}
+        monkeypatch.setattr(collectives, "all_gather_single_autograd",
+                            lambda t, gather_dim, group, everyone=everyone, slices=slices:
+                            everyone["k" if t is slices["k"] else "v"])
+        scored.clear()
+        out = ContextParallelAttention(part, part.key_order(torch.device("cpu")))._attend(
+            q.index_select(2, mine), slices["k"], slices["v"], is_causal=True, enable_gqa=True)
+        torch.testing.assert_close(out, whole.index_select(2, mine))
+        chunk = seq // (2 * cp)
+        assert sum(scored) == chunk * chunk * (2 * cp + 1)  # not 2 chunk x seq
+
+
+def _plan(**fix):
+    return plan("llama", config=LLAMA_8B, cluster="h100-80gb", gpus=16, global_batch=8,
+                fix={"tp": 8, "pp": 1, "mbs": 1, "recompute": "full", "zero": 1, "sp": False, **fix})
+
+
 def _estimate(**fix) -> dict:
-    p = plan("llama", config=LLAMA_8B, cluster="h100-80gb", gpus=16, global_batch=8,
-             fix={"tp": 8, "pp": 1, "mbs": 1, "recompute": "full", "zero": 1, "sp": False, **fix})
-    return p.estimate
+    return _plan(**fix).estimate
+
+
+def test_a_plan_says_which_attention_kernel_each_device_runs_under_cp(tmp_path):
+    from autopar.plan_file import Plan
+
+    with_cp, without = _plan(dp=1, cp=2), _plan(dp=2, cp=1)
+    assert set(with_cp.context_parallel["attention"]) == {"cuda", "other"}
+    assert "FlashAttention" in with_cp.context_parallel["attention"]["cuda"]
+    assert "context_parallel" not in without.to_dict()  # plans without cp are written as before
+    with_cp.save(tmp_path / "plan.json")
+    assert Plan.load(tmp_path / "plan.json").context_parallel == with_cp.context_parallel
 
 
 def test_context_parallelism_splits_the_work_and_pays_for_the_keys_and_values():

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
+from typing import Any
 
 from autopar.cluster import AxisLink, Cluster
 from autopar.collectives import all_gather_s, reduce_scatter_s
@@ -36,6 +37,19 @@ _PER_TOKEN = (
     "op_recompute_s", "op_saved_bytes", "op_recompute_flops", "transient_bytes", "forward_transient_bytes",
     "bwd_weight_s", "weight_grad_residue_bytes", "product_s", "attention_s", "fp8_cast_s",
 )
+
+
+#: What the runtime runs for ``cp > 1`` and this module prices, as a plan states it (``Plan.context_parallel``):
+#: per device kind, the attention kernel (``autopar.runtime.context_parallel.ContextParallelAttention``).
+RUNTIME_PATH: dict[str, Any] = {
+    "sequence": "2 * cp chunks; rank i holds chunks i and 2 cp - 1 - i (the same causal work on every rank)",
+    "keys_values": "all-gathered over cp in forward (not overlapped); their gradients reduce-scattered in backward",
+    "attention": {
+        "cuda": "per query chunk, FlashAttention's causal kernel aligned to the chunk's end (16-bit; masked "
+                "blocks skipped)",
+        "other": "per query chunk, SDPA with the causal mask made explicit (what `autopar verify` runs on CPU)",
+    },
+}
 
 
 def context_parallel_share(u: UnitCost, cp: int) -> UnitCost:
@@ -114,5 +128,5 @@ def _unit_step(d: UnitLoadDraft) -> None:
 TECHNIQUE = Technique("context_parallel", ("cp",), expand=_expand, check_fixed=_check_fixed, share=_share,
                       shares_at=lambda layout: layout.cp, unit_step=_unit_step)
 
-__all__ = ["MIN_CP_TOKENS", "TECHNIQUE", "context_parallel_options", "context_parallel_refuses",
+__all__ = ["MIN_CP_TOKENS", "RUNTIME_PATH", "TECHNIQUE", "context_parallel_options", "context_parallel_refuses",
            "context_parallel_share", "kv_exchange_s"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from autopar.cluster import Cluster
+from autopar.inter_op.context_parallel import RUNTIME_PATH
 from autopar.inter_op.estimate import Estimate
 from autopar.inter_op.unit_costs import POST, PRE, unit_sequence
 from autopar.intra_op.fp8 import fp8_eligible, layer_linear_weight
@@ -209,6 +210,7 @@ def build_plan(*, graph: OpGraph, model_ref: str, config: dict[str, Any], cluste
         zero=lay.zero, parameters=parameters, op_strategies=ops,
         estimate={**estimate.to_dict(), **({"memory_limit_bytes": memory_limit_bytes} if memory_limit_bytes else {})},
         attention=ctx.attention, precision=_precision(graph, ctx, tp_place, lay.tp), compile=ctx.compile,
+        context_parallel=RUNTIME_PATH if lay.cp > 1 else {},
     )
 
 

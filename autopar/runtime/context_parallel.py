@@ -3,8 +3,9 @@
 The sequence is cut into ``2 * cp`` chunks and rank ``i`` takes chunks ``i`` and ``2 * cp - 1 - i``, so under a
 causal mask every rank has the same share of the attention scores.  Every op but attention is token-wise and
 runs on the slice as it is.  Attention all-gathers the keys and values of the whole sequence over the ``cp``
-group (``all_gather_single_autograd``: its backward reduce-scatters their gradients back to their owners)
-and masks each local query against the global positions of the keys: the variant Llama 3 trained with, and
+group (``all_gather_single_autograd``: its backward reduce-scatters their gradients back to their owners),
+and each local chunk of queries attends to the keys before it under a causal mask aligned to its end
+(``ContextParallelAttention``: FlashAttention's causal kernel on CUDA): the variant Llama 3 trained with, and
 the one ``autopar.inter_op.context_parallel`` prices.  It runs on gloo and on NCCL (torch's own
 ``context_parallel`` covers only the CUDA SDPA kernels).
 
@@ -88,22 +89,35 @@ class ContextParallel:
         targets = labels.shape[0] * (self.seq_len - 1)
         return total * (self.size / targets)
 
-    def causal_mask(self, device: torch.device) -> torch.Tensor:
-        """[local queries, all keys]: whether a query may see a key, by their global positions."""
-        q = self.positions(device)
-        k = gathered_positions(self.seq_len, self.size).to(device)
-        return k[None, :] <= q[:, None]
+    def key_order(self, device: torch.device) -> torch.Tensor:
+        """Where each global position sits in an all-gather of every rank's slice: gathered keys indexed by this
+        come in sequence order."""
+        return torch.argsort(gathered_positions(self.seq_len, self.size)).to(device)
+
+    def query_chunks(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """This rank's two chunks of queries as (length, keys they may see): chunk ``rank`` sees the keys up to
+        its end, chunk ``2 cp - 1 - rank`` those up to its own."""
+        c = self.seq_len // (2 * self.size)
+        return (c, (self.rank + 1) * c), (c, (2 * self.size - self.rank) * c)
 
     def attention(self, device: torch.device) -> ContextParallelAttention:
-        return ContextParallelAttention(self, self.causal_mask(device))
+        return ContextParallelAttention(self, self.key_order(device))
 
 
 class ContextParallelAttention(AttentionMode):
-    """While active, ``F.scaled_dot_product_attention`` on this rank's slice attends over the whole sequence."""
+    """While active, ``F.scaled_dot_product_attention`` on this rank's slice attends over the whole sequence.
 
-    def __init__(self, cp: ContextParallel, mask: torch.Tensor) -> None:
+    The keys and values are all-gathered over the ``cp`` group (their gradients reduce-scattered back in
+    backward) and put in sequence order.  Under a causal mask each of the rank's two query chunks then attends
+    to the keys up to its own end with the mask aligned to that end (``_causal_to_end``): on CUDA that is
+    FlashAttention's causal kernel, which skips the masked blocks, so a rank computes its causal share of the
+    scores with the kernel the plan prices (``autopar.inter_op.context_parallel``); elsewhere SDPA runs on the
+    mask made explicit.  Without a mask the gathered keys are used as they come."""
+
+    def __init__(self, cp: ContextParallel, key_order: torch.Tensor) -> None:
         super().__init__()
-        self.cp, self.mask = cp, mask  # made before forward: a recomputation must not run ops forward did not
+        self.cp, self.key_order = cp, key_order  # made before forward: a recomputation must not run ops forward
+        # did not
 
     def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
                 dropout_p: float = 0.0, is_causal: bool = False, **rest: Any) -> torch.Tensor:
@@ -112,11 +126,36 @@ class ContextParallelAttention(AttentionMode):
         if attn_mask is not None:
             raise AutoparError("context parallelism supports attention with is_causal=True or without a mask; "
                                "this model passes an explicit attn_mask")
-        group = self.cp.group
-        key = all_gather_single_autograd(key.contiguous(), gather_dim=key.dim() - 2, group=group)
-        value = all_gather_single_autograd(value.contiguous(), gather_dim=value.dim() - 2, group=group)
-        mask = self.mask if is_causal else None
-        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout_p, **rest)
+        group, seq = self.cp.group, query.dim() - 2
+        key = all_gather_single_autograd(key.contiguous(), gather_dim=seq, group=group)
+        value = all_gather_single_autograd(value.contiguous(), gather_dim=seq, group=group)
+        if not is_causal:
+            return F.scaled_dot_product_attention(query, key, value, dropout_p=dropout_p, **rest)
+        if rest.pop("enable_gqa", False) and key.shape[-3] != query.shape[-3]:  # the causal-bias kernels take
+            groups = query.shape[-3] // key.shape[-3]  # as many key/value heads as query heads
+            key, value = key.repeat_interleave(groups, dim=-3), value.repeat_interleave(groups, dim=-3)
+        key, value = key.index_select(seq, self.key_order), value.index_select(seq, self.key_order)
+        chunks = zip(query.split(self.cp.seq_len // (2 * self.cp.size), dim=seq), self.cp.query_chunks(), strict=True)
+        return torch.cat([_causal_to_end(q, key.narrow(seq, 0, seen), value.narrow(seq, 0, seen), dropout_p, rest)
+                          for q, (_, seen) in chunks], dim=seq)
+
+
+#: Head sizes FlashAttention takes as they are (``torch.nn.attention.bias.CausalBias`` pads the others).
+_FLASH_HEAD_DIMS = range(8, 257, 8)
+
+
+def _causal_to_end(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout_p: float,
+                   rest: dict[str, Any]) -> torch.Tensor:
+    """Attention of a block of queries that ends where the keys end, under a causal mask aligned to that end.
+    On CUDA in 16 bits: FlashAttention's causal kernel, whose mask aligns a shorter query block to the end of
+    the keys (FlashAttention-2's README, "causal"; ``torch.nn.attention.bias.causal_lower_right`` relies on it)
+    and skips the masked blocks.  Elsewhere: SDPA with the mask made explicit."""
+    length, seen = query.shape[-2], key.shape[-2]
+    if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] in _FLASH_HEAD_DIMS:
+        return torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, True,
+                                                                  scale=rest.get("scale"))[0]
+    mask = torch.ones(length, seen, dtype=torch.bool, device=query.device).tril(seen - length)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout_p, **rest)
 
 
 class RecomputeContext(contextlib.AbstractContextManager):
@@ -134,7 +173,7 @@ class RecomputeContext(contextlib.AbstractContextManager):
         entered = ContextParallelAttention.active
         outer = entered[-1] if entered and not active else None
         if outer is not None:
-            stack.enter_context(ContextParallelAttention(outer.cp, outer.mask))
+            stack.enter_context(ContextParallelAttention(outer.cp, outer.key_order))
         self._entered.append(stack)
 
     def __exit__(self, *exc: object) -> bool | None:
