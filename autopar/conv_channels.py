@@ -21,6 +21,7 @@ local shards, anything else as DTensor runs it (a sharded weight it cannot match
 from __future__ import annotations
 
 import functools
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,12 +63,16 @@ def channel_rules(in_channels: int, groups: int, transposed: bool = False) -> tu
 CONV_MODULE_TYPES = frozenset({"Conv1d", "Conv2d", "Conv3d"})
 
 
-def conv_region(module: str) -> str:
+def conv_region(module: str, stacks: Collection[str]) -> str:
     """The module a convolution ``module`` (its FQN) runs in as one tensor-parallel region: the module that
     calls it (a block, a patch embedding), so that channel shards pass between its convolutions as the plan
-    lays them out and leave it whole; the convolution alone when the model itself calls it."""
+    lays them out and leave it whole; the convolution alone when the model itself calls it, or when the module
+    calling it also holds a stack of blocks (``stacks``: Whisper's encoder, whose front convolutions precede its
+    layers), which would run as one region with it (``autopar.ir.stack_prefixes``)."""
     parent = module.rpartition(".")[0]
-    return parent or module
+    if not parent or any(s == parent or s.startswith(parent + ".") for s in stacks):
+        return module
+    return parent
 
 
 def _rule_for(weight: Any, groups: int, in_channels: int) -> ChannelRule | None:

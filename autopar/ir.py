@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterator
+import re
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -197,6 +198,16 @@ def structural_hash(members: list[Node], prefix: str, by_name: dict[str, Node]) 
                tuple((o.shape, o.dtype, o.batch_dim) if o else None for o in n.outputs))
         h.update(repr(sig).encode())
     return h.hexdigest()[:12]
+
+
+#: A module path inside a stack of blocks: ``decoder.block.3.layer.0`` is block 3 of ``decoder.block``.
+STACKED_MODULE = re.compile(r"^(?P<stack>.*?)\.(?P<index>\d+)(?:\.|$)")
+
+
+def stack_prefixes(module_paths: Iterable[str]) -> frozenset[str]:
+    """The stacks of blocks among these module FQNs: what comes before a path's first numeric component
+    (``encoder.layers`` of ``encoder.layers.3.fc``)."""
+    return frozenset(m["stack"] for path in module_paths if (m := STACKED_MODULE.match(path)))
 
 
 @dataclass(frozen=True, slots=True)

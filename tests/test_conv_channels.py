@@ -22,6 +22,16 @@ def test_which_convolutions_split_on_channels():
     assert channel_rules(64, 1, transposed=True) == ()
 
 
+def test_a_convolution_runs_in_the_module_calling_it_unless_that_holds_a_stack():
+    from autopar.conv_channels import conv_region
+    from autopar.ir import stack_prefixes
+
+    stacks = stack_prefixes(["blocks.0.conv1", "model.encoder.conv1", "model.encoder.layers.0.fc", "patches"])
+    assert conv_region("blocks.0.conv1", stacks) == "blocks.0"  # a block: its convolutions pass shards
+    assert conv_region("model.encoder.conv1", stacks) == "model.encoder.conv1"  # Whisper's front end: not the encoder
+    assert conv_region("patches", stacks) == "patches"  # called by the model itself
+
+
 def _reference(x, w1, b1, w2, b2, wd, bd):
     """A colwise conv2d, a rowwise conv2d and a depthwise conv1d, one after the other."""
     h = F.silu(F.conv2d(x, w1, b1, padding=1))

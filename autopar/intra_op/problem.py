@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import re
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -37,7 +36,7 @@ from autopar.intra_op.sharding_costs import (
     saved_bytes,
 )
 from autopar.intra_op.strategies import AxisStrategy, R, Strategy, divides, mesh_strategies, shard, tensor_refs
-from autopar.ir import Node, OpGraph, Ref, TensorInfo, structural_hash
+from autopar.ir import STACKED_MODULE, Node, OpGraph, Ref, TensorInfo, stack_prefixes, structural_hash
 from autopar.passes.context import PassContext
 from autopar.passes.experts import stacked_expert_params
 from autopar.solvers.evaluate import alternatives, min_memory_bytes
@@ -145,17 +144,13 @@ def _representatives(graph: OpGraph, nodes: list[Node]) -> dict[str, str]:
     return rep
 
 
-#: A module path inside a stack of blocks: ``decoder.block.3.layer.0`` is block 3 of ``decoder.block``.
-_STACKED = re.compile(r"^(?P<stack>.*?)\.(?P<index>\d+)(?:\.|$)")
-
-
 def _tie_other_stacks(graph: OpGraph, nodes: list[Node], rep: dict[str, str]) -> None:
     """Identical blocks of stacks other than the layers (an encoder-decoder's second stack, a vision tower)
     share decisions too, in place: ``rep`` maps each op of a block onto its twin in the first block of the stack
     with the same structure (``structural_hash``).  The solve then grows with neither stack's depth."""
     blocks: dict[tuple[str, int], list[Node]] = {}
     for n in nodes:
-        m = _STACKED.match(n.module) if n.layer is None else None
+        m = STACKED_MODULE.match(n.module) if n.layer is None else None
         if m is not None:
             blocks.setdefault((m["stack"], int(m["index"])), []).append(n)
     by_name = {n.name: n for n in graph.nodes}
@@ -214,11 +209,12 @@ def region_modules(graph: OpGraph) -> tuple[str, ...]:
     tp, and then hands its output on whole (``autopar.runtime.styles``)."""
     prefix = {layer.index: layer.prefix for layer in graph.layers}
     experts = stacked_expert_params(graph)
+    stacks = stack_prefixes(n.module for n in graph.nodes if n.kind == "op")
 
     def region(n: Node) -> str:
         if experts.intersection(n.params):
             return _block_child(n.module, prefix.get(n.layer))
-        return conv_region(n.module) if n.module_type in CONV_MODULE_TYPES else n.module
+        return conv_region(n.module, stacks) if n.module_type in CONV_MODULE_TYPES else n.module
 
     owning = [n for n in graph.nodes if n.kind == "op" and n.params and n.module_type not in STYLED_MODULE_TYPES]
     regions = {region(n) for n in owning}

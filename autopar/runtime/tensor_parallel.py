@@ -38,6 +38,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from autopar import modelfile
 from autopar.conv_channels import CONV_MODULE_TYPES, conv_region
 from autopar.errors import AutoparError
+from autopar.ir import stack_prefixes
 from autopar.plan_file import Plan
 from autopar.runtime.region_graph import planned_op_source
 from autopar.runtime.styles import StyleSpec, make_style, placement_source
@@ -114,7 +115,8 @@ def tp_style_specs(plan: Plan, model: nn.Module) -> dict[str, StyleSpec] | None:
             handled.update(f"{name}.{p}" if name else p for p, _ in mod.named_parameters(recurse=False))
     present = {n for n, _ in model.named_parameters(remove_duplicate=False)}  # a pipeline stage holds a part
     regions = _mixed_regions(model, styles)
-    regions += sorted({conv_region(name) for name, mod in model.named_modules()
+    stacks = stack_prefixes(name for name, _ in model.named_modules())
+    regions += sorted({conv_region(name, stacks) for name, mod in model.named_modules()
                        if type(mod).__name__ in CONV_MODULE_TYPES and placement.get(f"{name}.weight", "R") != "R"}
                       - set(regions))
     experts = set(plan.model.get("expert_weights", ()))
