@@ -77,9 +77,9 @@ def conv_region(module: str, stacks: Collection[str]) -> str:
 
 def _rule_for(weight: Any, groups: int, in_channels: int) -> ChannelRule | None:
     """The rule a DTensor weight's placement selects on a 1-d mesh, if any."""
-    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import DTensor, Shard
 
-    if weight.device_mesh.ndim != 1 or not isinstance(weight.placements[0], Shard):
+    if not isinstance(weight, DTensor) or weight.device_mesh.ndim != 1 or not isinstance(weight.placements[0], Shard):
         return None
     placed = f"S({weight.placements[0].dim})"
     return next((r for r in channel_rules(in_channels, groups) if r.weight == placed), None)
@@ -91,15 +91,21 @@ def _placement(text: str) -> Any:
     return Replicate() if text == "R" else Partial() if text == "P" else Shard(int(text[2:-1]))
 
 
-def _local(t: Any, placement: str) -> torch.Tensor | None:
-    """``t``'s local shard once laid out as ``placement`` (``None`` stays ``None``)."""
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+def _local(t: Any, placement: str, mesh: Any) -> torch.Tensor | None:
+    """``t``'s local shard on ``mesh`` once laid out as ``placement`` (a plain tensor is whole on every rank;
+    ``None`` stays ``None``)."""
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
     from torch.distributed.tensor._redistribute import redistribute_local_tensor
 
     if t is None:
         return None
-    target = DTensorSpec(t.device_mesh, (_placement(placement),), tensor_meta=t._spec.tensor_meta)
-    return redistribute_local_tensor(t._local_tensor, t._spec, target)  # R -> P too, as DTensor's own ops do
+    if isinstance(t, DTensor):
+        local, spec = t._local_tensor, t._spec
+    else:
+        local, spec = t, DTensorSpec(mesh, (Replicate(),), tensor_meta=TensorMeta(t.shape, t.stride(), t.dtype))
+    target = DTensorSpec(mesh, (_placement(placement),), tensor_meta=spec.tensor_meta)
+    return redistribute_local_tensor(local, spec, target)  # R -> P too, as DTensor's own ops do
 
 
 def _wrapped(local: torch.Tensor | None, mesh: Any, placement: str, shape: torch.Size) -> Any:
@@ -132,8 +138,8 @@ def _convolution(original: Any, op: Any, args: tuple, kwargs: dict) -> Any:
     if rule is None:
         return original(op, _gather_weight(args, 1, 2), kwargs)
     mesh, ranks = weight.device_mesh, weight.device_mesh.size()
-    out = op(_local(inp, rule.input), weight._local_tensor, _local(bias, rule.bias), stride, padding, dilation,
-             transposed, output_padding, rule.local_groups(groups, ranks))
+    out = op(_local(inp, rule.input, mesh), weight._local_tensor, _local(bias, rule.bias, mesh), stride, padding,
+             dilation, transposed, output_padding, rule.local_groups(groups, ranks))
     shape = torch.Size([out.shape[0], weight.shape[0], *out.shape[2:]])
     return _wrapped(out, mesh, rule.output, shape)
 
@@ -147,9 +153,9 @@ def _convolution_backward(original: Any, op: Any, args: tuple, kwargs: dict) -> 
     mesh, ranks = weight.device_mesh, weight.device_mesh.size()
     grad_out_placement = "R" if rule.output == "P" else rule.output  # a pending sum's gradient is whole
     local_bias = None if bias_sizes is None else [bias_sizes[0] // ranks] if rule.bias.startswith("S") else bias_sizes
-    grad_in, grad_w, grad_b = op(_local(grad_out, grad_out_placement), _local(inp, rule.input), weight._local_tensor,
-                                 local_bias, stride, padding, dilation, transposed, output_padding,
-                                 rule.local_groups(groups, ranks), output_mask)
+    grad_in, grad_w, grad_b = op(_local(grad_out, grad_out_placement, mesh), _local(inp, rule.input, mesh),
+                                 weight._local_tensor, local_bias, stride, padding, dilation, transposed,
+                                 output_padding, rule.local_groups(groups, ranks), output_mask)
     bias_grad_placement = "R" if rule.bias == "P" else rule.bias  # every rank's copy of a partial bias added once
     return (_wrapped(grad_in, mesh, rule.input_grad, inp.shape), _wrapped(grad_w, mesh, rule.weight, weight.shape),
             None if bias_sizes is None else _wrapped(grad_b, mesh, bias_grad_placement, torch.Size(bias_sizes)))

@@ -63,6 +63,9 @@ def _check_on_ranks(rank: int, store: str, world: int) -> None:
         w1, b1, w2, b2, wd, bd = shards
         h = F.silu(F.conv2d(xd, w1, b1, padding=1))
         assert h.placements == (Shard(1),)  # colwise: the channels stay split
+        # a plain tensor input is whole on every rank (a region's tensor made inside, under implicit replication)
+        torch.testing.assert_close(F.conv2d(x, w1, b1, padding=1).full_tensor(),
+                                   F.conv2d(xd, w1, b1, padding=1).full_tensor())
         y = F.conv2d(h, w2, b2, padding=1)
         assert y.placements[0].is_partial()  # rowwise: a pending sum
         flat = y.redistribute(mesh, [Shard(1)]).flatten(2)
