@@ -73,6 +73,32 @@ def test_each_query_chunk_attends_causally_to_the_keys_before_its_end(monkeypatc
         assert sum(scored) == chunk * chunk * (2 * cp + 1)  # not 2 chunk x seq
 
 
+def test_on_cuda_a_chunk_calls_flash_attention_causal_aligned_to_the_end(monkeypatch):
+    """The CUDA branch (which this machine cannot run): the chunk goes to ``aten._scaled_dot_product_flash_attention``
+    with ``is_causal=True``, whose mask FlashAttention aligns to the end of the keys, and its output is taken;
+    stood in for here by attention under that mask."""
+    from torch.nn import functional as F
+
+    import autopar.runtime.context_parallel as context_parallel
+
+    calls = []
+
+    def flash(query, key, value, dropout_p, is_causal, scale=None):
+        calls.append((tuple(query.shape), tuple(key.shape), dropout_p, is_causal, scale))
+        length, seen = query.shape[-2], key.shape[-2]
+        mask = torch.ones(length, seen, dtype=torch.bool).tril(seen - length)
+        return (F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale), None)
+
+    monkeypatch.setattr(context_parallel, "runs_flash", lambda query: True)
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention", flash)
+    q, k, v = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 12, 8), torch.randn(1, 2, 12, 8)
+    out = context_parallel._causal_to_end(q, k, v, 0.0, {"scale": 0.5})
+    assert calls == [((1, 2, 4, 8), (1, 2, 12, 8), 0.0, True, 0.5)]
+    monkeypatch.setattr(context_parallel, "runs_flash", lambda query: False)  # the explicit mask: the same
+    torch.testing.assert_close(out, context_parallel._causal_to_end(q, k, v, 0.0, {"scale": 0.5}))
+    assert not context_parallel.runs_flash(torch.randn(1, 2, 4, 8, dtype=torch.bfloat16))  # not on CUDA
+
+
 def _plan(**fix):
     return plan("llama", config=LLAMA_8B, cluster="h100-80gb", gpus=16, global_batch=8,
                 fix={"tp": 8, "pp": 1, "mbs": 1, "recompute": "full", "zero": 1, "sp": False, **fix})

@@ -144,6 +144,12 @@ class ContextParallelAttention(AttentionMode):
 _FLASH_HEAD_DIMS = range(8, 257, 8)
 
 
+def runs_flash(query: torch.Tensor) -> bool:
+    """Whether a rank's query chunk runs FlashAttention's causal kernel: on CUDA, in 16 bits, a head size it
+    takes as it is."""
+    return query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] in _FLASH_HEAD_DIMS
+
+
 def _causal_to_end(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout_p: float,
                    rest: dict[str, Any]) -> torch.Tensor:
     """Attention of a block of queries that ends where the keys end, under a causal mask aligned to that end.
@@ -151,7 +157,7 @@ def _causal_to_end(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     the keys (FlashAttention-2's README, "causal"; ``torch.nn.attention.bias.causal_lower_right`` relies on it)
     and skips the masked blocks.  Elsewhere: SDPA with the mask made explicit."""
     length, seen = query.shape[-2], key.shape[-2]
-    if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] in _FLASH_HEAD_DIMS:
+    if runs_flash(query):
         return torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, True,
                                                                   scale=rest.get("scale"))[0]
     mask = torch.ones(length, seen, dtype=torch.bool, device=query.device).tril(seen - length)
