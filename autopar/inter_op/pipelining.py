@@ -35,7 +35,8 @@ from autopar.inter_op.technique import (
     divisors,
 )
 from autopar.inter_op.unit_costs import UnitCost
-from autopar.ir import OpGraph
+from autopar.ir import OpGraph, tensor_refs
+from autopar.passes.activations import storage_key
 from autopar.passes.context import PassContext
 from autopar.solvers.pipeline import (
     MULTI_CHUNK,
@@ -150,6 +151,46 @@ def check_fixed_pipeline(layers: int, global_batch: int, fixed: dict[str, Any]) 
                                f"the model has {layers}")
 
 # ---- what a pipeline costs beyond its slowest stage's slots
+
+
+def cut_crossings(graph: OpGraph) -> dict[int, list[str]]:
+    """What a pipeline cut before layer ``k`` (1 .. layers - 1) would have to hand on besides the hidden state:
+    the tensors made before the cut, from parameters (so a later stage cannot make them again: its copy of an
+    earlier module is a placeholder), that the layers from ``k`` on or the ops after the stack read.  Each is
+    named ``"the output of module (op)"``; the hidden state itself is the one tensor of layer ``k - 1`` that crosses.  A
+    HuggingFace model's stages pass the hidden state alone (``autopar.runtime.stages.hf_stage``): T5's relative
+    position bias (made by the first layer of a stack, read by the others) or per-layer embeddings would arrive
+    as nothing."""
+    layers = len(graph.layers)
+    if layers < 2:
+        return {}
+    derived: set[str] = set()
+    unit: dict[str, int] = {}
+    seen_layer = False
+    for n in graph.nodes:
+        if n.kind == "param":
+            derived.add(n.name)
+        elif n.kind == "op":
+            if any(i in derived for i in n.inputs):
+                derived.add(n.name)
+            seen_layer = seen_layer or n.layer is not None
+            unit[n.name] = n.layer if n.layer is not None else (layers if seen_layer else -1)
+    crossing: dict[int, dict[str, int]] = {}  # cut -> storage -> the unit that made it
+    for n in graph.ops():
+        for r in tensor_refs(n):
+            if r.name not in derived or r.name not in unit or unit[r.name] >= unit[n.name]:
+                continue
+            key, made = storage_key(graph, r), unit[r.name]
+            for k in range(max(1, made + 1), min(layers - 1, unit[n.name]) + 1):
+                crossing.setdefault(k, {})[key] = made
+    out = {}
+    for k, storages in sorted(crossing.items()):
+        hidden = next((key for key, made in sorted(storages.items()) if made == k - 1), None)
+        extra = sorted(key for key in storages if key != hidden)
+        if extra:
+            out[k] = [f"the output of {graph[key.split(':')[0]].module or 'the model'} ({key.split(':')[0]})"
+                      for key in extra]
+    return out
 
 
 def simulated_bubble(layout: Layout) -> bool:
@@ -325,6 +366,6 @@ TECHNIQUE = Technique("pipeline_schedule", ("schedule", "v", "group"), expand=_e
                       memory_bound_bytes=_memory_bound_bytes)
 
 __all__ = ["INTERLEAVE_V", "STAGES", "TECHNIQUE", "backward_run_s", "bubble_bound_s", "bubble_time_s",
-           "check_fixed_pipeline", "fewest_in_flight", "group_options", "group_runs", "interleaving_runs",
-           "makespan_s", "op_times", "p2p_s", "pipeline_slots", "recompute_passes", "schedule_options",
-           "schedule_refuses", "simulated_bubble", "split_backward_load"]
+           "check_fixed_pipeline", "cut_crossings", "fewest_in_flight", "group_options", "group_runs",
+           "interleaving_runs", "makespan_s", "op_times", "p2p_s", "pipeline_slots", "recompute_passes",
+           "schedule_options", "schedule_refuses", "simulated_bubble", "split_backward_load"]

@@ -7,6 +7,7 @@ from typing import Any
 from autopar.cluster import Cluster
 from autopar.inter_op.context_parallel import RUNTIME_PATH
 from autopar.inter_op.estimate import Estimate
+from autopar.inter_op.pipelining import cut_crossings
 from autopar.inter_op.unit_costs import POST, PRE, unit_sequence
 from autopar.intra_op.fp8 import fp8_eligible, layer_linear_weight
 from autopar.intra_op.strategies import R, Strategy, param_tp_placements, shard_dim, tensor_refs
@@ -201,6 +202,9 @@ def build_plan(*, graph: OpGraph, model_ref: str, config: dict[str, Any], cluste
              "expert_weights": sorted(stacked_expert_params(graph))}
     if example_inputs is not None:
         model["example_inputs"] = example_inputs
+    carries = cut_crossings(graph)
+    if carries:  # what pipeline stages of a HuggingFace model would have to hand on besides the hidden state
+        model["pipeline_carries"] = {str(k): v for k, v in carries.items()}
     return Plan(
         model=model, cluster=cluster.to_dict(), global_batch=global_batch, seq_len=graph.seq_len,
         mesh={"axes": list(MESH_AXES), "shape": [lay.pp, lay.dp, lay.cp, lay.tp]}, layout=lay.to_dict(),

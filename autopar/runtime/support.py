@@ -30,7 +30,7 @@ def check_runnable(plan: Plan, model: nn.Module, compiled: bool | None = None) -
     lay = plan.layout
     check_compiled(lay["schedule"], lay.get("cp", 1), lay["recompute"], plan.compile if compiled is None else compiled)
     if lay["pp"] > 1:
-        check_pipeline_stages(model, plan.model.get("layer_container"))
+        check_pipeline_stages(model, plan.model.get("layer_container"), plan.model.get("pipeline_carries"))
     if lay.get("cp", 1) > 1:
         check_context_parallel(plan, model)
     if lay.get("ep", 1) > 1:
@@ -38,10 +38,12 @@ def check_runnable(plan: Plan, model: nn.Module, compiled: bool | None = None) -
     return tp_style_specs(plan, model) if lay["tp"] > 1 else None
 
 
-def check_pipeline_stages(model: nn.Module, container: str | None = None) -> None:
+def check_pipeline_stages(model: nn.Module, container: str | None = None,
+                          carries: dict[str, list[str]] | None = None) -> None:
     """What pipeline stages split: models of one stack of layers (``container``), not encoder-decoders; of
     HuggingFace models (``autopar.runtime.stages.hf_stage``) those whose forward takes an input first (token ids,
-    or images that every stage gets)."""
+    or images that every stage gets), and whose layers read nothing from earlier stages but the hidden state
+    (``carries``: the plan's ``pipeline_carries``, ``autopar.inter_op.pipelining.cut_crossings``)."""
     others = other_stacks(model, container) if container else []  # the plan's names: of the model as it is built
     model = wrapped_model(model)
     if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
@@ -56,6 +58,11 @@ def check_pipeline_stages(model: nn.Module, container: str | None = None) -> Non
     if not first:
         raise AutoparError(f"pipeline stages of a HuggingFace model run its forward on its first input; "
                            f"{type(model).__name__}.forward takes none: plan with --fix pp=1")
+    if carries:
+        cut, tensors = min(carries.items(), key=lambda item: int(item[0]))
+        raise AutoparError(f"pipeline stages of a HuggingFace model hand on the hidden state alone; a stage starting "
+                           f"at layer {cut} of {container} would also need {tensors[0]}, made by an earlier stage: "
+                           "plan with --fix pp=1")
 
 
 def other_stacks(model: nn.Module, container: str) -> list[str]:
