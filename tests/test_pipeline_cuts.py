@@ -1,5 +1,6 @@
-"""What a pipeline cut would have to hand on besides the hidden state (``cut_crossings``), and the one-line refusal
-of pipeline stages for a HuggingFace model whose layers need more (``runtime.support.check_pipeline_stages``)."""
+"""What a pipeline cut would have to hand on besides the hidden state (``cut_crossings``, ``pipeline_carry``): an
+encoder's output, which the stages of a HuggingFace encoder-decoder hand on to the decoder's layers, and what
+they cannot, which refuses pipeline stages in one line (``runtime.support.check_pipeline_stages``)."""
 
 from __future__ import annotations
 
@@ -26,11 +27,11 @@ def test_what_else_a_cut_would_carry_is_named():
     t5 = cut_crossings(trace_model(str(ROOT / "examples" / "hf_models.py"), {"arch": "t5", "layers": 3},
                                    seq_len=16).graph)
     assert set(t5) == {1, 2}
-    assert any("decoder.block.0.layer.0.SelfAttention.relative_attention_bias" in t for t in t5[2])
-    assert any("encoder" in t for t in t5[1])
+    assert any(c.module == "decoder.block.0.layer.0.SelfAttention.relative_attention_bias" for c in t5[2])
+    assert any(c.module.startswith("encoder") for c in t5[1])
     router = cut_crossings(trace_model(str(FIXTURES / "hf_router_aux.py"), {"layers": 3}).graph)
     assert [len(router[k]) for k in (1, 2)] == [1, 2]  # the routers of the layers before each cut
-    assert all("mlp.gate" in t for t in router[2])
+    assert all(c.module.endswith("mlp.gate") and not c.read_by_layers for c in router[2])
 
 
 def test_pipeline_stages_that_would_lose_a_tensor_are_refused_in_one_line(tmp_path, capsys):
@@ -42,3 +43,52 @@ def test_pipeline_stages_that_would_lose_a_tensor_are_refused_in_one_line(tmp_pa
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "would also need the output of model.layers.0.mlp.gate" in err[0], err
     assert not (tmp_path / "pp" / "plan.json").exists()
+
+
+def test_an_encoder_output_is_carried_and_priced(monkeypatch):
+    """BART and Whisper: the encoder runs whole on the first stage; every boundary hands its output on beside the
+    decoder's hidden state, and the estimate's pipeline sends count it.  CLIP's image embeddings, which only its
+    loss reads, are not carried: its pipeline stays refused."""
+    from autopar.api import plan_model
+    from autopar.inter_op import estimate
+    from autopar.inter_op.pipelining import carried_bytes_per_sample, pipeline_carry
+
+    models = str(ROOT / "examples" / "hf_models.py")
+    for arch in ("bart", "whisper"):
+        graph = trace_model(models, {"arch": arch, "layers": 3}, seq_len=16).graph
+        carry = pipeline_carry(graph)
+        assert carry.modules == ("model.encoder",) and not carry.lost
+        assert carried_bytes_per_sample(graph) == 16 * 64 * 2  # tokens x hidden x bf16
+    clip = pipeline_carry(trace_model(models, {"arch": "clip", "layers": 3}, seq_len=16).graph)
+    assert not clip.modules and "visual_projection" in clip.lost[1][0]
+
+    def p2p(**fix):
+        plan = plan_model(models, config={"arch": "bart", "layers": 4, "seq_len": 16}, cluster="cpu", gpus=4,
+                          global_batch=8, fix={"pp": 2, "dp": 2, "schedule": "1f1b", **fix}).plans[0]
+        assert plan.model["stack_ends"]["carried"] == ["model.encoder"]
+        return plan.estimate["breakdown"]["pp_p2p_s"]
+
+    carried = p2p(mbs=2)
+    monkeypatch.setattr(estimate, "carried_bytes_per_sample", lambda graph: 0.0)  # sends without the encoder's
+    assert carried > p2p(mbs=2)
+
+
+def test_encoder_decoders_train_on_pipeline_stages_as_one_process(tmp_path, capsys):
+    """pp2 x dp2, 3 steps in fp32: BART (its shared embedding tied four ways, summed once over the ends of the
+    pipeline) and Whisper (audio features first) match one process; CLIP's pipeline is refused in one line."""
+    from autopar.runtime.verify import verify_many
+
+    models = str(ROOT / "examples" / "hf_models.py")
+    paths = []
+    for arch, schedule in (("bart", "1f1b"), ("bart", "zbv"), ("whisper", "1f1b")):
+        out = tmp_path / f"{arch}-{schedule}"
+        assert main(["plan", models, "--config", f"arch={arch},layers=4,seq_len=16", "--cluster", "cpu", "--gpus", "4",
+                     "--global-batch", "8", "--fix", f"pp=2,dp=2,schedule={schedule}", "-q", "-o", str(out)]) == 0
+        paths.append(out / "plan.json")
+    for path, result in zip(paths, verify_many(paths, steps=3), strict=True):
+        assert result.ok, (path, result)
+    capsys.readouterr()
+    assert main(["plan", models, "--config", "arch=clip,layers=4,seq_len=16", "--cluster", "cpu", "--gpus", "4",
+                 "--global-batch", "8", "--fix", "pp=2", "-o", str(tmp_path / "clip")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "visual_projection" in err[0] and err[0].endswith("plan with --fix pp=1")

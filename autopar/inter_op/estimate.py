@@ -71,7 +71,14 @@ from autopar.inter_op.data_parallel import (
 )
 from autopar.inter_op.layout import Layout
 from autopar.inter_op.links import Links, cached_axis_link, layout_links
-from autopar.inter_op.pipelining import bubble_bound_s, bubble_time_s, p2p_s, recompute_passes, simulated_bubble
+from autopar.inter_op.pipelining import (
+    bubble_bound_s,
+    bubble_time_s,
+    carried_bytes_per_sample,
+    p2p_s,
+    recompute_passes,
+    simulated_bubble,
+)
 from autopar.inter_op.recompute import layer_recompute
 from autopar.inter_op.technique import UnitLoadDraft
 from autopar.inter_op.unit_costs import POST, PRE, UnitCost, unit_sequence
@@ -403,6 +410,8 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
         if slots > prune_above_s:
             return None
     fw = ctx.framework
+    # beside the hidden state, each boundary hands on an encoder's output for the decoder's layers
+    carried_bytes = carried_bytes_per_sample(graph) * layout.mbs if p > 1 else 0.0
     stage_times, dp_exposed = [], 0.0
     per_stage: list[StageCost] = []
     members = _stage_members(keys, split, layout)
@@ -411,7 +420,7 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
         span = spans[k]
         neighbours = (1 if k > 0 else 0) + (1 if k < p - 1 else 0)
         boundary = max(costs[keys[a]].input_bytes if k > 0 else 0.0,
-                       costs[keys[b]].input_bytes if b < len(keys) else 0.0)
+                       costs[keys[b]].input_bytes if b < len(keys) else 0.0) + carried_bytes
         # one transfer each way per neighbour and micro-batch, for every chunk with interleaving
         p2p = neighbours * p2p_s(boundary, layout, pp_link, tp_link, ctx) * v if p > 1 else 0.0
         busy, mix = span.compute_s, span.power

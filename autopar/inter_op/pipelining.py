@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from autopar.cluster import AxisLink, Cluster
@@ -35,7 +36,7 @@ from autopar.inter_op.technique import (
     divisors,
 )
 from autopar.inter_op.unit_costs import UnitCost
-from autopar.ir import OpGraph, tensor_refs
+from autopar.ir import OpGraph, Ref, tensor_refs
 from autopar.passes.activations import storage_key
 from autopar.passes.context import PassContext
 from autopar.solvers.pipeline import (
@@ -153,14 +154,25 @@ def check_fixed_pipeline(layers: int, global_batch: int, fixed: dict[str, Any]) 
 # ---- what a pipeline costs beyond its slowest stage's slots
 
 
-def cut_crossings(graph: OpGraph) -> dict[int, list[str]]:
+@dataclass(frozen=True, slots=True)
+class Crossing:
+    """A tensor a pipeline cut would hand on besides the hidden state: the op that made it (its storage), the
+    module that op ran in, and its bytes per sample."""
+
+    node: str
+    module: str
+    bytes_per_sample: float
+    read_by_layers: bool = True  # the layers after the cut read it (cross-attention), not only the ops after them
+
+    def describe(self) -> str:
+        return f"the output of {self.module or 'the model'} ({self.node})"
+
+
+def cut_crossings(graph: OpGraph) -> dict[int, list[Crossing]]:
     """What a pipeline cut before layer ``k`` (1 .. layers - 1) would have to hand on besides the hidden state:
     the tensors made before the cut, from parameters (so a later stage cannot make them again: its copy of an
-    earlier module is a placeholder), that the layers from ``k`` on or the ops after the stack read.  Each is
-    named ``"the output of module (op)"``; the hidden state itself is the one tensor of layer ``k - 1`` that crosses.  A
-    HuggingFace model's stages pass the hidden state alone (``autopar.runtime.stages.hf_stage``): T5's relative
-    position bias (made by the first layer of a stack, read by the others) or per-layer embeddings would arrive
-    as nothing."""
+    earlier module is a placeholder), that the layers from ``k`` on or the ops after the stack read.  The
+    hidden state itself is the one tensor of layer ``k - 1`` that crosses."""
     layers = len(graph.layers)
     if layers < 2:
         return {}
@@ -175,22 +187,99 @@ def cut_crossings(graph: OpGraph) -> dict[int, list[str]]:
                 derived.add(n.name)
             seen_layer = seen_layer or n.layer is not None
             unit[n.name] = n.layer if n.layer is not None else (layers if seen_layer else -1)
-    crossing: dict[int, dict[str, int]] = {}  # cut -> storage -> the unit that made it
+    crossing: dict[int, dict[str, tuple[int, Ref]]] = {}  # cut -> storage -> (the unit that made it, a ref)
+    in_layers: set[str] = set()  # storages a layer reads from before it
     for n in graph.ops():
         for r in tensor_refs(n):
             if r.name not in derived or r.name not in unit or unit[r.name] >= unit[n.name]:
                 continue
             key, made = storage_key(graph, r), unit[r.name]
+            if unit[n.name] < layers:
+                in_layers.add(key)
             for k in range(max(1, made + 1), min(layers - 1, unit[n.name]) + 1):
-                crossing.setdefault(k, {})[key] = made
+                crossing.setdefault(k, {})[key] = (made, r)
     out = {}
     for k, storages in sorted(crossing.items()):
-        hidden = next((key for key, made in sorted(storages.items()) if made == k - 1), None)
-        extra = sorted(key for key in storages if key != hidden)
+        hidden = next((key for key, (made, _) in sorted(storages.items()) if made == k - 1), None)
+        extra = [(key, r) for key, (_, r) in sorted(storages.items()) if key != hidden]
         if extra:
-            out[k] = [f"the output of {graph[key.split(':')[0]].module or 'the model'} ({key.split(':')[0]})"
-                      for key in extra]
+            out[k] = [Crossing(key.split(":")[0], graph[key.split(":")[0]].module,
+                               float(graph.tensor(r).numel_at(1) * graph.tensor(r).itemsize), key in in_layers)
+                      for key, r in extra]
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineCarry:
+    """What pipeline stages hand on beside the hidden state (``pipeline_carry``)."""
+
+    modules: tuple[str, ...] = ()
+    """The module called before the stack (an encoder, a vision tower's projection) whose outputs later layers
+    or the loss read: the first stage hands its outputs on, and later stages take them in place of the module
+    (one module at most; several are ``lost``)."""
+    bytes_per_sample: float = 0.0
+    """Those outputs' bytes per sample: at most what a cut carries beside the hidden state."""
+    lost: dict[int, list[str]] = field(default_factory=dict)
+    """Per cut, the tensors no stage could hand on (made inside the layers, as T5's relative position bias)."""
+
+
+def pipeline_carry(graph: OpGraph) -> PipelineCarry:
+    """What a pipeline of ``graph``'s stack carries beside the hidden state (``cut_crossings``), split into the
+    outputs of modules before the stack (``stack_ends``) that the layers read (an encoder's, for the decoder's
+    cross-attention), which the stages hand on, and the rest (what only the ops after the layers read, such as
+    CLIP's image embeddings for its loss, stays refused)."""
+    before = stack_ends(graph)["before"]
+
+    def end_of(module: str) -> str | None:
+        return next((e for e in before if module == e or module.startswith(e + ".")), None)
+
+    modules: set[str] = set()
+    lost: dict[int, list[str]] = {}
+    carried = 0.0
+    for k, crossings in cut_crossings(graph).items():
+        at_cut = 0.0
+        for c in crossings:
+            end = end_of(c.module) if c.read_by_layers else None  # an encoder's output, for the layers
+            if end is None:
+                lost.setdefault(k, []).append(c.describe())
+            else:
+                modules.add(end)
+                at_cut += c.bytes_per_sample
+        carried = max(carried, at_cut)
+    if len(modules) > 1:  # the stages hand on one module's outputs
+        names = ", ".join(m for m in before if m in modules)
+        return PipelineCarry(lost={k: [f"the outputs of several modules before the layers ({names})"]
+                                   for k in sorted(set(cut_crossings(graph)))})
+    return PipelineCarry(tuple(modules), carried, lost)
+
+
+def stack_ends(graph: OpGraph) -> dict[str, list[str]]:
+    """The modules beside the layer stack (children of the modules on the path to it) by when the forward
+    first calls them: ``before`` the stack (embeddings) or ``after`` it (final norm, head).  From the traced
+    op order, since registration order need not say (OPT registers its final norm before its layers)."""
+    path = (graph.layer_container or "").split(".")
+    ends: dict[str, list[str]] = {"before": [], "after": []}
+    seen_layer = False
+    for n in graph.ops():
+        if n.layer is not None:
+            seen_layer = True
+            continue
+        parts = n.module.split(".") if n.module else []
+        depth = next((i for i, (a, b) in enumerate(zip(parts, path)) if a != b), None)  # None: on the path
+        child = ".".join(parts[:depth + 1]) if depth is not None else None
+        if child and child not in ends["before"] and child not in ends["after"]:
+            ends["after" if seen_layer else "before"].append(child)
+    return ends
+
+
+
+def carried_bytes_per_sample(graph: OpGraph) -> float:
+    """What a pipeline boundary of ``graph`` hands on beside the hidden state, per sample (``pipeline_carry``; once
+    per graph)."""
+    if "pipeline_carried_bytes" not in graph.annotations:
+        carry = pipeline_carry(graph)
+        graph.annotations["pipeline_carried_bytes"] = carry.bytes_per_sample if carry.modules else 0.0
+    return graph.annotations["pipeline_carried_bytes"]
 
 
 def simulated_bubble(layout: Layout) -> bool:
@@ -365,7 +454,8 @@ TECHNIQUE = Technique("pipeline_schedule", ("schedule", "v", "group"), expand=_e
                       check_fixed=_check_fixed_schedule, unit_step=_unit_step, time_bound_s=_time_bound_s,
                       memory_bound_bytes=_memory_bound_bytes)
 
-__all__ = ["INTERLEAVE_V", "STAGES", "TECHNIQUE", "backward_run_s", "bubble_bound_s", "bubble_time_s",
-           "check_fixed_pipeline", "cut_crossings", "fewest_in_flight", "group_options", "group_runs",
-           "interleaving_runs", "makespan_s", "op_times", "p2p_s", "pipeline_slots", "recompute_passes",
-           "schedule_options", "schedule_refuses", "simulated_bubble", "split_backward_load"]
+__all__ = ["INTERLEAVE_V", "STAGES", "TECHNIQUE", "Crossing", "PipelineCarry", "backward_run_s", "bubble_bound_s",
+           "bubble_time_s", "carried_bytes_per_sample", "check_fixed_pipeline", "cut_crossings", "fewest_in_flight",
+           "group_options", "group_runs", "interleaving_runs", "makespan_s", "op_times", "p2p_s", "pipeline_carry",
+           "pipeline_slots", "recompute_passes", "schedule_options", "schedule_refuses", "simulated_bubble",
+           "split_backward_load", "stack_ends"]

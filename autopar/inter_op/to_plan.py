@@ -7,7 +7,7 @@ from typing import Any
 from autopar.cluster import Cluster
 from autopar.inter_op.context_parallel import RUNTIME_PATH
 from autopar.inter_op.estimate import Estimate
-from autopar.inter_op.pipelining import cut_crossings
+from autopar.inter_op.pipelining import pipeline_carry, stack_ends
 from autopar.inter_op.unit_costs import POST, PRE, unit_sequence
 from autopar.intra_op.fp8 import fp8_eligible, layer_linear_weight
 from autopar.intra_op.strategies import R, Strategy, param_tp_placements, shard_dim, tensor_refs
@@ -97,25 +97,6 @@ def _param_stages(graph: OpGraph, est: Estimate) -> dict[str, list[int]]:
     return out
 
 
-def stack_ends(graph: OpGraph) -> dict[str, list[str]]:
-    """The modules beside the layer stack (children of the modules on the path to it) by when the forward
-    first calls them: ``before`` the stack (embeddings) or ``after`` it (final norm, head).  From the traced
-    op order, since registration order need not say (OPT registers its final norm before its layers)."""
-    path = (graph.layer_container or "").split(".")
-    ends: dict[str, list[str]] = {"before": [], "after": []}
-    seen_layer = False
-    for n in graph.ops():
-        if n.layer is not None:
-            seen_layer = True
-            continue
-        parts = n.module.split(".") if n.module else []
-        depth = next((i for i, (a, b) in enumerate(zip(parts, path)) if a != b), None)  # None: on the path
-        child = ".".join(parts[:depth + 1]) if depth is not None else None
-        if child and child not in ends["before"] and child not in ends["after"]:
-            ends["after" if seen_layer else "before"].append(child)
-    return ends
-
-
 def fp8_linears(graph: OpGraph, ctx: PassContext, tp_place: dict[str, str], tp: int) -> list[str]:
     """The Linears of an FP8 plan that train in FP8 (``autopar.intra_op.fp8``): those of the transformer
     layers whose weight, as one tp rank holds it, has both dimensions aligned to 16."""
@@ -194,17 +175,20 @@ def build_plan(*, graph: OpGraph, model_ref: str, config: dict[str, Any], cluste
                 ops[n.name]["alternatives"] = [
                     {"tp": {"outputs": list(alt[0].outputs), "inputs": list(alt[0].inputs)},
                      "extra_time_s": dt, "extra_memory_bytes": dm} for alt, dt, dm in alternatives[n.name]]
+    carry = pipeline_carry(graph)
+    ends = stack_ends(graph)
+    if carry.modules:  # the module before the stack whose outputs the stages hand on beside the hidden state
+        ends["carried"] = list(carry.modules)
     path = None if model_ref in ZOO else locate(model_ref)
     model = {"ref": model_ref, "path": path, "config": config, "fingerprint": model_fingerprint(graph, config),
-             "layer_container": graph.layer_container, "num_layers": len(graph.layers), "stack_ends": stack_ends(graph),
+             "layer_container": graph.layer_container, "num_layers": len(graph.layers), "stack_ends": ends,
              "layer_types": {h: idx for h, idx in first_of_type.items()}, "units": [k for k in keys
                                                                                     if k not in (PRE, POST)],
              "expert_weights": sorted(stacked_expert_params(graph))}
     if example_inputs is not None:
         model["example_inputs"] = example_inputs
-    carries = cut_crossings(graph)
-    if carries:  # what pipeline stages of a HuggingFace model would have to hand on besides the hidden state
-        model["pipeline_carries"] = {str(k): v for k, v in carries.items()}
+    if carry.lost:  # what stages could not hand on (a HuggingFace model's pipeline stages are refused)
+        model["pipeline_carries"] = {str(k): v for k, v in carry.lost.items()}
     return Plan(
         model=model, cluster=cluster.to_dict(), global_batch=global_batch, seq_len=graph.seq_len,
         mesh={"axes": list(MESH_AXES), "shape": [lay.pp, lay.dp, lay.cp, lay.tp]}, layout=lay.to_dict(),

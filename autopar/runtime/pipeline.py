@@ -176,17 +176,19 @@ class PipelineRunner:
                 mine = g
         return mine
 
-    def _ties_across_stages(self) -> list[tuple[str, str]]:
-        """The tied pairs whose copies this rank and its tie-group peer both hold: one at each end of the
-        pipeline.  A pair tied within one chunk (BERT's decoder bias and ``cls.predictions.bias``) has its peer
-        hold nothing, and is left out on both ranks alike (summing it would wait for a peer that never sends)."""
+    def _ties_across_stages(self) -> list[str]:
+        """The tied parameters (canonical FQNs) of which this rank and its tie-group peer both hold a copy: one at
+        each end of the pipeline.  A pair tied within one chunk (BERT's decoder bias and ``cls.predictions.bias``)
+        has its peer hold nothing, and is left out on both ranks alike (summing it would wait for a peer that
+        never sends)."""
         if self._tie_group is None:
             return []
-        names = dict(self.named_parameters())
+        copies = self._tied_copies()
+        names = sorted({fqn for fqn, _ in self.tied})  # the same order on both ranks
         device = "cpu" if self.device.type == "meta" else self.device  # a stage built to be measured, not run
-        held = torch.tensor([float(f in names or a in names) for f, a in self.tied], device=device)
+        held = torch.tensor([float(fqn in copies) for fqn in names], device=device)
         dist.all_reduce(held, group=self._tie_group)
-        return [pair for pair, n in zip(self.tied, held.tolist(), strict=True) if n == 2]
+        return [fqn for fqn, n in zip(names, held.tolist(), strict=True) if n == 2]
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for m in self.modules for p in m.parameters()]
@@ -232,21 +234,39 @@ class PipelineRunner:
         self._sum_tied_grads()
         return loss
 
+    def _tied_copies(self) -> dict[str, list[nn.Parameter]]:
+        """Per tied parameter (its canonical FQN), the distinct copies this rank's chunks hold: a chunk holds one
+        under however many names (BART's shared embedding is also its encoder's, its decoder's and its head's)."""
+        canonical = {name: fqn for fqn, alias in self.tied for name in (fqn, alias)}
+        copies: dict[str, list[nn.Parameter]] = {}
+        for module in self.modules:
+            for name, p in module.named_parameters(remove_duplicate=False):
+                fqn = canonical.get(clean_fqn(name))
+                if fqn is not None and not any(p is q for q in copies.get(fqn, [])):
+                    copies.setdefault(fqn, []).append(p)
+        return copies
+
     def _sum_tied_grads(self) -> None:
+        """Every copy of a tied parameter gets the sum of all copies' gradients: the copies of this rank's
+        chunks (a V, or interleaved chunks), then over the tie group of the first and last chunk's ranks."""
         if not self.tied or self.pp == 1:
             return
-        names = dict(self.named_parameters())
-        if self.first_rank == self.last_rank:  # a V: both copies on this rank
-            for fqn, alias in self.tied:
-                a, b = names.get(fqn), names.get(alias)
-                if a is not None and b is not None and a.grad is not None and b.grad is not None:
-                    a.grad.add_(_laid_out_as(b.grad, a.grad))
-                    b.grad.copy_(_laid_out_as(a.grad, b.grad))
+        copies = self._tied_copies()
+        for params in copies.values():
+            trainable = [p for p in params if p.requires_grad]
+            grads = [p.grad for p in trainable if p.grad is not None]
+            if len(trainable) < 2 or not grads:
+                continue
+            total = grads[0].clone()
+            for g in grads[1:]:
+                total.add_(_laid_out_as(g, total))
+            for p in trainable:
+                p.grad = _laid_out_as(total, p).clone() if p.grad is None else p.grad.copy_(_laid_out_as(total, p.grad))
+        if self._tie_group is None:  # a middle rank, or a V: no peer
             return
-        if self._tie_group is None:  # a middle rank: no tied copy
-            return
-        for fqn, alias in self._cross_ties:
-            p = names.get(fqn, names.get(alias))
+        for fqn in self._cross_ties:
+            params = copies[fqn]
+            p = params[0]
             if not p.requires_grad:  # frozen: so is the copy at the other end
                 continue
             if p.grad is None:  # unused this step: its peer still waits for a sum
@@ -256,3 +276,6 @@ class PipelineRunner:
             dist.all_reduce(local, group=self._tie_group)
             if g is not p.grad:
                 p.grad = g
+            for other in params[1:]:
+                other.grad = _laid_out_as(p.grad, other).clone() if other.grad is None else other.grad.copy_(
+                    _laid_out_as(p.grad, other.grad))

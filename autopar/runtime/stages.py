@@ -27,7 +27,7 @@ from collections.abc import Mapping
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 from autopar.errors import AutoparError
 from autopar.plan_file import Plan
@@ -152,6 +152,7 @@ class _Placeholder(nn.Module):
         super().__init__()
         object.__setattr__(self, "_shape", copy.deepcopy(module).to("meta") if before else None)
         self.dtype = torch.float32  # the stage input's (set by the stage forward)
+        self.carried: list[torch.Tensor] | None = None  # a carried module's outputs, as the stage received them
 
     def __getattr__(self, name: str) -> object:
         """Attributes of the module it stands in for (ViT's forward reads its patch embedding's weight dtype)."""
@@ -168,9 +169,12 @@ class _Placeholder(nn.Module):
             raise _StageEnd(args[0] if args else next(iter(kwargs.values())))
         device = next(a.device for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
         meta_args, meta_kwargs = tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
+        shaped = self._shape(*meta_args, **meta_kwargs)
+        if self.carried is not None:  # what the first stage's module made, handed on: in its output's structure
+            received = iter(self.carried)
+            return tree_map_only(torch.Tensor, lambda t: next(received), shaped)
         return tree_map_only(torch.Tensor, lambda t: torch.zeros(
-            t.shape, device=device, dtype=self.dtype if t.is_floating_point() else t.dtype),
-            self._shape(*meta_args, **meta_kwargs))
+            t.shape, device=device, dtype=self.dtype if t.is_floating_point() else t.dtype), shaped)
 
 
 def _hf_ends(model: nn.Module, ends: Mapping[str, list[str]]) -> tuple[list[tuple[nn.Module, str]], ...]:
@@ -214,10 +218,21 @@ def hf_stage(model: nn.Module, container: str, lo: int, hi: int, first: bool, la
         owner.config = copy.copy(config)
         owner.config.layer_types = [config.layer_types[int(i)] for i in kept]
     before, after = _hf_ends(model, ends)
+    carried_names = list(ends.get("carried", ()))
+    captured: list[torch.Tensor] = []  # on the first stage: the carried modules' outputs, to hand on
+    if first and not last:
+        for fqn in carried_names:
+            model.get_submodule(fqn).register_forward_hook(
+                lambda _module, _args, output: captured.extend(
+                    t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)))
     placeholders = []
-    for ends, keep, is_before in ((before, first, True), (after, last, False)):
-        for parent, name in ends if not keep else ():
+    carriers: list[_Placeholder] = []  # later stages: the carried modules, taking what the stage received
+    for ends_of, keep, is_before in ((before, first, True), (after, last, False)):
+        for parent, name in ends_of if not keep else ():
             placeholders.append(_Placeholder(getattr(parent, name), is_before))
+            fqn = ".".join(p for p in (_fqn_of(model, parent), name) if p)
+            if is_before and fqn in carried_names:
+                carriers.append(placeholders[-1])
             setattr(parent, name, placeholders[-1])
     cls_forward = type(model).forward
     # what the model reads first, token ids or images (a PEFT model's: the model it wraps, which gets its inputs)
@@ -225,18 +240,22 @@ def hf_stage(model: nn.Module, container: str, lo: int, hi: int, first: bool, la
     by_name = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     lead = params[0].name if params and params[0].kind in by_name else "input_ids"
     # no KV cache in training (a PEFT model passes it on through **kwargs); an image model may take no such key
-    cache = {"use_cache": False} if lead == "input_ids" or any(p.name == "use_cache" for p in params) else {}
+    takes_cache = any(p.name == "use_cache" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+    cache = {"use_cache": False} if takes_cache else {}
     if lead != "input_ids":  # a later stage drives its placeholder embeddings with the images' shape
         model.wants_first_input = True
-    received: list[torch.Tensor] = []
+    stage_input: list[torch.Tensor] = []
     if not kept and not first and last and after:  # a head-only chunk: its input goes to the final norm
         parent, name = after[0]
-        getattr(parent, name).register_forward_pre_hook(lambda _module, args: (received[-1], *args[1:]))
+        getattr(parent, name).register_forward_pre_hook(lambda _module, args: (stage_input[-1], *args[1:]))
 
-    def forward(x: torch.Tensor, **inputs: torch.Tensor) -> torch.Tensor:
+    def forward(x: torch.Tensor, *received: torch.Tensor, **inputs: torch.Tensor) -> object:
         original = inputs.pop(FIRST_INPUT_KWARG, None)
+        # a copy (a view would refuse the split backward's detach_), whose gradient flows back to the received one
+        handed = [t.clone() for t in received]
         if not kept and not first and not last:
-            return x  # a chunk without layers between two others (never planned; kept exact anyway)
+            return (x, *handed) if carried_names else x  # a chunk without layers between two others
+        _take(carriers, received)
         if first:
             ids = x
         elif lead == "input_ids":
@@ -244,21 +263,36 @@ def hf_stage(model: nn.Module, container: str, lo: int, hi: int, first: bool, la
         else:  # the first input itself (images): only its shape reaches the placeholder embeddings
             ids = original
         layers.inject = None if first else x
-        received[:] = [x]
+        stage_input[:] = [x]
         for placeholder in placeholders:
             placeholder.dtype = x.dtype if x.is_floating_point() else torch.float32
+        captured.clear()
         try:
             out = cls_forward(model, **{lead: ids}, **cache, **inputs)
         except _StageEnd as end:  # a view (OPT's layers return one) would refuse the split backward's detach_
-            return end.hidden if end.hidden._base is None else end.hidden.clone()
+            hidden = end.hidden if end.hidden._base is None else end.hidden.clone()
+            # the first stage's carried outputs leave as copies too: its own layers saved them for backward
+            return (hidden, *([t.clone() for t in captured] if first else handed)) if carried_names else hidden
         finally:
             layers.inject = None
-            received.clear()
+            stage_input.clear()
         model.output_type = type(out)  # the loss gets one again (autopar.runtime.pipeline.model_output)
         return out.logits
 
     model.forward = forward
     return model
+
+
+def _fqn_of(model: nn.Module, module: nn.Module) -> str:
+    """``module``'s name in ``model`` (``""`` for the model itself)."""
+    return next(name for name, m in model.named_modules(remove_duplicate=False) if m is module)
+
+
+def _take(carriers: list[_Placeholder], received: tuple[torch.Tensor, ...]) -> None:
+    """Hand the carried module's placeholder what the stage received beside the hidden state: its module's
+    outputs, which it returns in their structure (one module carries, ``autopar.inter_op.pipelining``)."""
+    for placeholder in carriers:
+        placeholder.carried = list(received)
 
 
 def prune(model: nn.Module, lo: int, hi: int, first: bool, last: bool, container: str,

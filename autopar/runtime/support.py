@@ -30,7 +30,8 @@ def check_runnable(plan: Plan, model: nn.Module, compiled: bool | None = None) -
     lay = plan.layout
     check_compiled(lay["schedule"], lay.get("cp", 1), lay["recompute"], plan.compile if compiled is None else compiled)
     if lay["pp"] > 1:
-        check_pipeline_stages(model, plan.model.get("layer_container"), plan.model.get("pipeline_carries"))
+        check_pipeline_stages(model, plan.model.get("layer_container"), plan.model.get("pipeline_carries"),
+                              plan.model.get("stack_ends"))
     if lay.get("cp", 1) > 1:
         check_context_parallel(plan, model)
     if lay.get("ep", 1) > 1:
@@ -39,14 +40,21 @@ def check_runnable(plan: Plan, model: nn.Module, compiled: bool | None = None) -
 
 
 def check_pipeline_stages(model: nn.Module, container: str | None = None,
-                          carries: dict[str, list[str]] | None = None) -> None:
-    """What pipeline stages split: models of one stack of layers (``container``), not encoder-decoders; of
-    HuggingFace models (``autopar.runtime.stages.hf_stage``) those whose forward takes an input first (token ids,
-    or images that every stage gets), and whose layers read nothing from earlier stages but the hidden state
-    (``carries``: the plan's ``pipeline_carries``, ``autopar.inter_op.pipelining.cut_crossings``)."""
+                          carries: dict[str, list[str]] | None = None,
+                          ends: dict[str, list[str]] | None = None) -> None:
+    """What pipeline stages split: one stack of layers (``container``).  Of HuggingFace models
+    (``autopar.runtime.stages.hf_stage``) those whose forward takes an input first (token ids, or images that
+    every stage gets), and whose later stages need nothing from earlier ones but the hidden state and the
+    outputs of one module run before the stack on the first stage (an encoder, a vision tower's projection:
+    ``ends["carried"]``), which the stages hand on; another stack of layers runs inside such a module.
+    ``carries``: what no stage could hand on (the plan's ``pipeline_carries``,
+    ``autopar.inter_op.pipelining.pipeline_carry``).  Other models run their own forward on the stages: one
+    stack."""
     others = other_stacks(model, container) if container else []  # the plan's names: of the model as it is built
     model = wrapped_model(model)
-    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+    first_stage = (ends or {}).get("before", []) if is_huggingface(model) else []
+    others = [o for o in others if not any(o.startswith(b + ".") for b in first_stage)]  # whole on the first stage
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False) and others:
         raise AutoparError(f"pipeline stages run one stack of layers; {type(model).__name__} is an encoder-decoder "
                            "(two stacks): plan with --fix pp=1")
     if others:
