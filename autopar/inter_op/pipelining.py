@@ -154,6 +154,9 @@ def check_fixed_pipeline(layers: int, global_batch: int, fixed: dict[str, Any]) 
 # ---- what a pipeline costs beyond its slowest stage's slots
 
 
+# ---- what a cut between stages hands on
+
+
 @dataclass(frozen=True, slots=True)
 class Crossing:
     """A tensor a pipeline cut would hand on besides the hidden state: the op that made it (its storage), the
@@ -214,9 +217,9 @@ class PipelineCarry:
     """What pipeline stages hand on beside the hidden state (``pipeline_carry``)."""
 
     modules: tuple[str, ...] = ()
-    """The module called before the stack (an encoder, a vision tower's projection) whose outputs later layers
-    or the loss read: the first stage hands its outputs on, and later stages take them in place of the module
-    (one module at most; several are ``lost``)."""
+    """The module called before the stack (an encoder) whose outputs the layers read (cross-attention): the first
+    stage hands its outputs on, and later stages take them in place of the module (one module at most; several
+    are ``lost``)."""
     bytes_per_sample: float = 0.0
     """Those outputs' bytes per sample: at most what a cut carries beside the hidden state."""
     lost: dict[int, list[str]] = field(default_factory=dict)
@@ -270,7 +273,6 @@ def stack_ends(graph: OpGraph) -> dict[str, list[str]]:
         if child and child not in ends["before"] and child not in ends["after"]:
             ends["after" if seen_layer else "before"].append(child)
     return ends
-
 
 
 def carried_bytes_per_sample(graph: OpGraph) -> float:

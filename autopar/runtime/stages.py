@@ -16,7 +16,9 @@ How a stage runs:
 - HuggingFace decoders, whatever the architecture, run their own ``forward`` too (``hf_stage``): the
   stage's layers in a stack that iterates like the ``ModuleList`` it replaces, parameter-free
   placeholders for the embeddings of later stages (the first layer takes the stage's input instead) and
-  for the final norm and head of earlier ones (where the stage ends with its hidden states).
+  for the final norm and head of earlier ones (where the stage ends with its hidden states); of an
+  encoder-decoder, the decoder's layers, the encoder running whole on the first stage, whose output the
+  stages hand on.
 """
 
 from __future__ import annotations
@@ -202,8 +204,10 @@ def hf_stage(model: nn.Module, container: str, lo: int, hi: int, first: bool, la
     by keyword (``attention_mask=...``); the last returns the logits and records the model's output type.
     No per-architecture code: whatever the decoder does around its layers (masks, rotary or learned
     positions, ALiBi, scaling) it does itself.
-    What it needs: the hidden states are all the layers carry from the embeddings (a decoder whose layers
-    also read per-layer embedding outputs, as Gemma 3n's do, would get zeros on later stages)."""
+    What it needs: the hidden states are all the layers carry from the embeddings, but for the outputs of one
+    module run before the stack (an encoder, ``ends["carried"]``): the first stage hands them on beside its
+    hidden states, and later stages take them, passed on, in place of that module.  Anything else the later
+    layers read from earlier stages is refused at plan time (``autopar.inter_op.pipelining.pipeline_carry``)."""
     if ends is None:
         raise AutoparError("this plan does not say which modules run before and after the layers "
                            "(model.stack_ends, written since plan schema 3): plan it again")

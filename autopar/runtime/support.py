@@ -45,8 +45,9 @@ def check_pipeline_stages(model: nn.Module, container: str | None = None,
     """What pipeline stages split: one stack of layers (``container``).  Of HuggingFace models
     (``autopar.runtime.stages.hf_stage``) those whose forward takes an input first (token ids, or images that
     every stage gets), and whose later stages need nothing from earlier ones but the hidden state and the
-    outputs of one module run before the stack on the first stage (an encoder, a vision tower's projection:
-    ``ends["carried"]``), which the stages hand on; another stack of layers runs inside such a module.
+    outputs of one module run before the stack on the first stage that the layers read (an encoder's, for the
+    decoder's cross-attention: ``ends["carried"]``), which the stages hand on; another stack of layers runs
+    whole inside a module before the stack.
     ``carries``: what no stage could hand on (the plan's ``pipeline_carries``,
     ``autopar.inter_op.pipelining.pipeline_carry``).  Other models run their own forward on the stages: one
     stack."""
@@ -68,9 +69,9 @@ def check_pipeline_stages(model: nn.Module, container: str | None = None,
                            f"{type(model).__name__}.forward takes none: plan with --fix pp=1")
     if carries:
         cut, tensors = min(carries.items(), key=lambda item: int(item[0]))
-        raise AutoparError(f"pipeline stages of a HuggingFace model hand on the hidden state alone; a stage starting "
-                           f"at layer {cut} of {container} would also need {tensors[0]}, made by an earlier stage: "
-                           "plan with --fix pp=1")
+        raise AutoparError(f"pipeline stages of a HuggingFace model hand on the hidden state (and an encoder's output "
+                           f"for the layers); a stage starting at layer {cut} of {container} would also need "
+                           f"{tensors[0]}, made by an earlier stage: plan with --fix pp=1")
 
 
 def other_stacks(model: nn.Module, container: str) -> list[str]:
