@@ -5,8 +5,9 @@ over the ranks (chunk ``c`` on rank ``c % pp``), or form a V for ``zbv`` and ``d
 holds chunks ``k`` and ``2 pp - 1 - k``, so the first rank holds the first and the last chunk).
 
 Tied parameters shared by the first and last chunk (embedding and head) get one copy per chunk; their
-gradients are summed before the optimizer step: over a dedicated group of the two ranks, or on the rank
-itself when a V puts both chunks there.
+gradients are summed before the optimizer step, once per parameter however many names it has (BART's shared
+embedding is also its encoder's, its decoder's and its head's): over the copies a rank holds, then over a
+dedicated group of the first and last chunk's ranks.
 
 The loss sees what it sees in one process: ``loss_fn(output, *args, **kwargs)`` with the model's own output type
 (the last stage's ``output_type``, a HuggingFace ``ModelOutput``, rebuilt around its logits) and every input
