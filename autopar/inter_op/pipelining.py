@@ -239,7 +239,8 @@ def pipeline_carry(graph: OpGraph) -> PipelineCarry:
     modules: set[str] = set()
     lost: dict[int, list[str]] = {}
     carried = 0.0
-    for k, crossings in cut_crossings(graph).items():
+    crossings_at = cut_crossings(graph)
+    for k, crossings in crossings_at.items():
         at_cut = 0.0
         for c in crossings:
             end = end_of(c.module) if c.read_by_layers else None  # an encoder's output, for the layers
@@ -252,7 +253,7 @@ def pipeline_carry(graph: OpGraph) -> PipelineCarry:
     if len(modules) > 1:  # the stages hand on one module's outputs
         names = ", ".join(m for m in before if m in modules)
         return PipelineCarry(lost={k: [f"the outputs of several modules before the layers ({names})"]
-                                   for k in sorted(set(cut_crossings(graph)))})
+                                   for k in sorted(crossings_at)})
     return PipelineCarry(tuple(modules), carried, lost)
 
 

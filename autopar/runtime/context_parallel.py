@@ -94,11 +94,11 @@ class ContextParallel:
         come in sequence order."""
         return torch.argsort(gathered_positions(self.seq_len, self.size)).to(device)
 
-    def query_chunks(self) -> tuple[tuple[int, int], tuple[int, int]]:
-        """This rank's two chunks of queries as (length, keys they may see): chunk ``rank`` sees the keys up to
-        its end, chunk ``2 cp - 1 - rank`` those up to its own."""
+    def chunk_ends(self) -> tuple[int, int]:
+        """Where this rank's two chunks of ``seq_len / (2 cp)`` queries end: chunk ``rank`` sees the keys up to
+        the first, chunk ``2 cp - 1 - rank`` those up to the second."""
         c = self.seq_len // (2 * self.size)
-        return (c, (self.rank + 1) * c), (c, (2 * self.size - self.rank) * c)
+        return (self.rank + 1) * c, (2 * self.size - self.rank) * c
 
     def attention(self, device: torch.device) -> ContextParallelAttention:
         return ContextParallelAttention(self, self.key_order(device))
@@ -135,9 +135,9 @@ class ContextParallelAttention(AttentionMode):
             groups = query.shape[-3] // key.shape[-3]  # as many key/value heads as query heads
             key, value = key.repeat_interleave(groups, dim=-3), value.repeat_interleave(groups, dim=-3)
         key, value = key.index_select(seq, self.key_order), value.index_select(seq, self.key_order)
-        chunks = zip(query.split(self.cp.seq_len // (2 * self.cp.size), dim=seq), self.cp.query_chunks(), strict=True)
+        chunks = zip(query.split(self.cp.seq_len // (2 * self.cp.size), dim=seq), self.cp.chunk_ends(), strict=True)
         return torch.cat([_causal_to_end(q, key.narrow(seq, 0, seen), value.narrow(seq, 0, seen), dropout_p, rest)
-                          for q, (_, seen) in chunks], dim=seq)
+                          for q, seen in chunks], dim=seq)
 
 
 #: Head sizes FlashAttention takes as they are (``torch.nn.attention.bias.CausalBias`` pads the others).

@@ -259,7 +259,8 @@ def hf_stage(model: nn.Module, container: str, lo: int, hi: int, first: bool, la
         handed = [t.clone() for t in received]
         if not kept and not first and not last:
             return (x, *handed) if carried_names else x  # a chunk without layers between two others
-        _take(carriers, received)
+        for placeholder in carriers:  # the carried module takes what the stage received beside the hidden state
+            placeholder.carried = list(received)
         if first:
             ids = x
         elif lead == "input_ids":
@@ -290,13 +291,6 @@ def hf_stage(model: nn.Module, container: str, lo: int, hi: int, first: bool, la
 def _fqn_of(model: nn.Module, module: nn.Module) -> str:
     """``module``'s name in ``model`` (``""`` for the model itself)."""
     return next(name for name, m in model.named_modules(remove_duplicate=False) if m is module)
-
-
-def _take(carriers: list[_Placeholder], received: tuple[torch.Tensor, ...]) -> None:
-    """Hand the carried module's placeholder what the stage received beside the hidden state: its module's
-    outputs, which it returns in their structure (one module carries, ``autopar.inter_op.pipelining``)."""
-    for placeholder in carriers:
-        placeholder.carried = list(received)
 
 
 def prune(model: nn.Module, lo: int, hi: int, first: bool, last: bool, container: str,
