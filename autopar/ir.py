@@ -233,6 +233,10 @@ class OpGraph:
     backward: str = "derived-per-op"
     #: the loss compares the samples of the batch (``autopar.gather_batch``): one micro-batch per step
     loss_gathers_batch: bool = False
+    #: arguments the stack's own loop hands from one layer to the next, made by the layers (T5's relative position
+    #: bias, which the first layer makes and every later one takes): the slots (a positional index, or a keyword)
+    #: the first layer gets as ``None`` and the second as a tensor with a gradient
+    layer_loop_args: tuple[str, ...] = ()
     annotations: dict[str, Any] = field(default_factory=dict)
     _index: dict[str, Node] = field(default_factory=dict, repr=False)
     _compute_itemsize: int = field(default=0, repr=False)

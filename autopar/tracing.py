@@ -132,15 +132,53 @@ def trace(
     # does the loss compare the batch's samples (autopar.gather_batch)?  Fused kernels as one op each
     with gathering_over(None) as gathers, traced_as_fused_kernels():
         if repeat_identical_layers and _identical_blocks(model, container):
-            with _truncated_stack(model, container, TRACED_LAYERS):
+            with _truncated_stack(model, container, TRACED_LAYERS), _layer_calls(model, container) as calls:
                 ep = _export(model, inputs, loss_fn)
             graph = _repeat_layers(_to_opgraph(ep, model, sentinel, seq_len), container,
                                    len(list(model.get_submodule(container).children())))
         if graph is None:
-            graph = _to_opgraph(_export(model, inputs, loss_fn), model, sentinel, seq_len)
+            with _layer_calls(model, container) as calls:
+                ep = _export(model, inputs, loss_fn)
+            graph = _to_opgraph(ep, model, sentinel, seq_len)
     graph.loss_gathers_batch = bool(gathers)
+    graph.layer_loop_args = _loop_args(calls)
     graph.trace_time_s = time.perf_counter() - t0
     return graph
+
+
+@contextlib.contextmanager
+def _layer_calls(model: nn.Module, container: str | None) -> Iterator[list[dict[str, Any]]]:
+    """The arguments the stack's first two layers are called with, by slot (a positional index as a string, or a
+    keyword), as the export calls them."""
+    calls: list[dict[str, Any]] = []
+    layers = list(model.get_submodule(container).children())[:2] if container else []
+    if len(layers) < 2:
+        yield calls
+        return
+
+    def record(index: int) -> Callable[..., None]:
+        def hook(_module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+            if len(calls) == index:  # the first call of each (a model may call its layers again)
+                calls.append({**{str(i): a for i, a in enumerate(args)}, **kwargs})
+        return hook
+
+    handles = [layer.register_forward_pre_hook(record(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    try:
+        yield calls
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _loop_args(calls: list[dict[str, Any]]) -> tuple[str, ...]:
+    """``OpGraph.layer_loop_args``: the slots the first layer gets as ``None`` (or not at all) and the second as a
+    tensor with a gradient, which the stack's loop made from the layer before (never the hidden state, slot 0)."""
+    if len(calls) < 2:
+        return ()
+    first, second = calls
+    return tuple(slot for slot, value in second.items()
+                 if slot not in ("0", "hidden_states") and first.get(slot) is None
+                 and isinstance(value, torch.Tensor) and value.requires_grad)
 
 
 def _sized_by(val: Any, sentinel: int) -> bool:

@@ -1,7 +1,8 @@
 """Benchmark: `autopar verify` over a wider matrix of models and layouts than CI has time for.
 
 Each case plans a small model with ``--fix`` on a 4- or 8-device ``cpu`` cluster, launches it on local
-CPU ranks (gloo), and compares loss, gradients and parameters with one process over 3 steps.  The cases
+CPU ranks (gloo), and compares loss, gradients and parameters with one process over 3 steps (``STEPS`` says
+where fewer).  The cases
 include the sixteen HuggingFace decoders of ``examples/hf_decoder.py`` (global batch 8, sequence 32) at
 dp2 x tp2 and pp2 x dp2, and a LoRA fine-tune (``examples/lora_llama.py``: a frozen base, padded batches).
 Plans of one world size run in one launch (``verify_many``); a launch that fails is rerun plan by plan to tell
@@ -66,6 +67,10 @@ CASES += [(f"hf {arch} {name}", str(HF_MODELS), f"arch={arch},seq_len=32", fix, 
 DIT = "layers=2,hidden=256,heads=4,image=8,classes=10"
 CASES += [(f"dit {name}", str(ROOT / "models" / "dit.py"), DIT, fix, 4)
           for name, fix in (("dp2 x tp2", "dp=2,tp=2"), ("pp2 x dp2", "pp=2,dp=2"))]
+#: Steps of a case other than 3: T5 under SGD at verify's rate diverges within three steps (its losses grow tenfold,
+#: one process too), and rounding then decides a comparison of its pipeline's weights; one step checks the whole
+#: forward and backward, the position bias's gradient sent back over the cut included.
+STEPS = {"hf t5 pp2 x dp2": 1}
 HF_DECODER = ROOT / "examples" / "hf_decoder.py"
 CASES += [(f"hf {arch} {name}", str(HF_DECODER), f"arch={arch},layers=4,hidden=64,heads=4,vocab=128,seq_len=32", fix, 4)
           for arch in modelfile.load_module(str(HF_DECODER)).ARCHS
@@ -93,19 +98,20 @@ def report(plan: dict, res: VerifyResult) -> dict:
 
 
 def verify_all(plans: dict[str, tuple[dict, Path]]) -> dict[str, dict]:
-    """Verify the planned cases, one launch per world size; a failing launch is rerun plan by plan."""
+    """Verify the planned cases, one launch per world size and step count; a failing launch is rerun plan by
+    plan."""
     out: dict[str, dict] = {}
-    for devices in sorted({_devices(plan) for plan, _ in plans.values()}):
-        names = [n for n, (plan, _) in plans.items() if _devices(plan) == devices]
+    for devices, steps in sorted({(_devices(plan), STEPS.get(n, 3)) for n, (plan, _) in plans.items()}):
+        names = [n for n, (plan, _) in plans.items() if (_devices(plan), STEPS.get(n, 3)) == (devices, steps)]
         try:
-            results = verify_many([plans[n][1] for n in names])
+            results = verify_many([plans[n][1] for n in names], steps=steps)
             out.update({n: report(plans[n][0], r) for n, r in zip(names, results)})
             continue
         except AutoparError:
             pass
         for n in names:
             try:
-                out[n] = report(plans[n][0], verify(plans[n][1]))
+                out[n] = report(plans[n][0], verify(plans[n][1], steps=steps))
             except AutoparError as exc:
                 out[n] = {"ok": False, "error": str(exc), "layout": plans[n][0]["layout"]}
     return out
@@ -134,14 +140,16 @@ def main() -> None:
             else:
                 plans[name] = (plan, workdir / "plan.json")
         rows.update(verify_all(plans))
-    rows = [{"case": name, "fix": fix, **rows[name]} for name, _, _, fix, _ in cases]
-    table = Table(title=f"autopar verify matrix (3 steps, tolerance 1e-4; {time.perf_counter() - t0:.0f} s)")
+    rows = [{"case": name, "fix": fix, "steps": STEPS.get(name, 3), **rows[name]} for name, _, _, fix, _ in cases]
+    table = Table(title=f"autopar verify matrix (3 steps unless said, tolerance 1e-4; "
+                        f"{time.perf_counter() - t0:.0f} s)")
     for col in ("case", "ok", "loss", "grads", "params", "dropout off"):
         table.add_column(col)
     for r in rows:
         diffs = [f"{r[k]:.1e}" if k in r else "-" for k in ("loss_rel_diff", "grad_rel_diff", "param_rel_diff")]
         status = "OK" if r["ok"] else f"refused: {r['refused']}" if "refused" in r else f"FAIL {r.get('error', '')}"
-        table.add_row(r["case"], status, *diffs, str(r.get("dropout_off", "-")))
+        steps = f" ({r['steps']} step{'s' if r['steps'] > 1 else ''})" if r["steps"] != 3 else ""
+        table.add_row(r["case"] + steps, status, *diffs, str(r.get("dropout_off", "-")))
     Console().print(table)
     out = ROOT / "benchmarks" / "results" / "runtime_matrix.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -74,7 +74,7 @@ from autopar.inter_op.links import Links, cached_axis_link, layout_links
 from autopar.inter_op.pipelining import (
     bubble_bound_s,
     bubble_time_s,
-    carried_bytes_per_sample,
+    carried_bytes,
     p2p_s,
     recompute_passes,
     simulated_bubble,
@@ -411,7 +411,7 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
             return None
     fw = ctx.framework
     # beside the hidden state, each boundary hands on an encoder's output for the decoder's layers
-    carried_bytes = carried_bytes_per_sample(graph) * layout.mbs if p > 1 else 0.0
+    carried = carried_bytes(graph, layout.mbs) if p > 1 else 0.0
     stage_times, dp_exposed = [], 0.0
     per_stage: list[StageCost] = []
     members = _stage_members(keys, split, layout)
@@ -420,7 +420,7 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
         span = spans[k]
         neighbours = (1 if k > 0 else 0) + (1 if k < p - 1 else 0)
         boundary = max(costs[keys[a]].input_bytes if k > 0 else 0.0,
-                       costs[keys[b]].input_bytes if b < len(keys) else 0.0) + carried_bytes
+                       costs[keys[b]].input_bytes if b < len(keys) else 0.0) + carried
         # one transfer each way per neighbour and micro-batch, for every chunk with interleaving
         p2p = neighbours * p2p_s(boundary, layout, pp_link, tp_link, ctx) * v if p > 1 else 0.0
         busy, mix = span.compute_s, span.power

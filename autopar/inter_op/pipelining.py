@@ -9,7 +9,8 @@ search's space (``search.layouts``) and for the errors of pinned values (``searc
 - the zero-bubble schedules: ``interleaved_zb`` (``v`` in {1, 2, 4, 8}, the same rule), ``zbv`` and ``dualpipev``
   (two chunks per rank in a V: ``v = 2``, at least ``2 pp`` layers; ``dualpipev`` also ``m >= 2 pp``); they split
   the backward into two autograd passes, which per-op checkpointing refuses, and run each weight step after ZeRO-3
-  resharded its block (``schedule_refuses``);
+  resharded its block, and whose weight steps cannot run a weight's output that several layers read (what the
+  stack's loop hands from layer to layer: T5's relative position bias) (``schedule_refuses``);
 - with one stage there is no pipeline: the schedules coincide.
 """
 
@@ -111,17 +112,26 @@ def group_options(schedule: str, pp: int, m: int, fixed: Mapping[str, Any], fw: 
     return [0] + [g for g in sizes if g != default and group_runs(g, pp, m)]
 
 
-def schedule_refuses(schedule: str, pp: int, recompute: str | None = None, zero: int | None = None) -> bool:
-    """Whether ``schedule`` on ``pp`` stages cannot run with this recomputation or ZeRO level: a split backward's
-    second autograd pass is refused by per-op checkpointing's selective-checkpoint regions, and its weight step
-    would not find the weights of blocks ZeRO-3 resharded after their forward."""
+def schedule_refuses(schedule: str, pp: int, recompute: str | None = None, zero: int | None = None,
+                     layer_loop: bool = False) -> bool:
+    """Whether ``schedule`` on ``pp`` stages cannot run with this recomputation or ZeRO level, or on this model: a
+    split backward's second autograd pass is refused by per-op checkpointing's selective-checkpoint regions, its
+    weight step would not find the weights of blocks ZeRO-3 resharded after their forward, and (``layer_loop``:
+    ``OpGraph.layer_loop_args``) it fails on a weight's output that several layers of a chunk read: torch's weight
+    step runs one autograd pass per group of weights without keeping the graph, and the pass of the shared weight
+    (which starts at its last reader) frees what the others' passes need."""
     split = splits_backward(schedule, pp)
-    return split and (recompute == "op" or zero == 3)
+    return split and (recompute == "op" or zero == 3 or layer_loop)
 
 
-def check_fixed_pipeline(layers: int, global_batch: int, fixed: dict[str, Any]) -> None:
-    """A one-line ``AutoparError`` for pinned pipeline values that cannot run together (``layers``: the model's)."""
+def check_fixed_pipeline(layers: int, global_batch: int, fixed: dict[str, Any], layer_loop: bool = False) -> None:
+    """A one-line ``AutoparError`` for pinned pipeline values that cannot run together (``layers``: the model's;
+    ``layer_loop``: its stack's loop hands a weight's output from layer to layer, ``schedule_refuses``)."""
     schedule = fixed.get("schedule")
+    if schedule in SPLIT_BACKWARD and layer_loop and fixed.get("pp", 2) > 1:
+        raise AutoparError(f"schedule={schedule} splits the backward into two autograd passes, and torch's weight "
+                           "pass fails on a weight's output that several layers read (this model's layers hand one "
+                           "on, as T5's relative position bias): use schedule=1f1b, gpipe or interleaved")
     if fixed.get("group", 0) and (schedule or "interleaved") != "interleaved":
         raise AutoparError("group (micro-batches per round) needs schedule=interleaved")
     if fixed.get("v", 1) > 1 and (schedule or "interleaved") not in MULTI_CHUNK:
@@ -166,6 +176,7 @@ class Crossing:
     module: str
     bytes_per_sample: float
     read_by_layers: bool = True  # the layers after the cut read it (cross-attention), not only the ops after them
+    fixed_bytes: float = 0.0  # bytes that do not grow with the batch (a position bias shared by the samples)
 
     def describe(self) -> str:
         return f"the output of {self.module or 'the model'} ({self.node})"
@@ -206,10 +217,15 @@ def cut_crossings(graph: OpGraph) -> dict[int, list[Crossing]]:
         hidden = next((key for key, (made, _) in sorted(storages.items()) if made == k - 1), None)
         extra = [(key, r) for key, (_, r) in sorted(storages.items()) if key != hidden]
         if extra:
-            out[k] = [Crossing(key.split(":")[0], graph[key.split(":")[0]].module,
-                               float(graph.tensor(r).numel_at(1) * graph.tensor(r).itemsize), key in in_layers)
-                      for key, r in extra]
+            out[k] = [_crossing(graph, key, r, key in in_layers) for key, r in extra]
     return out
+
+
+def _crossing(graph: OpGraph, key: str, ref: Ref, read_by_layers: bool) -> Crossing:
+    t = graph.tensor(ref)
+    one, two = t.numel_at(1) * t.itemsize, t.numel_at(2) * t.itemsize
+    node = key.split(":")[0]
+    return Crossing(node, graph[node].module, float(two - one), read_by_layers, float(2 * one - two))
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,40 +237,55 @@ class PipelineCarry:
     stage hands its outputs on, and later stages take them in place of the module (one module at most; several
     are ``lost``)."""
     bytes_per_sample: float = 0.0
-    """Those outputs' bytes per sample: at most what a cut carries beside the hidden state."""
+    """What a cut carries beside the hidden state, per sample (the most over the cuts) ..."""
+    fixed_bytes: float = 0.0
+    """... and per micro-batch whatever its size (a position bias without a batch dimension)."""
+    loop_args: tuple[str, ...] = ()
+    """The slots of the layers' calls (``OpGraph.layer_loop_args``) that the stack's loop hands from layer to layer,
+    made by an earlier layer (T5's relative position bias): the stage before a cut hands on what its loop would
+    pass the next layer there, and the stage after passes it to its first layer."""
     lost: dict[int, list[str]] = field(default_factory=dict)
-    """Per cut, the tensors no stage could hand on (made inside the layers, as T5's relative position bias)."""
+    """Per cut, the tensors no stage could hand on (what only the ops after the layers read, or what layers make
+    and pass on other than through the stack's loop)."""
 
 
 def pipeline_carry(graph: OpGraph) -> PipelineCarry:
     """What a pipeline of ``graph``'s stack carries beside the hidden state (``cut_crossings``), split into the
     outputs of modules before the stack (``stack_ends``) that the layers read (an encoder's, for the decoder's
-    cross-attention), which the stages hand on, and the rest (what only the ops after the layers read, such as
-    CLIP's image embeddings for its loss, stays refused)."""
+    cross-attention), which the stages hand on; what a layer made that the stack's loop hands to the later layers
+    (``OpGraph.layer_loop_args``: T5's relative position bias), which the stages hand on too; and the rest (what
+    only the ops after the layers read, such as CLIP's image embeddings for its loss, stays refused)."""
     before = stack_ends(graph)["before"]
+    layers_prefix = f"{graph.layer_container}."
 
     def end_of(module: str) -> str | None:
         return next((e for e in before if module == e or module.startswith(e + ".")), None)
 
     modules: set[str] = set()
     lost: dict[int, list[str]] = {}
-    carried = 0.0
+    per_sample = fixed = 0.0
+    looped = False
     crossings_at = cut_crossings(graph)
     for k, crossings in crossings_at.items():
-        at_cut = 0.0
+        at_cut = [0.0, 0.0]
         for c in crossings:
             end = end_of(c.module) if c.read_by_layers else None  # an encoder's output, for the layers
-            if end is None:
+            in_loop = bool(c.read_by_layers and graph.layer_loop_args and c.module.startswith(layers_prefix))
+            if end is None and not in_loop:
                 lost.setdefault(k, []).append(c.describe())
-            else:
+                continue
+            if end is not None:
                 modules.add(end)
-                at_cut += c.bytes_per_sample
-        carried = max(carried, at_cut)
+            looped = looped or in_loop
+            at_cut[0] += c.bytes_per_sample
+            at_cut[1] += c.fixed_bytes
+        if at_cut[0] + at_cut[1] > per_sample + fixed:
+            per_sample, fixed = at_cut
     if len(modules) > 1:  # the stages hand on one module's outputs
         names = ", ".join(m for m in before if m in modules)
         return PipelineCarry(lost={k: [f"the outputs of several modules before the layers ({names})"]
                                    for k in sorted(crossings_at)})
-    return PipelineCarry(tuple(modules), carried, lost)
+    return PipelineCarry(tuple(modules), per_sample, fixed, graph.layer_loop_args if looped else (), lost)
 
 
 def stack_ends(graph: OpGraph) -> dict[str, list[str]]:
@@ -276,13 +307,16 @@ def stack_ends(graph: OpGraph) -> dict[str, list[str]]:
     return ends
 
 
-def carried_bytes_per_sample(graph: OpGraph) -> float:
-    """What a pipeline boundary of ``graph`` hands on beside the hidden state, per sample (``pipeline_carry``; once
-    per graph)."""
+def carried_bytes(graph: OpGraph, mbs: int) -> float:
+    """What a pipeline boundary of ``graph`` hands on beside the hidden state, per micro-batch of ``mbs`` samples
+    (``pipeline_carry``, worked out once per graph)."""
     if "pipeline_carried_bytes" not in graph.annotations:
         carry = pipeline_carry(graph)
-        graph.annotations["pipeline_carried_bytes"] = carry.bytes_per_sample if carry.modules else 0.0
-    return graph.annotations["pipeline_carried_bytes"]
+        runs = bool(carry.modules or carry.loop_args)
+        graph.annotations["pipeline_carried_bytes"] = (carry.bytes_per_sample, carry.fixed_bytes) if runs \
+            else (0.0, 0.0)
+    per_sample, fixed = graph.annotations["pipeline_carried_bytes"]
+    return per_sample * mbs + fixed
 
 
 def simulated_bubble(layout: Layout) -> bool:
@@ -415,14 +449,14 @@ def _check_fixed_stages(space: SearchSpace, graph: OpGraph) -> None:
 def _expand_schedule(space: SearchSpace, p: Partial) -> Iterator[Partial]:
     pp, m = p["pp"], p["num_microbatches"]
     for schedule, v in schedule_options(pp, m, space.layers, space.fixed, space.fw):
-        if schedule_refuses(schedule, pp, p["recompute"], p["zero"]):
+        if schedule_refuses(schedule, pp, p["recompute"], p["zero"], space.layer_loop):
             continue
         for group in group_options(schedule, pp, m, space.fixed, space.fw):
             yield {**p, "schedule": schedule, "v": v, "group": group}
 
 
 def _check_fixed_schedule(space: SearchSpace, graph: OpGraph) -> None:
-    check_fixed_pipeline(space.layers, space.global_batch, dict(space.fixed))
+    check_fixed_pipeline(space.layers, space.global_batch, dict(space.fixed), space.layer_loop)
 
 
 def _unit_step(d: UnitLoadDraft) -> None:
@@ -458,7 +492,7 @@ TECHNIQUE = Technique("pipeline_schedule", ("schedule", "v", "group"), expand=_e
                       memory_bound_bytes=_memory_bound_bytes)
 
 __all__ = ["INTERLEAVE_V", "STAGES", "TECHNIQUE", "Crossing", "PipelineCarry", "backward_run_s", "bubble_bound_s",
-           "bubble_time_s", "carried_bytes_per_sample", "check_fixed_pipeline", "cut_crossings", "fewest_in_flight",
+           "bubble_time_s", "carried_bytes", "check_fixed_pipeline", "cut_crossings", "fewest_in_flight",
            "group_options", "group_runs", "interleaving_runs", "makespan_s", "op_times", "p2p_s", "pipeline_carry",
            "pipeline_slots", "recompute_passes", "schedule_options", "schedule_refuses", "simulated_bubble",
            "split_backward_load", "stack_ends"]

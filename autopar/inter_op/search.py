@@ -242,7 +242,7 @@ def search_space(graph: OpGraph, cluster: Cluster, global_batch: int, fixed: dic
                        seq_len=graph.seq_len, heads=tuple(attention_heads(graph)),
                        experts=expert_parallel_count(graph), cluster=cluster,
                        fw=fw or load_framework(DEFAULT_FRAMEWORK), fixed=dict(fixed),
-                       one_microbatch=graph.loss_gathers_batch)
+                       one_microbatch=graph.loss_gathers_batch, layer_loop=bool(graph.layer_loop_args))
 
 
 def check_fixed(graph: OpGraph, cluster: Cluster, global_batch: int, fixed: dict[str, Any],

@@ -59,6 +59,8 @@ class SearchSpace:
     fixed: Mapping[str, Any]
     one_microbatch: bool = False
     """The loss compares the batch's samples (``autopar.gather_batch``): no gradient accumulation."""
+    layer_loop: bool = False
+    """The stack's loop hands a weight's output from layer to layer (``OpGraph.layer_loop_args``)."""
 
     def allowed(self, key: str, values: list[Any]) -> list[Any]:
         """``values``, or the pinned value alone."""

@@ -179,6 +179,8 @@ def build_plan(*, graph: OpGraph, model_ref: str, config: dict[str, Any], cluste
     ends = stack_ends(graph)
     if carry.modules:  # the module before the stack whose outputs the stages hand on beside the hidden state
         ends["carried"] = list(carry.modules)
+    if carry.loop_args:  # what the stack's loop hands from layer to layer, which the stages hand on too
+        ends["layer_args"] = list(carry.loop_args)
     path = None if model_ref in ZOO else locate(model_ref)
     model = {"ref": model_ref, "path": path, "config": config, "fingerprint": model_fingerprint(graph, config),
              "layer_container": graph.layer_container, "num_layers": len(graph.layers), "stack_ends": ends,

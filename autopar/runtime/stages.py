@@ -18,7 +18,7 @@ How a stage runs:
   placeholders for the embeddings of later stages (the first layer takes the stage's input instead) and
   for the final norm and head of earlier ones (where the stage ends with its hidden states); of an
   encoder-decoder, the decoder's layers, the encoder running whole on the first stage, whose output the
-  stages hand on.
+  stages hand on (with whatever the layers' loop passes from one to the next: T5's position bias).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import inspect
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -98,14 +99,22 @@ class StageLayers(nn.ModuleDict):
     """A HuggingFace decoder's layers on one pipeline stage, keyed by their original indices (so FQNs survive),
     iterated, indexed and sliced like the ``ModuleList`` they replace: the decoder's own loop
     (``for layer in self.layers[:n]``) runs just these.  ``inject``: the stage's input, handed to its first
-    layer in place of what the (placeholder) embeddings made."""
+    layer in place of what the (placeholder) embeddings made, with ``inject_slots``: what the loop hands from
+    layer to layer (``OpGraph.layer_loop_args``), as the stage received it.  ``probe``: on a stage before
+    another, ``_LoopProbe`` stands in for the next stage's first layer and ends the stage with what the loop
+    would pass it."""
 
     inject: torch.Tensor | None = None
+    inject_slots: dict[str, torch.Tensor] | None = None
+    probe: _LoopProbe | None = None
 
     def _layers(self) -> list[nn.Module]:
         layers = list(self.values())
         if self.inject is not None and layers:
-            layers[0] = _Injected(layers[0], self.inject)
+            layers[0] = _Injected(layers[0], self.inject, self.inject_slots or {})
+        if self.probe is not None and layers:
+            self.probe.last = layers[-1]
+            layers.append(self.probe)
         return layers
 
     def __iter__(self):
@@ -119,18 +128,60 @@ class StageLayers(nn.ModuleDict):
 
 class _Injected:
     """A layer called with the stage's input as its hidden states (its first argument), so that activation
-    checkpointing saves and recomputes from that input; attributes are the layer's."""
+    checkpointing saves and recomputes from that input, and with what the stage received of the arguments the
+    stack's loop hands from layer to layer (``slots``: positional index or keyword -> tensor); attributes are the
+    layer's."""
 
-    def __init__(self, layer: nn.Module, hidden: torch.Tensor) -> None:
-        self._layer, self._hidden = layer, hidden
+    def __init__(self, layer: nn.Module, hidden: torch.Tensor, slots: Mapping[str, torch.Tensor]) -> None:
+        self._layer, self._hidden, self._slots = layer, hidden, slots
 
     def __call__(self, *args: object, **kwargs: object) -> object:
         if "hidden_states" in kwargs:
-            return self._layer(*args, **{**kwargs, "hidden_states": self._hidden})
-        return self._layer(self._hidden, *args[1:], **kwargs)
+            kwargs = {**kwargs, "hidden_states": self._hidden}
+        else:
+            args = (self._hidden, *args[1:])
+        args, kwargs = _filled(args, kwargs, self._slots)
+        return self._layer(*args, **kwargs)
 
     def __getattr__(self, name: str) -> object:
         return getattr(self._layer, name)
+
+
+def _filled(args: tuple, kwargs: dict[str, object], slots: Mapping[str, torch.Tensor]
+            ) -> tuple[tuple, dict[str, object]]:
+    """``args`` and ``kwargs`` with ``slots`` (positional index or keyword -> value) put in."""
+    listed, named = list(args), dict(kwargs)
+    for slot, value in slots.items():
+        if not slot.isdigit():
+            named[slot] = value
+        elif int(slot) < len(listed):
+            listed[int(slot)] = value
+        else:
+            raise AutoparError(f"the layer stack's loop calls its layers with {len(listed)} positional arguments; "
+                               f"the plan's stages hand on argument {slot}: plan again with --fix pp=1")
+    return tuple(listed), named
+
+
+class _LoopProbe:
+    """Where the next stage's first layer would run: takes what the stack's loop passes it and ends the stage
+    with the hidden state and the loop's ``slots`` (``OpGraph.layer_loop_args``); attributes are the stage's last
+    layer's (a loop may read a layer's type before calling it)."""
+
+    def __init__(self, slots: list[str]) -> None:
+        self.slots, self.last = slots, None
+
+    def __call__(self, *args: object, **kwargs: object) -> object:
+        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        values = [kwargs[s] if s in kwargs else args[int(s)] if s.isdigit() and int(s) < len(args) else None
+                  for s in self.slots]
+        if not all(isinstance(v, torch.Tensor) for v in values):
+            missing = [s for s, v in zip(self.slots, values, strict=True) if not isinstance(v, torch.Tensor)]
+            raise AutoparError(f"the layer stack's loop passes no tensor in argument {missing[0]} to its next layer, "
+                               "which the plan's stages hand on: plan again with --fix pp=1")
+        raise _StageEnd(hidden, values)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.last, name)
 
 
 #: The keyword under which every stage of a model that reads images first (not token ids) gets the micro-batch's
@@ -138,10 +189,25 @@ class _Injected:
 FIRST_INPUT_KWARG = "_autopar_first_input"
 
 
+class _BoundTo(torch.autograd.Function):
+    """A copy of ``t`` whose autograd node also takes ``x`` (the stage's input), which gets no gradient from it.
+    What a layer made from weights alone (T5's position bias) then lies on the autograd path from the stage's
+    input, where torch's split backward (the zero-bubble schedules) looks for the weights' gradients: without
+    it, the gradient the next stage sends back for the copy never reaches them."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return t.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
 class _StageEnd(Exception):
-    def __init__(self, hidden: torch.Tensor) -> None:
+    def __init__(self, hidden: torch.Tensor, loop: list[torch.Tensor] | None = None) -> None:
         super().__init__()
-        self.hidden = hidden
+        self.hidden, self.loop = hidden, loop
 
 
 class _Placeholder(nn.Module):
@@ -206,14 +272,18 @@ def hf_stage(model: nn.Module, container: str, lo: int, hi: int, first: bool, la
     positions, ALiBi, scaling) it does itself.
     What it needs: the hidden states are all the layers carry from the embeddings, but for the outputs of one
     module run before the stack (an encoder, ``ends["carried"]``): the first stage hands them on beside its
-    hidden states, and later stages take them, passed on, in place of that module.  Anything else the later
-    layers read from earlier stages is refused at plan time (``autopar.inter_op.pipelining.pipeline_carry``)."""
+    hidden states, and later stages take them, passed on, in place of that module; and for what the stack's
+    loop hands from layer to layer (``ends["layer_args"]``: T5's position bias), which a stage ending before the
+    last layer sends as its loop would pass it to the next layer (``_LoopProbe``), and a stage starting after
+    the first puts into its first layer's call.  Anything else the later layers read from earlier stages is
+    refused at plan time (``autopar.inter_op.pipelining.pipeline_carry``)."""
     if ends is None:
         raise AutoparError("this plan does not say which modules run before and after the layers "
                            "(model.stack_ends, written since plan schema 3): plan it again")
     owner_name, _, attr = container.rpartition(".")
     owner = model.get_submodule(owner_name) if owner_name else model
-    kept = {str(i): layer for i, layer in enumerate(getattr(owner, attr)) if lo <= i < hi}
+    stack = list(getattr(owner, attr))
+    kept = {str(i): layer for i, layer in enumerate(stack) if lo <= i < hi}
     layers = StageLayers(kept)
     setattr(owner, attr, layers)
     config = getattr(owner, "config", None)
@@ -223,6 +293,13 @@ def hf_stage(model: nn.Module, container: str, lo: int, hi: int, first: bool, la
         owner.config.layer_types = [config.layer_types[int(i)] for i in kept]
     before, after = _hf_ends(model, ends)
     carried_names = list(ends.get("carried", ()))
+    # what the stack's loop hands from layer to layer crosses the cuts between two layers: a chunk takes it where it
+    # starts after the first layer, and hands it on where it ends before the last
+    loop_slots = list(ends.get("layer_args", ()))
+    takes_loop = loop_slots if 0 < lo < len(stack) else []
+    if loop_slots and 0 < hi < len(stack) and kept:
+        layers.probe = _LoopProbe(loop_slots)
+    hands_on = bool(carried_names or (loop_slots and 0 < hi < len(stack)))  # more than the hidden state
     captured: list[torch.Tensor] = []  # on the first stage: the carried modules' outputs, to hand on
     if first and not last:
         for fqn in carried_names:
@@ -258,9 +335,10 @@ def hf_stage(model: nn.Module, container: str, lo: int, hi: int, first: bool, la
         # a copy (a view would refuse the split backward's detach_), whose gradient flows back to the received one
         handed = [t.clone() for t in received]
         if not kept and not first and not last:
-            return (x, *handed) if carried_names else x  # a chunk without layers between two others
+            return (x, *handed) if hands_on else x  # a chunk without layers between two others
+        from_encoder = len(received) - len(takes_loop)
         for placeholder in carriers:  # the carried module takes what the stage received beside the hidden state
-            placeholder.carried = list(received)
+            placeholder.carried = list(received[:from_encoder])
         if first:
             ids = x
         elif lead == "input_ids":
@@ -268,6 +346,7 @@ def hf_stage(model: nn.Module, container: str, lo: int, hi: int, first: bool, la
         else:  # the first input itself (images): only its shape reaches the placeholder embeddings
             ids = original
         layers.inject = None if first else x
+        layers.inject_slots = dict(zip(takes_loop, handed[from_encoder:], strict=True))
         stage_input[:] = [x]
         for placeholder in placeholders:
             placeholder.dtype = x.dtype if x.is_floating_point() else torch.float32
@@ -276,10 +355,17 @@ def hf_stage(model: nn.Module, container: str, lo: int, hi: int, first: bool, la
             out = cls_forward(model, **{lead: ids}, **cache, **inputs)
         except _StageEnd as end:  # a view (OPT's layers return one) would refuse the split backward's detach_
             hidden = end.hidden if end.hidden._base is None else end.hidden.clone()
+            if not hands_on:
+                return hidden
+            if layers.probe is not None and end.loop is None:
+                raise AutoparError("the layer stack's loop ended without calling a next layer, to which the plan's "
+                                   "stages hand on what it passes: plan again with --fix pp=1") from None
             # the first stage's carried outputs leave as copies too: its own layers saved them for backward
-            return (hidden, *([t.clone() for t in captured] if first else handed)) if carried_names else hidden
+            encoder = [t.clone() for t in captured] if first else handed[:from_encoder]
+            return (hidden, *encoder, *[_BoundTo.apply(t, x) if x.requires_grad else t.clone()
+                                        for t in end.loop or ()])
         finally:
-            layers.inject = None
+            layers.inject = layers.inject_slots = None
             stage_input.clear()
         model.output_type = type(out)  # the loss gets one again (autopar.runtime.pipeline.model_output)
         return out.logits

@@ -46,8 +46,9 @@ def check_pipeline_stages(model: nn.Module, container: str | None = None,
     (``autopar.runtime.stages.hf_stage``) those whose forward takes an input first (token ids, or images that
     every stage gets), and whose later stages need nothing from earlier ones but the hidden state and the
     outputs of one module run before the stack on the first stage that the layers read (an encoder's, for the
-    decoder's cross-attention: ``ends["carried"]``), which the stages hand on; another stack of layers runs
-    whole inside a module before the stack.
+    decoder's cross-attention: ``ends["carried"]``) and what the layers' loop passes from one to the next
+    (``ends["layer_args"]``), which the stages hand on; another stack of layers runs whole inside a module
+    before the stack.
     ``carries``: what no stage could hand on (the plan's ``pipeline_carries``,
     ``autopar.inter_op.pipelining.pipeline_carry``).  Other models run their own forward on the stages: one
     stack."""
