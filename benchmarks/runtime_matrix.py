@@ -58,8 +58,8 @@ CASES = [
      "pp=2,dp=2,schedule=interleaved_zb,v=2", 4),
 ]
 HF_MODELS = ROOT / "examples" / "hf_models.py"
-# beyond decoders: encoders, encoder-decoders, vision, speech, contrastive and state-space models; the ones whose
-# pipeline stages the runtime cannot cut (two stacks) refuse pp in one line, which the table shows
+# beyond decoders: encoders, encoder-decoders, vision, speech, contrastive and state-space models; a layout the
+# runtime cannot run is refused in one line, which the table shows
 CASES += [(f"hf {arch} {name}", str(HF_MODELS), f"arch={arch},seq_len=32", fix, 4)
           for arch in modelfile.load_module(str(HF_MODELS)).ARCHS
           for name, fix in (("dp2 x tp2", "dp=2,tp=2"), ("pp2 x dp2", "pp=2,dp=2"))]

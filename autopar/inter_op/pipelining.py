@@ -233,9 +233,9 @@ class PipelineCarry:
     """What pipeline stages hand on beside the hidden state (``pipeline_carry``)."""
 
     modules: tuple[str, ...] = ()
-    """The module called before the stack (an encoder) whose outputs the layers read (cross-attention): the first
-    stage hands its outputs on, and later stages take them in place of the module (one module at most; several
-    are ``lost``)."""
+    """The module called before the stack whose outputs the layers (an encoder's, for cross-attention) or the ops
+    after them (CLIP's image embeddings, for its loss) read: the first stage hands its outputs on, and later
+    stages take them in place of the module (one module at most; several are ``lost``)."""
     bytes_per_sample: float = 0.0
     """What a cut carries beside the hidden state, per sample (the most over the cuts) ..."""
     fixed_bytes: float = 0.0
@@ -251,10 +251,11 @@ class PipelineCarry:
 
 def pipeline_carry(graph: OpGraph) -> PipelineCarry:
     """What a pipeline of ``graph``'s stack carries beside the hidden state (``cut_crossings``), split into the
-    outputs of modules before the stack (``stack_ends``) that the layers read (an encoder's, for the decoder's
-    cross-attention), which the stages hand on; what a layer made that the stack's loop hands to the later layers
-    (``OpGraph.layer_loop_args``: T5's relative position bias), which the stages hand on too; and the rest (what
-    only the ops after the layers read, such as CLIP's image embeddings for its loss, stays refused)."""
+    outputs of a module before the stack (``stack_ends``) that the layers or the ops after them read (an
+    encoder's, for the decoder's cross-attention; CLIP's image embeddings, for its loss), which the stages hand
+    on; what a layer made that the stack's loop hands to the later layers (``OpGraph.layer_loop_args``: T5's
+    relative position bias), which the stages hand on too; and the rest (what a layer made that only the ops
+    after the stack read, as a Mixtral's router logits for its load-balancing loss), which stays refused."""
     before = stack_ends(graph)["before"]
     layers_prefix = f"{graph.layer_container}."
 
@@ -269,7 +270,7 @@ def pipeline_carry(graph: OpGraph) -> PipelineCarry:
     for k, crossings in crossings_at.items():
         at_cut = [0.0, 0.0]
         for c in crossings:
-            end = end_of(c.module) if c.read_by_layers else None  # an encoder's output, for the layers
+            end = end_of(c.module)  # an encoder's output, for the layers, or CLIP's image embeddings, for its loss
             in_loop = bool(c.read_by_layers and graph.layer_loop_args and c.module.startswith(layers_prefix))
             if end is None and not in_loop:
                 lost.setdefault(k, []).append(c.describe())
@@ -291,20 +292,29 @@ def pipeline_carry(graph: OpGraph) -> PipelineCarry:
 def stack_ends(graph: OpGraph) -> dict[str, list[str]]:
     """The modules beside the layer stack (children of the modules on the path to it) by when the forward
     first calls them: ``before`` the stack (embeddings) or ``after`` it (final norm, head).  From the traced
-    op order, since registration order need not say (OPT registers its final norm before its layers)."""
+    op order, since registration order need not say (OPT registers its final norm before its layers).  Also,
+    where there are any, the parameters registered on the modules of that path themselves (CLIP's temperature
+    on the model) by when an op first reads them: ``params_before``, ``params_after``."""
     path = (graph.layer_container or "").split(".")
+    on_path = {".".join(path[:i]) for i in range(len(path))}  # the root and the modules above the stack
     ends: dict[str, list[str]] = {"before": [], "after": []}
+    direct: dict[str, list[str]] = {"params_before": [], "params_after": []}
     seen_layer = False
     for n in graph.ops():
         if n.layer is not None:
             seen_layer = True
             continue
+        for r in tensor_refs(n):
+            src = graph[r.name]
+            owner = src.target.rpartition(".")[0] if src.kind == "param" else None
+            if owner in on_path and src.target not in direct["params_before"] + direct["params_after"]:
+                direct["params_after" if seen_layer else "params_before"].append(src.target)
         parts = n.module.split(".") if n.module else []
         depth = next((i for i, (a, b) in enumerate(zip(parts, path)) if a != b), None)  # None: on the path
         child = ".".join(parts[:depth + 1]) if depth is not None else None
         if child and child not in ends["before"] and child not in ends["after"]:
             ends["after" if seen_layer else "before"].append(child)
-    return ends
+    return {**ends, **{k: v for k, v in direct.items() if v}}
 
 
 def carried_bytes(graph: OpGraph, mbs: int) -> float:

@@ -198,6 +198,10 @@ class PipelineRunner:
         return [(clean_fqn(n), p) for m in self.modules for n, p in m.named_parameters()]
 
     def _loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
+        if isinstance(output, tuple):  # the loss saves copies: after the input step of a split backward, torch
+            # detaches the last stage's outputs in place, and the weight step would find what the loss saved of a
+            # tuple's tensors detached (CLIP's temperature: its product with the scores saves it as it is)
+            output = tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in output)
         if self._inputs is None:  # a target of the caller's (context parallelism's labels)
             return self.loss_fn(output, target)
         rows = self._inputs.map(lambda x: x.index_select(0, target))  # the micro-batch's samples of every input
@@ -218,14 +222,16 @@ class PipelineRunner:
             target = torch.arange(ids.shape[0], device=ids.device)
         losses: list[torch.Tensor] = []
         try:
+            # the losses are all the step needs of the last stage's outputs: torch would otherwise keep every
+            # micro-batch's and concatenate them (which a 0-dim output, CLIP's temperature, cannot be)
             if self.has_first and self.has_last:
-                self.schedule.step(ids, target=target, losses=losses, **extras)
+                self.schedule.step(ids, target=target, losses=losses, return_outputs=False, **extras)
             elif self.has_first:
-                self.schedule.step(ids, **extras)
+                self.schedule.step(ids, return_outputs=False, **extras)
             elif self.has_last:
-                self.schedule.step(target=target, losses=losses, **extras)
+                self.schedule.step(target=target, losses=losses, return_outputs=False, **extras)
             else:
-                self.schedule.step(**extras)
+                self.schedule.step(return_outputs=False, **extras)
         finally:
             self._inputs = None
         losses = [x.full_tensor() if hasattr(x, "full_tensor") else x for x in losses]  # under loss_parallel

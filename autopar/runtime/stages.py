@@ -292,6 +292,12 @@ def hf_stage(model: nn.Module, container: str, lo: int, hi: int, first: bool, la
         owner.config = copy.copy(config)
         owner.config.layer_types = [config.layer_types[int(i)] for i in kept]
     before, after = _hf_ends(model, ends)
+    # parameters of the model itself (CLIP's temperature) stay on the stage that reads them: elsewhere an unused
+    # copy would go stale, and a checkpoint would hold two of one name
+    for fqn in [*(ends.get("params_before", []) if not first else []), *(ends.get("params_after", []) if not last
+                                                                          else [])]:
+        owner_name, _, name = fqn.rpartition(".")
+        del model.get_submodule(owner_name)._parameters[name]
     carried_names = list(ends.get("carried", ()))
     # what the stack's loop hands from layer to layer crosses the cuts between two layers: a chunk takes it where it
     # starts after the first layer, and hands it on where it ends before the last
@@ -367,6 +373,9 @@ def hf_stage(model: nn.Module, container: str, lo: int, hi: int, first: bool, la
         finally:
             layers.inject = layers.inject_slots = None
             stage_input.clear()
+        if not hasattr(out, "logits"):  # tensors (CLIP's embeddings and temperature): the loss takes them as they are
+            model.output_type = None
+            return out
         model.output_type = type(out)  # the loss gets one again (autopar.runtime.pipeline.model_output)
         return out.logits
 
