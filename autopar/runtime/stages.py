@@ -26,7 +26,6 @@ from __future__ import annotations
 import copy
 import inspect
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 from torch import nn
@@ -181,27 +180,15 @@ class _LoopProbe:
         raise _StageEnd(hidden, values)
 
     def __getattr__(self, name: str) -> object:
-        return getattr(self.last, name)
+        last = self.__dict__.get("last")
+        if last is None or name.startswith("__"):  # copying and pickling find no dunders here
+            raise AttributeError(name)
+        return getattr(last, name)
 
 
 #: The keyword under which every stage of a model that reads images first (not token ids) gets the micro-batch's
 #: first input too: a later stage runs the model's own forward on it, its embeddings placeholders.
 FIRST_INPUT_KWARG = "_autopar_first_input"
-
-
-class _BoundTo(torch.autograd.Function):
-    """A copy of ``t`` whose autograd node also takes ``x`` (the stage's input), which gets no gradient from it.
-    What a layer made from weights alone (T5's position bias) then lies on the autograd path from the stage's
-    input, where torch's split backward (the zero-bubble schedules) looks for the weights' gradients: without
-    it, the gradient the next stage sends back for the copy never reaches them."""
-
-    @staticmethod
-    def forward(ctx: Any, t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return t.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
 
 
 class _StageEnd(Exception):
@@ -368,8 +355,7 @@ def hf_stage(model: nn.Module, container: str, lo: int, hi: int, first: bool, la
                                    "stages hand on what it passes: plan again with --fix pp=1") from None
             # the first stage's carried outputs leave as copies too: its own layers saved them for backward
             encoder = [t.clone() for t in captured] if first else handed[:from_encoder]
-            return (hidden, *encoder, *[_BoundTo.apply(t, x) if x.requires_grad else t.clone()
-                                        for t in end.loop or ()])
+            return (hidden, *encoder, *[t.clone() for t in end.loop or ()])
         finally:
             layers.inject = layers.inject_slots = None
             stage_input.clear()
