@@ -76,9 +76,10 @@ def test_an_encoder_output_is_carried_and_priced(monkeypatch):
 
 def test_what_the_layers_hand_on_is_carried_and_priced(tmp_path, capsys):
     """T5's first decoder layer makes the relative position bias and the stack's loop hands it to every later
-    layer (its second positional argument on): the stages hand it on beside the encoder's output, priced once
-    per micro-batch whatever its size (it has no batch dimension).  torch's split backward cannot run a weight's
-    output that several layers of a chunk read, so the zero-bubble schedules are refused for it in one line."""
+    layer (as the third positional argument of their calls): the stages hand it on beside the encoder's output,
+    priced once per micro-batch whatever its size (it has no batch dimension).  torch's split backward cannot run
+    a weight's output that several layers of a chunk read, so the zero-bubble schedules are refused for it in one
+    line."""
     from autopar.inter_op.pipelining import carried_bytes, pipeline_carry
 
     models = str(ROOT / "examples" / "hf_models.py")
