@@ -290,9 +290,10 @@ def hf_stage(model: nn.Module, container: str, lo: int, hi: int, first: bool, la
     # starts after the first layer, and hands it on where it ends before the last
     loop_slots = list(ends.get("layer_args", ()))
     takes_loop = loop_slots if 0 < lo < len(stack) else []
-    if loop_slots and 0 < hi < len(stack) and kept:
+    sends_loop = bool(loop_slots) and 0 < hi < len(stack)
+    if sends_loop and kept:
         layers.probe = _LoopProbe(loop_slots)
-    hands_on = bool(carried_names or (loop_slots and 0 < hi < len(stack)))  # more than the hidden state
+    hands_on = bool(carried_names) or sends_loop  # more than the hidden state
     captured: list[torch.Tensor] = []  # on the first stage: the carried modules' outputs, to hand on
     if first and not last:
         for fqn in carried_names:
