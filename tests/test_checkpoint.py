@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import torchrun
 from torch import nn
 
 from autopar.cli import main
@@ -137,10 +138,7 @@ def test_the_generated_script_saves_every_n_steps_and_resumes_where_it_stopped(t
     """train.py on shuffled parquet shards with document masking, 4 steps with a checkpoint every 2 written in
     the background, then again from the step-2 checkpoint: ``--steps`` counts the whole run, so the resumed run
     trains steps 2 and 3 on the batches the straight run read there, with its losses."""
-    import os
     import re
-    import subprocess
-    import sys
 
     import numpy as np
     import pyarrow as pa
@@ -157,10 +155,8 @@ def test_the_generated_script_saves_every_n_steps_and_resumes_where_it_stopped(t
         pq.write_table(pa.table({"input_ids": docs}), shards / f"part-{k}.parquet")
 
     def run(*extra: str) -> dict[int, float]:
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-                               str(tmp_path / "train.py"), "--steps", "4", "--precision", "fp32", "--log-every", "1",
-                               "--data", str(shards), "--data-seed", "5", "--document-masking", *extra],
-                              capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        proc = torchrun(tmp_path / "train.py", 4, "--steps", "4", "--precision", "fp32", "--log-every", "1",
+                        "--data", str(shards), "--data-seed", "5", "--document-masking", *extra, timeout=300)
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert f"data: {shards}" in proc.stdout
         return {int(m.group(1)): float(m.group(2)) for m in re.finditer(r"^step (\d+) loss ([\d.]+)", proc.stdout,
@@ -198,10 +194,7 @@ def test_adamw_state_moves_between_plans(tmp_path, capsys):
 def test_a_rank_killed_mid_run_restarts_from_the_last_checkpoint(tmp_path, capsys):
     """Under ``torchrun --max-restarts 1`` a rank dies (SIGKILL) at step 3; the restarted run resumes from the
     step-2 checkpoint on its own and ends with the losses of a run that was never interrupted."""
-    import os
     import re
-    import subprocess
-    import sys
     from pathlib import Path
 
     model = Path(__file__).parent / "fixtures" / "gpt_killed_once.py"
@@ -210,12 +203,9 @@ def test_a_rank_killed_mid_run_restarts_from_the_last_checkpoint(tmp_path, capsy
     capsys.readouterr()
 
     def run(folder: str, **env: str) -> tuple[dict[int, float], str]:
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-                               "--max-restarts", "1", str(tmp_path / "train.py"), "--steps", "6", "--precision",
-                               "fp32", "--checkpoint", str(tmp_path / folder), "--checkpoint-every", "2",
-                               "--log-every", "1"],
-                              capture_output=True, text=True, timeout=400,
-                              env={**os.environ, "OMP_NUM_THREADS": "1", **env})
+        proc = torchrun(tmp_path / "train.py", 4, "--steps", "6", "--precision", "fp32", "--checkpoint",
+                        str(tmp_path / folder), "--checkpoint-every", "2", "--log-every", "1", timeout=400, env=env,
+                        launcher=("--max-restarts", "1"))
         assert proc.returncode == 0, proc.stderr[-2000:]
         losses = {int(m.group(1)): float(m.group(2))
                   for m in re.finditer(r"^step (\d+) loss ([\d.]+)", proc.stdout, re.MULTILINE)}  # the last wins

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import imported
+from conftest import imported, torchrun
 from torch import nn
 
 import autopar
@@ -96,10 +94,7 @@ def test_decorator_takes_keyword_config_and_classes_or_factories():
 
 
 def _torchrun(cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-                           str(EXAMPLE), "--steps", "2"], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=600)
+    return torchrun(EXAMPLE, 4, "--steps", "2", cwd=cwd, timeout=600)
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from conftest import torchrun
 
 from autopar.cli import main
 from autopar.runtime.report import MetricsLog, StepReport
@@ -35,17 +36,12 @@ def test_logged_steps_go_to_json_lines_and_tensorboard(tmp_path):
 
 @pytest.mark.slow
 def test_the_script_logs_every_n_steps(tmp_path, capsys):
-    import os
-    import subprocess
-    import sys
 
     assert main(["plan", "gpt", "--config", "layers=2,hidden=64,heads=4,vocab=128,seq_len=16", "--cluster", "cpu",
                  "--gpus", "2", "--global-batch", "4", "--fix", "dp=2", "-o", str(tmp_path)]) == 0
     capsys.readouterr()
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           str(tmp_path / "train.py"), "--steps", "5", "--log-every", "2", "--tensorboard",
-                           str(tmp_path / "tb")], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = torchrun(tmp_path / "train.py", 2, "--steps", "5", "--log-every", "2", "--tensorboard", str(tmp_path / "tb"),
+                    timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     logged = [int(line.split()[1]) for line in proc.stdout.splitlines() if line.startswith("step ")]
     assert logged == [0, 1, 3, 4]  # the first, every second (steps 2 and 4 done), the last

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import torchrun
 
 from autopar.cli import main
 
@@ -397,9 +398,6 @@ def test_generated_script_runs_the_plan(tmp_path, capsys, examples, model, confi
     """The script trains the plan as one process trains the model: the GPT case on shuffled token shards with
     document masking (each micro-batch's mask reaching both pipeline stages and the recomputed blocks), the
     HuggingFace case on synthetic tokens."""
-    import os
-    import subprocess
-    import sys
 
     import numpy as np
 
@@ -423,10 +421,7 @@ def test_generated_script_runs_the_plan(tmp_path, capsys, examples, model, confi
         np.save(tmp_path / "tokens.npy", np.concatenate(docs).astype(np.uint16))
         data = ["--data", str(tmp_path / "tokens.npy"), "--eos-id", "0", "--document-masking"]
         documents = TokenData(str(tmp_path / "tokens.npy"), eos_id=0, documents=True)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-                           str(script), "--steps", "3", "--precision", "fp32", "--log-every", "1", *data],
-                          capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = torchrun(script, 4, "--steps", "3", "--precision", "fp32", "--log-every", "1", *data, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.splitlines()
     losses = [float(line.split()[3]) for line in lines if line.startswith("step ")]

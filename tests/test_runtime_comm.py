@@ -18,7 +18,7 @@ import pytest
 from autopar.cli import main
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-CONFIG = "layers=2,hidden=1024,heads=8,vocab=8192,seq_len=256"
+CONFIG = "layers=2,hidden=1024,heads=8,vocab=8192,seq_len=64"
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,7 @@ def runtime_comm():
 @pytest.mark.parametrize(("model", "config", "fix"), [
     # tp without sequence parallelism (all-reduces) is llama's case, with it (all-gathers, reduce-scatters) gpt's;
     # the benchmark (benchmarks/runtime_comm.py) runs more
-    ("gpt", "layers=2,hidden=2048,heads=16,vocab=8192,seq_len=256", "tp=8,sp=on"),
+    ("gpt", "layers=2,hidden=2048,heads=16,vocab=8192,seq_len=64", "tp=8,sp=on"),
     ("llama", CONFIG, "dp=2,tp=4,sp=off,zero=0"),
     ("moe", CONFIG + ",experts=8", "tp=8,sp=off"),
 ], ids=["gpt-tp8-sp", "llama-dp2xtp4", "moe-tp8"])

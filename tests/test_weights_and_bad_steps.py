@@ -4,7 +4,6 @@ with its last checkpoint the latest)."""
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import torchrun
 
 from autopar.cli import main
 from autopar.runtime.checkpoint import complete_checkpoints
@@ -21,10 +21,7 @@ FIXTURES = Path(__file__).parent / "fixtures"
 
 
 def _train(script: Path, ranks: int, *options: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           f"--nproc-per-node={ranks}", str(script), "--precision", "fp32", "--log-every", "1",
-                           *options], capture_output=True, text=True, timeout=400,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return torchrun(script, ranks, "--precision", "fp32", "--log-every", "1", *options, timeout=400)
 
 
 def _model_tensors(folder: Path, tmp: Path) -> dict[str, torch.Tensor]:
