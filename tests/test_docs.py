@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import run_killing_the_group
+
+from autopar.runtime.launch import run_killing_the_group
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -58,7 +59,7 @@ def test_the_commands_of_a_page_run(page, tmp_path):
     for command in commands(page):
         if _skipped(command):
             continue
-        done = run_killing_the_group(["bash", "-c", command], cwd=tmp_path, env=env, timeout=300)
+        done = run_killing_the_group(["bash", "-c", command], cwd=tmp_path, env=env, timeout_s=300)
         assert done.returncode == 0, f"{page.name}: `{command}` exited {done.returncode}:\n{done.stderr[-2000:]}"
         ran += 1
     assert ran > 0

@@ -18,6 +18,7 @@ import torch
 from autopar.errors import AutoparError
 from autopar.frontend import trace_model
 from autopar.plan_file import Plan
+from autopar.runtime.launch import run_killing_the_group
 from autopar.runtime.session import reference_run
 from autopar.runtime.support import check_runnable, model_on_meta
 from autopar.runtime.training import check_config
@@ -152,7 +153,11 @@ def run_plans(plan_paths: Sequence[str | Path], steps: int, *, seed: int = 0, lr
         cmd += ["--memory"] if memory else []
         cmd += ["--compile"] if compile else []
         env = {**os.environ, "OMP_NUM_THREADS": "1", "AUTOPAR_DEVICE": "cpu"}
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s * len(plan_paths))
+        limit_s = timeout_s * len(plan_paths)
+        try:
+            proc = run_killing_the_group(cmd, env=env, timeout_s=limit_s)
+        except subprocess.TimeoutExpired:
+            raise AutoparError(f"the distributed run took more than {limit_s:g} s: stopped its ranks") from None
         done = all((out / str(i) / "rank0.pt").exists() for i in range(len(plan_paths)))
         if proc.returncode != 0 or not done:
             lines = proc.stderr.splitlines()

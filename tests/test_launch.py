@@ -1,0 +1,69 @@
+"""A launcher that runs past its limit is stopped with every process it started."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+
+import pytest
+
+from autopar.runtime.launch import run_killing_the_group
+
+
+def _alive(pid: int) -> bool:
+    """Running, or stopped but not yet reaped by its parent (a zombie counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_timeout_kills_the_children_too(tmp_path):
+    pid_file = tmp_path / "child.pid"
+    # a parent that starts a child (as torchrun starts its workers) and waits on it
+    script = f"sleep 60 > /dev/null 2>&1 & echo $! > {pid_file}; wait"
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_killing_the_group(["bash", "-c", script], timeout_s=2)
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(child)
+
+
+def test_a_run_within_its_limit_returns_what_it_printed():
+    done = run_killing_the_group(["bash", "-c", "echo out; echo err >&2; exit 3"], timeout_s=30)
+    assert (done.returncode, done.stdout, done.stderr) == (3, "out\n", "err\n")
+
+
+def test_verify_past_its_limit_is_one_error_and_leaves_no_rank_behind(tmp_path, capsys):
+    from autopar.cli import main
+    from autopar.errors import AutoparError
+    from autopar.runtime.verify import run_plan
+
+    assert main(["plan", "gpt", "--config", "layers=2,hidden=64,heads=4,vocab=128,seq_len=16", "--cluster", "cpu",
+                 "--gpus", "2", "--global-batch", "4", "--fix", "dp=2", "-o", str(tmp_path), "-q"]) == 0
+    capsys.readouterr()
+    with pytest.raises(AutoparError, match=r"^the distributed run took more than 1 s: stopped its ranks$"):
+        run_plan(tmp_path / "plan.json", 1, timeout_s=1)
+    plan = str(tmp_path / "plan.json")
+    deadline = time.monotonic() + 5
+    while _ranks_of(plan) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _ranks_of(plan)
+
+
+def _ranks_of(plan: str) -> list[int]:
+    """Live processes whose command line names ``plan`` (the launcher and its workers)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and _alive(int(entry)):
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if plan.encode() in f.read():
+                        pids.append(int(entry))
+            except OSError:
+                continue
+    return pids
