@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from autopar.runtime.launch import run_killing_the_group
+
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
 #: GPT with 24 layers of width 2048 (1.3B parameters, GPT-3 XL's shape) at 2048 tokens, 8 sequences a step.
@@ -68,8 +70,11 @@ def train(folder: Path, steps: int, compile_: bool, timeout_s: float) -> dict[st
            str(folder / "train.py"), "--steps", str(steps), "--log-every", str(max(1, steps // 3)),
            "--metrics", str(folder / "metrics.jsonl"), "--compile" if compile_ else "--no-compile"]
     start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=folder,
-                          env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+    try:
+        proc = run_killing_the_group(cmd, timeout_s=timeout_s, cwd=folder,
+                                     env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+    except subprocess.TimeoutExpired:
+        raise BenchmarkError(f"train.py ran past {timeout_s:g} s: stopped it") from None
     wall_s = time.perf_counter() - start
     if proc.returncode != 0:
         errors = [line for line in proc.stderr.splitlines() if re.search(r"(Error|Exception|error):", line)]
