@@ -36,7 +36,6 @@ def test_logged_steps_go_to_json_lines_and_tensorboard(tmp_path):
 
 @pytest.mark.slow
 def test_the_script_logs_every_n_steps(tmp_path, capsys):
-
     assert main(["plan", "gpt", "--config", "layers=2,hidden=64,heads=4,vocab=128,seq_len=16", "--cluster", "cpu",
                  "--gpus", "2", "--global-batch", "4", "--fix", "dp=2", "-o", str(tmp_path)]) == 0
     capsys.readouterr()

@@ -38,10 +38,10 @@ def test_zero3_script_holds_a_shard_per_rank(tmp_path, capsys):
     added = summary["peak_memory_bytes"] - summary["baseline_memory_bytes"]
     # a rank's shards: fp32 weights and gradients 4 B / 8 ranks each, AdamW's two moments 8 B / 8 (made by the
     # step's update): 2 B per parameter; above that, the transient gathers (a layer, the 51M-parameter embedding
-    # and its gradient whole) and the logits. ZeRO-2 would hold the weights whole (4 B) on top of the shards,
-    # 6 B; no ZeRO, 16 B. One step: the gathers and reduce-scatters of 355M parameters over loopback TCP take
-    # one to two minutes on 2 cores.
-    assert 2 * params < added < 6 * params, (added / params)
+    # and its gradient whole) and the logits. Measured on 2 cores: 4.0 B at ZeRO-3, 6.1 B at ZeRO-2 (whole
+    # weights beside the sharded gradients and moments); no ZeRO would be 16 B. One step: the gathers and
+    # reduce-scatters of 355M parameters over loopback TCP take one to two minutes on 2 cores.
+    assert 2 * params < added < 5 * params, (added / params)
 
 
 
