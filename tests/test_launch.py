@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import time
 
@@ -26,6 +27,28 @@ def test_a_timeout_kills_the_children_too(tmp_path):
     script = f"sleep 60 > /dev/null 2>&1 & echo $! > {pid_file}; wait"
     with pytest.raises(subprocess.TimeoutExpired):
         run_killing_the_group(["bash", "-c", script], timeout_s=2)
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(child)
+
+
+def test_an_interrupted_caller_kills_the_children_too(tmp_path):
+    pid_file = tmp_path / "child.pid"
+    script = f"sleep 60 > /dev/null 2>&1 & echo $! > {pid_file}; wait"
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.alarm(2)  # Ctrl-C reaches only the caller: the launcher runs in a session of its own
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_killing_the_group(["bash", "-c", script], timeout_s=30)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
     child = int(pid_file.read_text())
     deadline = time.monotonic() + 5
     while _alive(child) and time.monotonic() < deadline:
