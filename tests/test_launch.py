@@ -21,23 +21,27 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_a_timeout_kills_the_children_too(tmp_path):
-    pid_file = tmp_path / "child.pid"
-    # a parent that starts a child (as torchrun starts its workers) and waits on it
-    script = f"sleep 60 > /dev/null 2>&1 & echo $! > {pid_file}; wait"
-    with pytest.raises(subprocess.TimeoutExpired):
-        run_killing_the_group(["bash", "-c", script], timeout_s=2)
-    child = int(pid_file.read_text())
-    deadline = time.monotonic() + 5
-    while _alive(child) and time.monotonic() < deadline:
+def _gone_within(seconds: float, still_there) -> bool:
+    """Whether ``still_there()`` turns false within ``seconds`` (a killed process takes a moment to go)."""
+    deadline = time.monotonic() + seconds
+    while still_there() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _alive(child)
+    return not still_there()
+
+
+def _parent_and_child(pid_file) -> list[str]:
+    """A parent that starts a child (as torchrun starts its workers), writes its pid and waits on it."""
+    return ["bash", "-c", f"sleep 60 > /dev/null 2>&1 & echo $! > {pid_file}; wait"]
+
+
+def test_a_timeout_kills_the_children_too(tmp_path):
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_killing_the_group(_parent_and_child(tmp_path / "child.pid"), timeout_s=2)
+    child = int((tmp_path / "child.pid").read_text())
+    assert _gone_within(5, lambda: _alive(child))
 
 
 def test_an_interrupted_caller_kills_the_children_too(tmp_path):
-    pid_file = tmp_path / "child.pid"
-    script = f"sleep 60 > /dev/null 2>&1 & echo $! > {pid_file}; wait"
-
     def interrupt(signum, frame):
         raise KeyboardInterrupt
 
@@ -45,15 +49,12 @@ def test_an_interrupted_caller_kills_the_children_too(tmp_path):
     signal.alarm(2)  # Ctrl-C reaches only the caller: the launcher runs in a session of its own
     try:
         with pytest.raises(KeyboardInterrupt):
-            run_killing_the_group(["bash", "-c", script], timeout_s=30)
+            run_killing_the_group(_parent_and_child(tmp_path / "child.pid"), timeout_s=30)
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
-    child = int(pid_file.read_text())
-    deadline = time.monotonic() + 5
-    while _alive(child) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not _alive(child)
+    child = int((tmp_path / "child.pid").read_text())
+    assert _gone_within(5, lambda: _alive(child))
 
 
 def test_a_run_within_its_limit_returns_what_it_printed():
@@ -71,11 +72,7 @@ def test_verify_past_its_limit_is_one_error_and_leaves_no_rank_behind(tmp_path, 
     capsys.readouterr()
     with pytest.raises(AutoparError, match=r"^the distributed run took more than 1 s: stopped its ranks$"):
         run_plan(tmp_path / "plan.json", 1, timeout_s=1)
-    plan = str(tmp_path / "plan.json")
-    deadline = time.monotonic() + 5
-    while _ranks_of(plan) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not _ranks_of(plan)
+    assert _gone_within(5, lambda: _ranks_of(str(tmp_path / "plan.json")))
 
 
 def _ranks_of(plan: str) -> list[int]:
