@@ -26,8 +26,8 @@ from autopar.cluster import Cluster, cluster_from_args
 from autopar.errors import AutoparError
 from autopar.framework import DEFAULT_FRAMEWORK, Framework, load_framework
 from autopar.frontend import TracedModel, trace_model
-from autopar.inter_op.layout import normalize_fix, parse_fix
 from autopar.inter_op.search import SearchResult, UnitCostCache, search
+from autopar.inter_op.techniques import normalize_fix, parse_fix
 from autopar.inter_op.to_plan import build_plan
 from autopar.ir import OpGraph
 from autopar.modelfile import factory_ref

@@ -23,8 +23,8 @@ from autopar.cluster import PRESETS, Cluster
 from autopar.errors import AutoparError
 from autopar.framework import DEFAULT_FRAMEWORK, FRAMEWORKS
 from autopar.frontend import TracedModel, trace_model
-from autopar.inter_op.layout import FIX_KEYS, normalize_fix
 from autopar.inter_op.search import default_jobs, search
+from autopar.inter_op.techniques import fix_keys, normalize_fix
 from autopar.modelfile import parse_config
 from autopar.passes import PassContext
 from autopar.passes.context import ATTENTION_KERNELS
@@ -119,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_cluster_args(plan)
     _add_framework_arg(plan)
     _add_search_args(plan)
-    plan.add_argument("--fix", metavar="KEY=VALUE,...", help=f"pin layout keys: {', '.join(FIX_KEYS)}")
+    plan.add_argument("--fix", metavar="KEY=VALUE,...", help=f"pin layout keys: {', '.join(fix_keys())}")
     plan.add_argument("--top", type=int, default=1, metavar="K", help="report the K best distinct layouts")
     plan.add_argument("--exhaustive", action="store_true",
                       help="estimate every layout, with no lower bound or cut-off (slow: it plans the same)")

@@ -7,8 +7,9 @@ waited for each.  A ``Framework`` says which, and the estimate (``autopar.inter_
 it does.  Presets live in ``autopar/frameworks/`` with the source of every value; ``torch`` is what
 autopar's own runtime and generated scripts run, and the default.
 
-TOML format (every key of ``Framework`` but ``name``, in the table of its technique, ``TECHNIQUE_KEYS``; ``base``
-starts from a preset)::
+TOML format (every key of ``Framework`` but ``name``, in the table of its technique, ``TECHNIQUE_KEYS``, and the
+flags a registered technique declares of its own, ``Technique.flags``, in its table; ``base`` starts from a
+preset)::
 
     base = "torch"
 
@@ -151,6 +152,9 @@ class Framework:
     compiles_blocks: bool = False
     """Whether the runtime can ``torch.compile`` each block of the stack (torchtitan's ``apply_compile``), which a
     plan does when it says ``compile`` (``autopar.passes.fusion`` prices what Inductor fuses)."""
+    options: tuple[tuple[str, bool | int | float | str], ...] = ()
+    """The flags of techniques registered beyond the fields above (``Technique.flags``), as sorted (name, value)
+    pairs, each set in its technique's TOML table: ``option`` reads one."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -196,8 +200,15 @@ class Framework:
         except TypeError as exc:
             raise FrameworkSpecError(str(exc)) from exc
 
+    def option(self, name: str) -> bool | int | float | str:
+        """The value of a registered technique's own flag (a ``KeyError`` if this profile has none)."""
+        return dict(self.options)[name]
+
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v for f in fields(self)}
+        """Every value by key (``options`` among the fields), as a TOML profile sets them."""
+        out = {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v for f in fields(self)
+               if f.name != "options"}
+        return {**out, **dict(self.options)}
 
     def compiles(self, wanted: bool | None, gpu: bool = True) -> bool:
         """Whether a plan compiles its blocks: ``wanted``; ``None``: wherever this framework can, on GPUs
@@ -211,7 +222,7 @@ class Framework:
         return zero in (self.zero_levels_with_pp if pp > 1 else self.zero_levels)
 
 
-_FIELDS = {f.name for f in fields(Framework)}
+_FIELDS = {f.name for f in fields(Framework)} - {"options"}
 
 #: A profile's keys by the technique they describe: the TOML tables a profile groups them in (keys may also stand
 #: at the top level, as older files have them).  ``name`` and ``description`` stand at the top.
@@ -234,14 +245,41 @@ TECHNIQUE_KEYS: dict[str, tuple[str, ...]] = {
 }
 
 
+def _technique_flags() -> dict[str, dict[str, bool | int | float | str]]:
+    """The flags registered techniques declare beyond ``Framework``'s fields, by technique.  Imported here, not at
+    the top: the techniques' modules read ``Framework``."""
+    from autopar.inter_op.techniques import framework_flags
+
+    flags = framework_flags()
+    clash = sorted(set().union(*flags.values()) & (_FIELDS | {"name", "description", "options"})) if flags else []
+    if clash:
+        raise ValueError(f"a registered technique declares the framework flag {clash[0]!r}, a Framework field")
+    return flags
+
+
+def _typed_flag(name: str, value: Any, default: bool | int | float | str, origin: str) -> bool | int | float | str:
+    """``value`` if it has the type of the flag's ``default`` (an integer where a float is wanted), else an error."""
+    wanted = type(default)
+    if wanted is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if type(value) is not wanted:
+        raise FrameworkSpecError(f"{origin}: {name} must be a {wanted.__name__}, like its default {default!r}")
+    return value
+
+
 @functools.lru_cache(maxsize=64)
 def load_framework(spec: str) -> Framework:
     """A preset name (``torch``, ``megatron-core``, ...) or a path to a TOML file."""
-    values, origin = load_spec(spec, what="framework", folder="frameworks", presets=FRAMEWORKS, fields=_FIELDS,
+    flags = _technique_flags()
+    flag_defaults = {name: default for table in flags.values() for name, default in table.items()}
+    values, origin = load_spec(spec, what="framework", folder="frameworks", presets=FRAMEWORKS,
+                               fields=_FIELDS | set(flag_defaults),
                                base_values=lambda b: load_framework(b).to_dict(), error=FrameworkSpecError,
                                defaults={"fp8_scaling": "none", "fp8_param_gather": False, "tp_overlap_comm_sms": 0,
-                                         "interleaved_groups": "rounds",
-                                         "compiles_blocks": False}, sections=TECHNIQUE_KEYS)
+                                         "interleaved_groups": "rounds", "compiles_blocks": False, **flag_defaults},
+                               sections={t: (*TECHNIQUE_KEYS.get(t, ()), *flags.get(t, ()))
+                                         for t in {**TECHNIQUE_KEYS, **flags}})
+    options = {name: _typed_flag(name, values.pop(name), default, origin) for name, default in flag_defaults.items()}
     for key in ("schedules", "zero_levels", "zero_levels_with_pp"):
         if isinstance(values.get(key), list):
             values[key] = tuple(values[key])
@@ -250,7 +288,7 @@ def load_framework(spec: str) -> Framework:
             raise FrameworkSpecError(f"{origin}: {f.name} must be true or false")
         if f.type == "int" and (not isinstance(values[f.name], int) or isinstance(values[f.name], bool)):
             raise FrameworkSpecError(f"{origin}: {f.name} must be an integer")
-    return Framework(**values)
+    return Framework(**values, options=tuple(sorted(options.items())))
 
 
 DEFAULT_FRAMEWORK = "torch"

@@ -60,7 +60,7 @@ def _load(name: str) -> dict[str, Any]:
 def _layout(r: dict[str, Any]) -> str:
     if "per_layer" in r:
         return f"one layer, tp{r['fixed']['tp']} mbs{r['fixed']['mbs']}"
-    return Layout(**r["layout"]).describe()
+    return Layout.of(r["layout"]).describe()
 
 
 def _scatter(calib: dict[str, Any], ranking: dict[str, Any], path: Path) -> None:

@@ -163,7 +163,7 @@ def render(rows: list[dict[str, Any]], summary: dict[str, Any], console: Console
         if r["error"] is None:
             table.add_row(r["case_id"], str(r["gpus"]), r["framework"], r["note"], "", "", "", "", "REFUSED")
             continue
-        table.add_row(r["case_id"], str(r["gpus"]), r["framework"], Layout(**r["layout"]).describe(),
+        table.add_row(r["case_id"], str(r["gpus"]), r["framework"], Layout.of(r["layout"]).describe(),
                       f"{r['estimate_s']:.2f} s", f"{r['measured_s']:.2f} s", f"{r['error']:+.1%}", f"{r['mfu']:.1%}",
                       f"{r['peak_memory_gib']:.0f} GiB" + ("" if r["fits"] else " REFUSED"))
     console.print(table)

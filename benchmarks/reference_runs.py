@@ -33,7 +33,7 @@ from autopar.passes.context import PrecisionPolicy
 from autopar.cluster import Cluster, load_cluster
 from autopar.errors import AutoparError
 from autopar.framework import load_framework
-from autopar.inter_op.layout import normalize_fix
+from autopar.inter_op.techniques import normalize_fix
 
 HERE = Path(__file__).resolve().parent
 REFERENCE_DIR = HERE / "reference"

@@ -14,8 +14,8 @@ from autopar.cluster import load_cluster
 from autopar.errors import AutoparError
 from autopar.framework import FRAMEWORKS, FrameworkSpecError, load_framework
 from autopar.frontend import trace_model
-from autopar.inter_op.layout import parse_fix
 from autopar.inter_op.search import UnitCostCache, search
+from autopar.inter_op.techniques import parse_fix
 from autopar.inter_op.to_plan import interleaved_chunks
 from autopar.inter_op.unit_costs import solve_tp
 from autopar.intra_op.sharding_costs import compute_s

@@ -18,8 +18,8 @@ from autopar.passes.experts import (
 from autopar.cluster import load_cluster
 from autopar.errors import AutoparError
 from autopar.frontend import trace_model
-from autopar.inter_op.layout import parse_fix
 from autopar.inter_op.search import layouts, search
+from autopar.inter_op.techniques import parse_fix
 from autopar.inter_op.unit_costs import solve_tp
 from autopar.intra_op.sharding_costs import compute_s
 from autopar.intra_op.strategies import tensor_refs

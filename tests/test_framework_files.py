@@ -14,7 +14,7 @@ from autopar.framework import FRAMEWORKS, TECHNIQUE_KEYS, Framework, FrameworkSp
 def test_every_key_has_one_technique_and_every_preset_groups_its_keys():
     keys = [k for ks in TECHNIQUE_KEYS.values() for k in ks]
     assert len(keys) == len(set(keys))
-    assert set(keys) == {f.name for f in dataclasses.fields(Framework)} - {"name", "description"}
+    assert set(keys) == {f.name for f in dataclasses.fields(Framework)} - {"name", "description", "options"}
     for name in FRAMEWORKS:
         data = tomllib.loads(resources.files("autopar").joinpath("frameworks", f"{name}.toml").read_text())
         assert set(data) <= {"base", "description", *TECHNIQUE_KEYS}, name  # nothing ungrouped

@@ -12,8 +12,8 @@ from autopar.cli import main
 from autopar.cluster import load_cluster
 from autopar.errors import AutoparError
 from autopar.frontend import trace_model
-from autopar.inter_op.layout import parse_fix
 from autopar.inter_op.search import search
+from autopar.inter_op.techniques import parse_fix
 from autopar.plan_file import Plan, PlanError
 
 GPT = {"layers": 8, "hidden": 512, "heads": 8, "vocab": 1024, "seq_len": 512}

@@ -14,7 +14,7 @@ from autopar.frontend import trace_model
 from autopar.inter_op import techniques
 from autopar.inter_op.bound import time_bound_s, unit_totals
 from autopar.inter_op.estimate import ModelFlops, SharedWork, estimate_layout
-from autopar.inter_op.layout import FIX_KEYS, Layout
+from autopar.inter_op.layout import Knob, Layout
 from autopar.inter_op.search import UnitCostCache, layouts, search_space
 from autopar.inter_op.technique import Technique, UnitLoadDraft, UnitTotals
 from autopar.inter_op.unit_costs import unit_sequence
@@ -23,9 +23,9 @@ GPT = {"layers": 4, "hidden": 128, "heads": 4, "vocab": 256, "seq_len": 256}
 
 
 def test_every_layout_field_has_one_owner():
-    knobs = [k for t in techniques.TECHNIQUES for k in t.knobs]
-    assert sorted(knobs) == sorted(f.name for f in dataclasses.fields(Layout))
-    assert set(FIX_KEYS) <= set(knobs)
+    knobs = [k.name for t in techniques.TECHNIQUES for k in t.knobs]
+    assert sorted(knobs) == sorted(f.name for f in dataclasses.fields(Layout) if f.name != "options")
+    assert techniques.fix_keys() == [k for k in knobs if k != "num_microbatches"]
     assert len({t.name for t in techniques.TECHNIQUES}) == len(techniques.TECHNIQUES)
 
 
@@ -44,7 +44,7 @@ def test_each_expand_sets_exactly_its_knobs(model, config):
         grown = []
         for p in partials:
             for q in t.expand(space, p):
-                assert set(q) - set(p) == set(t.knobs), t.name
+                assert set(q) - set(p) == {k.name for k in t.knobs}, t.name
                 assert all(q[k] == p[k] for k in p), t.name  # it leaves the others' knobs alone
                 grown.append(q)
         partials = grown
@@ -88,6 +88,84 @@ def test_a_registered_technique_reaches_the_estimate_and_the_bound(monkeypatch):
     added = overhead_s * t_units * layout.num_microbatches
     assert after[0] - before[0] == pytest.approx(added, rel=1e-6)
     assert after[1] - before[1] == pytest.approx(added, rel=1e-6)
+
+
+def _toy_with_a_knob_and_a_flag(monkeypatch) -> float:
+    """Registers (in the one list) a toy technique with a layout knob of its own, ``toy_passes`` (0-2, searched),
+    and a framework flag of its own, ``toy_pass_s`` in its table ``[toy_passes]``: each pass adds ``toy_pass_s`` to
+    every unit per micro-batch.  Returns the flag's default."""
+    from autopar.framework import load_framework
+
+    default_s = 1e-3
+
+    def expand(space, p):
+        for n in space.allowed("toy_passes", [0, 1, 2]):
+            yield {**p, "toy_passes": n}
+
+    def step(d: UnitLoadDraft) -> None:
+        d.compute_s += d.layout.option("toy_passes") * d.ctx.framework.option("toy_pass_s")
+
+    toy = Technique("toy_passes", (Knob("toy_passes", low=0, high=2),), expand=expand, unit_step=step,
+                    flags=(("toy_pass_s", default_s),))
+    monkeypatch.setattr(techniques, "TECHNIQUES", (*techniques.TECHNIQUES, toy))
+    load_framework.cache_clear()  # profiles loaded before the toy was registered lack its flag
+    return default_s
+
+
+@pytest.fixture
+def toy_registered(monkeypatch):
+    from autopar.framework import load_framework
+
+    yield _toy_with_a_knob_and_a_flag(monkeypatch)
+    monkeypatch.undo()
+    load_framework.cache_clear()
+
+
+def test_a_technique_s_own_knob_and_flag_need_no_other_file(toy_registered, tmp_path):
+    """The toy's knob is pinned by --fix, searched, written to the plan file's layout, shown, and read back; its flag is
+    set in its own table of a framework profile, and its value reaches the estimate: layout.py, framework.py, the
+    CLI and the plan file know nothing of it."""
+    import json
+
+    from autopar.cli import main
+    from autopar.errors import AutoparError
+    from autopar.framework import FrameworkSpecError, load_framework
+
+    assert "toy_passes" in techniques.fix_keys()
+    assert techniques.parse_fix("toy_passes=2,tp=1") == {"toy_passes": 2, "tp": 1}
+    with pytest.raises(AutoparError, match=r"^layout key toy_passes=3 is out of range$"):
+        techniques.parse_fix("toy_passes=3")
+    assert load_framework("torch").option("toy_pass_s") == toy_registered
+    profile = tmp_path / "toy.toml"
+    profile.write_text('base = "torch"\n[toy_passes]\ntoy_pass_s = 0.25\n')
+    assert load_framework(str(profile)).option("toy_pass_s") == 0.25
+    bad = tmp_path / "bad.toml"
+    bad.write_text('base = "torch"\n[toy_passes]\ntoy_pass_s = "slow"\n')
+    with pytest.raises(FrameworkSpecError, match="toy_pass_s must be a float"):
+        load_framework(str(bad))
+
+    cluster = load_cluster("a100-80gb").with_overrides(gpus=1)
+    graph = trace_model("gpt", GPT, ctx=PassContext(cluster=cluster)).graph
+    searched = {lay.option("toy_passes") for lay in layouts(graph, cluster, 8, {"mbs": 2, "recompute": "none"})}
+    assert searched == {0, 1, 2}
+
+    def plan(fix: str, framework: str, out: str) -> tuple[dict, dict]:
+        args = ["plan", "gpt", "--config", ",".join(f"{k}={v}" for k, v in GPT.items()), "--gpus", "1",
+                "--global-batch", "8", "--fix", fix, "--framework", framework, "--jobs", "1", "-o", str(tmp_path / out),
+                "--json"]
+        assert main(args) == 0
+        written = json.loads((tmp_path / out / "plan.json").read_text())
+        return written, written["estimate"]
+
+    none, est0 = plan("toy_passes=0,mbs=2,recompute=none", "torch", "none")
+    two, est2 = plan("toy_passes=2,mbs=2,recompute=none", str(profile), "two")
+    assert none["layout"]["toy_passes"] == 0 and two["layout"]["toy_passes"] == 2
+    assert Layout.of(two["layout"]).option("toy_passes") == 2
+    assert Layout.of(two["layout"]).to_dict() == two["layout"]
+    assert Layout.of(two["layout"]).describe().endswith(" toy_passes=2")
+    units = len(unit_sequence(graph))
+    added_s = 2 * 0.25 * units * two["layout"]["num_microbatches"]
+    assert est2["iteration_time_s"] - est0["iteration_time_s"] == pytest.approx(added_s, rel=1e-6)
 
 
 @pytest.mark.parametrize("fixed,message", [

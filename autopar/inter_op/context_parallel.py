@@ -23,7 +23,7 @@ from autopar.cluster import AxisLink, Cluster
 from autopar.collectives import all_gather_s, reduce_scatter_s
 from autopar.errors import AutoparError
 from autopar.framework import Framework
-from autopar.inter_op.layout import Layout
+from autopar.inter_op.layout import Knob, Layout
 from autopar.inter_op.recompute import recompute_regathers
 from autopar.inter_op.technique import Partial, SearchSpace, Technique, UnitLoadDraft, check_divides, divisors
 from autopar.inter_op.unit_costs import UnitCost
@@ -125,7 +125,7 @@ def _unit_step(d: UnitLoadDraft) -> None:
         d.recompute_s += d.cp_fwd_s
 
 
-TECHNIQUE = Technique("context_parallel", ("cp",), expand=_expand, check_fixed=_check_fixed, share=_share,
+TECHNIQUE = Technique("context_parallel", (Knob("cp"),), expand=_expand, check_fixed=_check_fixed, share=_share,
                       shares_at=lambda layout: layout.cp, unit_step=_unit_step)
 
 __all__ = ["MIN_CP_TOKENS", "RUNTIME_PATH", "TECHNIQUE", "context_parallel_options", "context_parallel_refuses",

@@ -17,7 +17,7 @@ from autopar.cluster import AxisLink, Cluster
 from autopar.collectives import all_gather_s, all_reduce_s, bucketed_s, reduce_scatter_s
 from autopar.errors import AutoparError
 from autopar.framework import Framework
-from autopar.inter_op.layout import Layout
+from autopar.inter_op.layout import Knob, Layout
 from autopar.inter_op.links import Links
 from autopar.inter_op.technique import Partial, SearchSpace, Technique, UnitLoadDraft, UnitTotals, divisors
 from autopar.inter_op.unit_costs import UnitCost
@@ -273,10 +273,10 @@ def _memory_bound_bytes(t: UnitTotals, layout: Layout, ctx: PassContext) -> floa
 
 
 #: Micro-batching: ``mbs`` samples per data-parallel rank and micro-batch, so ``B / (dp * mbs)`` micro-batches.
-MICRO_BATCHES = Technique("micro_batches", ("mbs", "num_microbatches"), expand=_expand_micro_batches,
-                          check_fixed=_check_fixed_micro_batches)
+MICRO_BATCHES = Technique("micro_batches", (Knob("mbs"), Knob("num_microbatches", "derived")),
+                          expand=_expand_micro_batches, check_fixed=_check_fixed_micro_batches)
 #: Data parallelism's ZeRO level, its state, ZeRO-3's per-unit traffic and the per-iteration floor.
-TECHNIQUE = Technique("data_parallel", ("zero",), expand=_expand_zero, unit_step=_unit_step,
+TECHNIQUE = Technique("data_parallel", (Knob("zero", low=0, high=3),), expand=_expand_zero, unit_step=_unit_step,
                       time_bound_s=_time_bound_s, memory_bound_bytes=_memory_bound_bytes, bound_reads=_bound_reads)
 
 __all__ = [

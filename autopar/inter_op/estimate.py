@@ -277,7 +277,7 @@ class SharedWork:
         """``_unit_load`` of every distinct unit of ``keys`` under ``layout`` (the caller must not modify it)."""
         split = (layout.schedule, layout.v) if splits_backward(layout.schedule, layout.pp) else None
         key = (id(costs), layout.dp, layout.tp, layout.cp, layout.ep, layout.pp, layout.num_microbatches,
-               layout.recompute, layout.sp, layout.zero, split)
+               layout.recompute, layout.sp, layout.zero, split, layout.options)
         if key not in self._loads:
             loads = {k: _unit_load(costs[k], k not in (PRE, POST), layout, links, cluster, ctx)
                      for k in dict.fromkeys(keys)}

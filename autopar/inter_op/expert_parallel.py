@@ -24,7 +24,7 @@ from typing import Any
 from autopar.cluster import AxisLink, Cluster
 from autopar.collectives import all_to_all_s
 from autopar.errors import AutoparError
-from autopar.inter_op.layout import Layout
+from autopar.inter_op.layout import Knob, Layout
 from autopar.inter_op.technique import Partial, SearchSpace, Technique, UnitLoadDraft, divisors
 from autopar.inter_op.unit_costs import UnitCost
 from autopar.intra_op.sharding_costs import Gemm
@@ -163,7 +163,7 @@ def _unit_step(d: UnitLoadDraft) -> None:
     d.ep_fwd_s, d.ep_s = ep_fwd, 2 * ep_fwd  # backward: the same exchanges of the gradients, in reverse
 
 
-TECHNIQUE = Technique("expert_parallel", ("ep",), expand=_expand, check_fixed=_check_fixed, share=_share,
+TECHNIQUE = Technique("expert_parallel", (Knob("ep"),), expand=_expand, check_fixed=_check_fixed, share=_share,
                       shares_at=lambda layout: layout.ep, unit_step=_unit_step)
 
 __all__ = ["PERMUTE_PASSES", "TECHNIQUE", "check_fixed_expert_parallel", "expert_exchange", "expert_exchange_s",

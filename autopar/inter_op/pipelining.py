@@ -25,7 +25,7 @@ from autopar.cluster import AxisLink, Cluster
 from autopar.collectives import all_gather_s, send_recv_s
 from autopar.errors import AutoparError
 from autopar.framework import Framework
-from autopar.inter_op.layout import Layout
+from autopar.inter_op.layout import Knob, Layout
 from autopar.inter_op.links import Links
 from autopar.inter_op.technique import (
     Partial,
@@ -42,6 +42,7 @@ from autopar.passes.activations import storage_key
 from autopar.passes.context import PassContext
 from autopar.solvers.pipeline import (
     MULTI_CHUNK,
+    SCHEDULES,
     SPLIT_BACKWARD,
     V_SHAPED,
     bubble_s,
@@ -495,9 +496,10 @@ def _memory_bound_bytes(t: UnitTotals, layout: Layout, ctx: PassContext) -> floa
 
 
 #: Pipeline stages: ``pp`` (at most the layers) and with it ``dp``, what the other axes leave.
-STAGES = Technique("pipeline_stages", ("pp", "dp"), expand=_expand_stages, check_fixed=_check_fixed_stages)
+STAGES = Technique("pipeline_stages", (Knob("pp"), Knob("dp")), expand=_expand_stages, check_fixed=_check_fixed_stages)
 #: The pipeline schedule, its chunks per rank and its micro-batch groups.
-TECHNIQUE = Technique("pipeline_schedule", ("schedule", "v", "group"), expand=_expand_schedule,
+TECHNIQUE = Technique("pipeline_schedule", (Knob("schedule", "choice", choices=SCHEDULES), Knob("v"),
+                                                           Knob("group", low=0)), expand=_expand_schedule,
                       check_fixed=_check_fixed_schedule, unit_step=_unit_step, time_bound_s=_time_bound_s,
                       memory_bound_bytes=_memory_bound_bytes)
 

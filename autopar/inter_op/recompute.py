@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from autopar.framework import Framework
-from autopar.inter_op.layout import RECOMPUTE
+from autopar.inter_op.layout import RECOMPUTE, Knob
 from autopar.inter_op.technique import Partial, SearchSpace, Technique, UnitLoadDraft
 from autopar.inter_op.unit_costs import UnitCost
 
@@ -67,6 +67,7 @@ def _unit_step(d: UnitLoadDraft) -> None:
     d.extra_bytes = max(d.extra_bytes, transient)
 
 
-TECHNIQUE = Technique("recompute", ("recompute",), expand=_expand, unit_step=_unit_step)
+TECHNIQUE = Technique("recompute", (Knob("recompute", "choice", choices=RECOMPUTE),), expand=_expand,
+                      unit_step=_unit_step)
 
 __all__ = ["TECHNIQUE", "LayerRecompute", "layer_recompute", "recompute_regathers", "unit_recompute"]

@@ -274,7 +274,7 @@ def layouts(graph: OpGraph, cluster: Cluster, global_batch: int, fixed: dict[str
         if technique.expand is not None:
             partials = [q for p in partials for q in technique.expand(space, p)]
     for p in partials:
-        yield Layout(**p)
+        yield Layout.of(p)
 
 
 def shards_parameters_on_tp(graph: OpGraph, strategies: dict[str, Strategy]) -> bool:

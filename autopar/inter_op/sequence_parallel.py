@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from autopar.inter_op.layout import Knob
 from autopar.inter_op.technique import Partial, SearchSpace, Technique
 
 
@@ -22,6 +23,6 @@ def _expand(space: SearchSpace, p: Partial) -> Iterator[Partial]:
         yield {**p, "sp": sp}
 
 
-TECHNIQUE = Technique("sequence_parallel", ("sp",), expand=_expand)
+TECHNIQUE = Technique("sequence_parallel", (Knob("sp", "switch"),), expand=_expand)
 
 __all__ = ["TECHNIQUE", "sequence_parallel_options"]

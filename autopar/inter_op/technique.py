@@ -4,6 +4,7 @@ A technique (tensor parallelism, a pipeline schedule, recomputation, ZeRO, ...) 
 ``autopar.inter_op``, which defines its rules and costs and one ``TECHNIQUE = Technique(...)`` naming its hooks;
 ``autopar.inter_op.techniques`` registers it.  The planner then reads every technique through these hooks:
 
+- ``knobs`` and ``flags``: its layout knobs (``Knob``: what ``--fix`` may pin them to) and its framework flags.
 - ``expand``: the search space.  Given a partial layout (the knobs of the techniques registered before it), the
   partial layouts with its own knobs set, as the cluster, the model, the framework and the pinned values
   (``SearchSpace``) allow.  Its validity rules are the ones ``check_fixed`` and the runtime use.
@@ -24,7 +25,7 @@ from typing import Any
 from autopar.cluster import Cluster
 from autopar.errors import AutoparError
 from autopar.framework import Framework
-from autopar.inter_op.layout import Layout
+from autopar.inter_op.layout import Knob, Layout
 from autopar.inter_op.links import Links
 from autopar.inter_op.unit_costs import UnitCost
 from autopar.ir import OpGraph
@@ -124,10 +125,13 @@ class UnitTotals:
 
 @dataclass(frozen=True, slots=True)
 class Technique:
-    """One technique's hooks (see the module docstring); ``knobs``: the ``Layout`` fields its ``expand`` sets."""
+    """One technique's hooks (see the module docstring); ``knobs``: the layout knobs its ``expand`` sets (a field of
+    ``Layout``, or one of its ``options``), which ``--fix`` pins as they declare; ``flags``: the framework flags it
+    reads beyond ``Framework``'s fields, (name, default) pairs (a profile sets them in the technique's TOML table,
+    ``Framework.option`` reads them)."""
 
     name: str
-    knobs: tuple[str, ...] = ()
+    knobs: tuple[Knob, ...] = ()
     expand: Callable[[SearchSpace, Partial], Iterator[Partial]] | None = None
     check_fixed: Callable[[SearchSpace, OpGraph], None] | None = None
     share: Callable[[UnitCost, Layout, Cluster], UnitCost] | None = None
@@ -137,6 +141,7 @@ class Technique:
     memory_bound_bytes: Callable[[UnitTotals, Layout, PassContext], float] | None = None
     bound_reads: Callable[[Layout], tuple] | None = None
     """The layout fields ``time_bound_s`` reads beyond the totals and links: a search computes it once per them."""
+    flags: tuple[tuple[str, bool | int | float | str], ...] = ()
 
     def __post_init__(self) -> None:
         if (self.share is None) != (self.shares_at is None):

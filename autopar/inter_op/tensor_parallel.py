@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 from autopar.cluster import Cluster
 from autopar.errors import AutoparError
-from autopar.inter_op.layout import Layout
+from autopar.inter_op.layout import Knob, Layout
 from autopar.inter_op.links import Links
 from autopar.inter_op.technique import Partial, SearchSpace, Technique, UnitTotals, check_divides, divisors
 from autopar.ir import OpGraph
@@ -76,7 +76,7 @@ def _tp_sync_bound_s(t: UnitTotals, layout: Layout, links: Links, cluster: Clust
     return t.tp_sync_s / layout.pp  # the mean stage's share
 
 
-TECHNIQUE = Technique("tensor_parallel", ("tp",), expand=_expand, check_fixed=_check_fixed,
+TECHNIQUE = Technique("tensor_parallel", (Knob("tp"),), expand=_expand, check_fixed=_check_fixed,
                       time_bound_s=_tp_sync_bound_s)
 
 __all__ = ["TECHNIQUE", "TP_ACROSS_DOMAINS_BANDWIDTH_SHARE", "attention_heads", "heads_refuse_tp",

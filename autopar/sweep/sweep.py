@@ -170,7 +170,7 @@ def _row(r: PointResult, cluster: Cluster, req: SweepRequest, parameters: float)
     assert r.estimate is not None and r.layout is not None
     est, b = r.estimate, r.estimate["breakdown"]
     row.update({
-        "layout": Layout(**r.layout).describe(), "iteration_time_s": est["iteration_time_s"],
+        "layout": Layout.of(r.layout).describe(), "iteration_time_s": est["iteration_time_s"],
         "tokens_per_s": est["tokens_per_s"], "mfu": est["mfu"], "peak_memory_bytes": est["peak_memory_bytes"],
         "compute_s": b.get("compute_s", 0.0), "recompute_s": b.get("recompute_s", 0.0),
         "bubble_s": b.get("pp_bubble_s", 0.0), "communication_s": sum(b.get(k, 0.0) for k in COMMUNICATION_TERMS),
