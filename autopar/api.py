@@ -24,15 +24,16 @@ from torch import nn
 
 from autopar.cluster import Cluster, cluster_from_args
 from autopar.errors import AutoparError
-from autopar.framework import DEFAULT_FRAMEWORK, Framework, load_framework
+from autopar.framework import DEFAULT_FRAMEWORK, load_framework
 from autopar.frontend import TracedModel, trace_model
+from autopar.inter_op.fp8 import training_precisions
 from autopar.inter_op.search import SearchResult, UnitCostCache, search
 from autopar.inter_op.techniques import normalize_fix, parse_fix
 from autopar.inter_op.to_plan import build_plan
 from autopar.ir import OpGraph
 from autopar.modelfile import factory_ref
 from autopar.passes import PassContext
-from autopar.passes.context import TRAINING_PRECISIONS, PrecisionPolicy
+from autopar.passes.context import PrecisionPolicy
 from autopar.plan_file import Plan
 from autopar.report import human_bytes
 from autopar.runnable import RuntimeFilter, runtime_filter
@@ -109,25 +110,6 @@ def setup(cluster: str | Cluster, gpus: int | None, gpus_per_node: int | None, i
     batch = global_batch if global_batch is not None else max(256, spec.gpus)
     budget = memory_limit_gb * 2**30 if memory_limit_gb is not None else spec.usable_memory_bytes
     return spec, ctx, batch, budget
-
-
-def training_precisions(precision: str, cluster: Cluster, framework: Framework) -> tuple[str, ...]:
-    """The training precisions a search over ``precision`` (``bf16``, ``fp8`` or ``auto``) tries: ``auto`` adds
-    fp8 where the devices have FP8 tensor cores and the framework trains in it.  An fp8 the cluster or the
-    framework cannot run is an error."""
-    if precision not in (*TRAINING_PRECISIONS, "auto"):
-        raise AutoparError(f"precision (--precision) must be one of {', '.join(TRAINING_PRECISIONS)} or auto, "
-                           f"not {precision!r}")
-    can = cluster.has_fp8 and framework.fp8_scaling != "none"
-    if precision == "fp8" and not cluster.has_fp8:
-        raise AutoparError(f"--precision fp8: {cluster.device} ({cluster.name}) has no FP8 tensor cores "
-                           "(its peak_fp8_flops is 0); use --precision bf16")
-    if precision == "fp8" and framework.fp8_scaling == "none":
-        raise AutoparError(f"--precision fp8: framework {framework.name} does not train in FP8 in autopar's model "
-                           "(fp8_scaling = none); use --precision bf16 or another --framework")
-    if precision == "auto":
-        return ("bf16", "fp8") if can else ("bf16",)
-    return (precision,)
 
 
 def plan_model(model: ModelLike, *, config: dict[str, Any] | None = None,
@@ -251,4 +233,4 @@ def plan(model: ModelLike, *, config: dict[str, Any] | None = None,
 
 
 __all__ = ["DEFAULT_CLUSTER", "ModelLike", "NoFitError", "Planning", "model_ref", "plan", "plan_graph", "plan_model",
-           "setup", "training_precisions"]
+           "setup"]

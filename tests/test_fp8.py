@@ -13,12 +13,12 @@ from autopar.passes import PassContext
 from autopar.passes.context import PrecisionPolicy
 
 import autopar
-from autopar.api import training_precisions
 from autopar.cli import main
 from autopar.cluster import load_cluster
 from autopar.errors import AutoparError
 from autopar.framework import load_framework
 from autopar.inter_op.data_parallel import gathered_weight_bytes
+from autopar.inter_op.fp8 import training_precisions
 from autopar.inter_op.unit_costs import UnitCost
 from autopar.intra_op.fp8 import cast_cost, fp8_eligible
 from autopar.kernels import gemm_s

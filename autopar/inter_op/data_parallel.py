@@ -17,6 +17,7 @@ from autopar.cluster import AxisLink, Cluster
 from autopar.collectives import all_gather_s, all_reduce_s, bucketed_s, reduce_scatter_s
 from autopar.errors import AutoparError
 from autopar.framework import Framework
+from autopar.inter_op.fp8 import fp8_gathered_params
 from autopar.inter_op.layout import Knob, Layout
 from autopar.inter_op.links import Links
 from autopar.inter_op.technique import Partial, SearchSpace, Technique, UnitLoadDraft, UnitTotals, divisors
@@ -57,7 +58,7 @@ def state_and_held_bytes(params: float, replicas: int, layout: Layout, ctx: Pass
 def gathered_weight_bytes(u: UnitCost, ctx: PassContext) -> float:
     """Bytes of ``u``'s weights one ZeRO-3 all-gather moves: 16-bit, or one byte for the FP8 Linears' weights
     where the framework gathers them cast (``Framework.fp8_param_gather``)."""
-    fp8 = u.fp8_params if ctx.precision.training == "fp8" and ctx.framework.fp8_param_gather else 0.0
+    fp8 = fp8_gathered_params(u, ctx)
     return (u.params_local - fp8) * ctx.precision.weight_bytes + fp8
 
 

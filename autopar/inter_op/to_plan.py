@@ -7,10 +7,10 @@ from typing import Any
 from autopar.cluster import Cluster
 from autopar.inter_op.context_parallel import RUNTIME_PATH
 from autopar.inter_op.estimate import Estimate
+from autopar.inter_op.fp8 import plan_precision
 from autopar.inter_op.pipelining import pipeline_carry, stack_ends
 from autopar.inter_op.unit_costs import POST, PRE, unit_sequence
-from autopar.intra_op.fp8 import fp8_eligible, layer_linear_weight
-from autopar.intra_op.strategies import R, Strategy, param_tp_placements, shard_dim, tensor_refs
+from autopar.intra_op.strategies import R, Strategy, param_tp_placements, tensor_refs
 from autopar.ir import OpGraph
 from autopar.modelfile import ZOO, locate
 from autopar.passes.context import PassContext
@@ -97,25 +97,6 @@ def _param_stages(graph: OpGraph, est: Estimate) -> dict[str, list[int]]:
     return out
 
 
-def fp8_linears(graph: OpGraph, ctx: PassContext, tp_place: dict[str, str], tp: int) -> list[str]:
-    """The Linears of an FP8 plan that train in FP8 (``autopar.intra_op.fp8``): those of the transformer
-    layers whose weight, as one tp rank holds it, has both dimensions aligned to 16."""
-    if ctx.precision.training != "fp8":
-        return []
-    out = set()
-    for n in graph.ops():
-        weight = layer_linear_weight(n, graph)
-        if weight is None:
-            continue
-        shape = [float(d) for d in weight.out.shape]
-        dim = shard_dim(tp_place.get(weight.target, R))
-        if dim is not None:
-            shape[dim] /= tp
-        if fp8_eligible(1, shape[0], shape[1]):
-            out.add(n.module)
-    return sorted(out)
-
-
 def build_plan(*, graph: OpGraph, model_ref: str, config: dict[str, Any], cluster: Cluster, ctx: PassContext,
                global_batch: int, estimate: Estimate, strategies: dict[str, Strategy],
                example_inputs: str | None = None, memory_limit_bytes: float | None = None,
@@ -199,13 +180,7 @@ def build_plan(*, graph: OpGraph, model_ref: str, config: dict[str, Any], cluste
                                  "stage_to_rank": stage_to_rank},
         zero=lay.zero, parameters=parameters, op_strategies=ops,
         estimate={**estimate.to_dict(), **({"memory_limit_bytes": memory_limit_bytes} if memory_limit_bytes else {})},
-        attention=ctx.attention, precision=_precision(graph, ctx, tp_place, lay.tp), compile=ctx.compile,
+        attention=ctx.attention, precision=plan_precision(graph, ctx, tp_place, lay.tp), compile=ctx.compile,
         context_parallel=RUNTIME_PATH if lay.cp > 1 else {},
     )
 
-
-def _precision(graph: OpGraph, ctx: PassContext, tp_place: dict[str, str], tp: int) -> dict[str, Any]:
-    if ctx.precision.training != "fp8":
-        return {"training": "bf16"}
-    return {"training": "fp8", "fp8_scaling": ctx.framework.fp8_scaling,
-            "fp8_param_gather": ctx.framework.fp8_param_gather, "fp8_linears": fp8_linears(graph, ctx, tp_place, tp)}

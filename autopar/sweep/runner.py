@@ -20,9 +20,10 @@ from typing import Any
 
 from autopar.passes.context import PassContext
 
-from autopar.api import NoFitError, plan_graph, setup, training_precisions
+from autopar.api import NoFitError, plan_graph, setup
 from autopar.cluster import Cluster
 from autopar.errors import AutoparError
+from autopar.inter_op.fp8 import training_precisions
 from autopar.inter_op.search import UnitCostCache
 from autopar.ir import OpGraph
 from autopar.runnable import runtime_filter

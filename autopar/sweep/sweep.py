@@ -16,11 +16,12 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
-from autopar.api import setup, training_precisions
+from autopar.api import setup
 from autopar.cluster import Cluster, cluster_from_args
 from autopar.errors import AutoparError
 from autopar.framework import DEFAULT_FRAMEWORK, load_framework
 from autopar.frontend import trace_model
+from autopar.inter_op.fp8 import training_precisions
 from autopar.inter_op.layout import Layout
 from autopar.summary import model_summary
 from autopar.sweep.economics import Power, Prices, Reliability, point_economics
