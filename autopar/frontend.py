@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
 from dataclasses import dataclass
@@ -12,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
+from torch.overrides import TorchFunctionMode
 
 from autopar import modelfile
 from autopar.errors import ModelFileError
@@ -41,7 +41,7 @@ class TracedModel:
         """The traced graph annotated under ``ctx`` (another cluster or precision) without tracing again."""
         if self.exported is None:
             raise ValueError("this TracedModel keeps no exported graph")
-        return run_pipeline(copy.deepcopy(self.exported), ctx)
+        return run_pipeline(self.exported.copy(), ctx)
 
 
 def build_fake(module: ModuleType, config: dict[str, Any], ref: str,
@@ -63,9 +63,30 @@ def build_fake(module: ModuleType, config: dict[str, Any], ref: str,
     return _build_fake_or_meta(module, config, ref), config
 
 
+class _SkipInitialization(TorchFunctionMode):
+    """Skips the fills that initialize weights (``nn.init``'s functions, ``Tensor.normal_`` and its kin): a fake
+    tensor holds no values for them to set, and each would cost a fake dispatch (a third of building GPT-3 175B)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", None) in _INITIALIZING_FILLS:
+            target = args[0] if args else kwargs.get("tensor")
+            if isinstance(target, torch.Tensor):
+                return target
+        return func(*args, **kwargs)
+
+
+#: In-place fills whose only effect is on values: ``torch.nn.init``'s functions and the ``Tensor`` methods they
+#: and model code call.
+_INITIALIZING_FILLS = frozenset({
+    "uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_", "xavier_uniform_",
+    "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_", "sparse_", "fill_", "zero_",
+    "random_", "exponential_", "geometric_", "log_normal_", "cauchy_", "bernoulli_"})
+
+
 def _build_fake_or_meta(module: ModuleType, config: dict[str, Any], ref: str) -> nn.Module:
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        with FakeTensorMode(allow_non_fake_inputs=True), _SkipInitialization():
             return modelfile.build(module, config, ref)
     except ModelFileError as exc:
         if not _fake_tensors_cannot(exc.__cause__):
@@ -117,20 +138,24 @@ TRACE_DTYPE = torch.bfloat16
 
 def _to_trace_dtype(model: nn.Module) -> nn.Module:
     """Cast a fake model's floating parameters and buffers to ``TRACE_DTYPE`` in place, in its own fake mode.
-    (``Module.to`` would swap fake tensors, which their mode's weak references forbid.)  Tied parameters
-    stay tied."""
+    (``Module.to`` would swap fake tensors, which their mode's weak references forbid.)  A fake tensor has no
+    values to convert: each becomes an empty one of its shape and strides, one fake op rather than a detach and a
+    copy, and a parameter takes it as its ``data`` (it stays the same object: tied parameters stay tied)."""
     fake = next((t.fake_mode for t in [*model.parameters(), *model.buffers()] if hasattr(t, "fake_mode")), None)
-    cast: dict[int, nn.Parameter] = {}
-    with fake if fake is not None else contextlib.nullcontext():
+    if fake is None:
+        raise ValueError("_to_trace_dtype casts fake models only")
+
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty_strided(t.shape, t.stride(), dtype=TRACE_DTYPE, device=t.device)
+
+    with fake:
+        for p in model.parameters():  # each once, however many modules share it
+            if p.is_floating_point() and p.dtype != TRACE_DTYPE:
+                p.data = empty(p)
         for module in model.modules():
-            for name, p in list(module._parameters.items()):
-                if p is not None and p.is_floating_point():
-                    if id(p) not in cast:
-                        cast[id(p)] = nn.Parameter(p.detach().to(TRACE_DTYPE), requires_grad=p.requires_grad)
-                    module._parameters[name] = cast[id(p)]
             for name, b in list(module._buffers.items()):
                 if b is not None and b.is_floating_point():
-                    module._buffers[name] = b.to(TRACE_DTYPE)
+                    module._buffers[name] = empty(b)
     return model
 
 
@@ -178,5 +203,5 @@ def trace_model(ref: str, config: dict[str, Any] | None = None, seq_len: int | N
     tokens = seq_len if seq_len is not None else modelfile.declared_seq_len(model, config)
     exported = trace(model, inputs, modelfile.loss_fn_of(module), repeat_identical_layers=not every_layer,
                      tokens=tokens)
-    graph = run_pipeline(copy.deepcopy(exported), ctx or PassContext())
+    graph = run_pipeline(exported.copy(), ctx or PassContext())
     return TracedModel(ref, config, module, model, graph, graph.seq_len, exported)

@@ -92,6 +92,8 @@ class Layout:
     def of(cls, knobs: Mapping[str, Any]) -> Layout:
         """The layout of these knob values (a search's partial layout, a plan file's layout): a field's by name,
         the rest in ``options``."""
+        if _FIELD_NAMES.issuperset(knobs):  # the search's every layout, where no registered technique adds knobs
+            return cls(**knobs)
         named = {k: v for k, v in knobs.items() if k in _FIELD_NAMES}
         return cls(**named, options=tuple(sorted((k, v) for k, v in knobs.items() if k not in _FIELD_NAMES)))
 
