@@ -90,10 +90,11 @@ def test_a_registered_technique_reaches_the_estimate_and_the_bound(monkeypatch):
     assert after[1] - before[1] == pytest.approx(added, rel=1e-6)
 
 
-def _toy_with_a_knob_and_a_flag(monkeypatch) -> float:
+@pytest.fixture
+def toy_registered(monkeypatch):
     """Registers (in the one list) a toy technique with a layout knob of its own, ``toy_passes`` (0-2, searched),
     and a framework flag of its own, ``toy_pass_s`` in its table ``[toy_passes]``: each pass adds ``toy_pass_s`` to
-    every unit per micro-batch.  Returns the flag's default."""
+    every unit per micro-batch.  Yields the flag's default."""
     from autopar.framework import load_framework
 
     default_s = 1e-3
@@ -109,16 +110,9 @@ def _toy_with_a_knob_and_a_flag(monkeypatch) -> float:
                     flags=(("toy_pass_s", default_s),))
     monkeypatch.setattr(techniques, "TECHNIQUES", (*techniques.TECHNIQUES, toy))
     load_framework.cache_clear()  # profiles loaded before the toy was registered lack its flag
-    return default_s
-
-
-@pytest.fixture
-def toy_registered(monkeypatch):
-    from autopar.framework import load_framework
-
-    yield _toy_with_a_knob_and_a_flag(monkeypatch)
+    yield default_s
     monkeypatch.undo()
-    load_framework.cache_clear()
+    load_framework.cache_clear()  # nor may later tests get profiles with it
 
 
 def test_a_technique_s_own_knob_and_flag_need_no_other_file(toy_registered, tmp_path):
@@ -146,26 +140,36 @@ def test_a_technique_s_own_knob_and_flag_need_no_other_file(toy_registered, tmp_
 
     cluster = load_cluster("a100-80gb").with_overrides(gpus=1)
     graph = trace_model("gpt", GPT, ctx=PassContext(cluster=cluster)).graph
-    searched = {lay.option("toy_passes") for lay in layouts(graph, cluster, 8, {"mbs": 2, "recompute": "none"})}
-    assert searched == {0, 1, 2}
+    space = list(layouts(graph, cluster, 8, {"mbs": 2, "recompute": "none"}))
+    assert {lay.option("toy_passes") for lay in space} == {0, 1, 2}
+    # one search's shared work (its memo of unit loads) tells the toy's values apart
+    costs, _ = UnitCostCache(graph, cluster, PassContext(cluster=cluster), "cbc", 60.0).get(1, 2, False, "fast")
+    shared, keys = SharedWork(), unit_sequence(graph)
+    times = {lay.option("toy_passes"): estimate_layout(graph, costs, lay, 8, cluster, PassContext(cluster=cluster),
+                                                        float("inf"), ModelFlops.of(graph), keys=keys,
+                                                        shared=shared).iteration_time_s
+             for lay in space if lay.zero == 0}
+    per_pass_s = toy_registered * len(keys) * space[0].num_microbatches
+    assert times[2] - times[1] == pytest.approx(per_pass_s, rel=1e-6)
+    assert times[1] - times[0] == pytest.approx(per_pass_s, rel=1e-6)
 
-    def plan(fix: str, framework: str, out: str) -> tuple[dict, dict]:
+    def plan(fix: str, framework: str, out: str) -> dict:
         args = ["plan", "gpt", "--config", ",".join(f"{k}={v}" for k, v in GPT.items()), "--gpus", "1",
                 "--global-batch", "8", "--fix", fix, "--framework", framework, "--jobs", "1", "-o", str(tmp_path / out),
-                "--json"]
+                "-q"]
         assert main(args) == 0
-        written = json.loads((tmp_path / out / "plan.json").read_text())
-        return written, written["estimate"]
+        return json.loads((tmp_path / out / "plan.json").read_text())
 
-    none, est0 = plan("toy_passes=0,mbs=2,recompute=none", "torch", "none")
-    two, est2 = plan("toy_passes=2,mbs=2,recompute=none", str(profile), "two")
+    none = plan("toy_passes=0,mbs=2,recompute=none", "torch", "none")
+    two = plan("toy_passes=2,mbs=2,recompute=none", str(profile), "two")
     assert none["layout"]["toy_passes"] == 0 and two["layout"]["toy_passes"] == 2
     assert Layout.of(two["layout"]).option("toy_passes") == 2
     assert Layout.of(two["layout"]).to_dict() == two["layout"]
     assert Layout.of(two["layout"]).describe().endswith(" toy_passes=2")
     units = len(unit_sequence(graph))
     added_s = 2 * 0.25 * units * two["layout"]["num_microbatches"]
-    assert est2["iteration_time_s"] - est0["iteration_time_s"] == pytest.approx(added_s, rel=1e-6)
+    assert (two["estimate"]["iteration_time_s"] - none["estimate"]["iteration_time_s"]
+            == pytest.approx(added_s, rel=1e-6))
 
 
 @pytest.mark.parametrize("fixed,message", [
