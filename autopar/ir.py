@@ -116,6 +116,8 @@ class Node:
     alias_of: str | None = None  # the input node whose storage this op's output views (view ops)
     batch_scaled: bool = False  # its work scales with the batch (it reads or writes batch-sized tensors)
     annotations: dict[str, Any] = field(default_factory=dict)
+    _tensor_refs: list[Ref] | None = field(default=None, init=False, repr=False, compare=False)
+    """``tensor_refs``' answer, kept: the planner asks it of each op for every intra-op problem."""
 
     @property
     def inputs(self) -> tuple[str, ...]:
@@ -141,13 +143,17 @@ def iter_refs(obj: Any) -> Iterator[Ref]:
 
 
 def tensor_refs(node: Node) -> list[Ref]:
-    """The node's tensor arguments in the order strategies list them (positional, lists flattened)."""
+    """The node's tensor arguments in the order strategies list them (positional, lists flattened).  Kept on the
+    node (its ``args`` are set once: a pass that changes them makes a new node), so the caller must not modify it."""
+    if node._tensor_refs is not None:
+        return node._tensor_refs
     refs: list[Ref] = []
     for a in node.args:
         if isinstance(a, Ref):
             refs.append(a)
         elif isinstance(a, (list, tuple)):
             refs.extend(x for x in a if isinstance(x, Ref))
+    node._tensor_refs = refs
     return refs
 
 

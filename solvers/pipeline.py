@@ -38,7 +38,7 @@ their activations in flight are walked off the op order: torch's ``I`` keeps the
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Literal
 
 Schedule = Literal["gpipe", "1f1b", "interleaved", "interleaved_zb", "zbv", "dualpipev"]
@@ -153,13 +153,15 @@ def steady_microbatches(schedule: Schedule, p: int, m: int) -> int:
 def _held_frontiers(schedule: Schedule, p: int, m: int, v: int) -> tuple[tuple[tuple[int, int], ...], ...]:
     """Per rank, the (chunks held, of them between ``I`` and ``W``) pairs its op order passes through that
     no other pair exceeds in both: the peak for any ``residue`` is among them."""
-    return tuple(_held_frontier(schedule_order(schedule, rank, p, m, v)) for rank in range(p))
+    if schedule == "interleaved_zb":  # the kinds alone, without the micro-batch counters (the search's hot path)
+        return tuple(_held_frontier(kind for kind, _ in _interleaved_zb_steps(rank, p, m, v)) for rank in range(p))
+    return tuple(_held_frontier(op[0] for op in schedule_order(schedule, rank, p, m, v)) for rank in range(p))
 
 
-def _held_frontier(ops: list[Op]) -> tuple[tuple[int, int], ...]:
+def _held_frontier(kinds: Iterable[str]) -> tuple[tuple[int, int], ...]:
     held = pending = 0
     seen: set[tuple[int, int]] = set()
-    for kind, _, _ in ops:
+    for kind in kinds:
         if kind == "F":
             held += 1
         elif kind == "I":
@@ -243,36 +245,40 @@ def _interleaved_zb_order(rank: int, p: int, m: int, v: int) -> list[Op]:
     """``ScheduleInterleavedZeroBubble`` (torch's ``_get_1f1b_rank_ops`` with ``enable_zero_bubble``): one
     warm-up forward per hop from the last rank (``multiply_factor=1``), then forward + input gradient per
     step, each rank's weight steps trailing its input steps by ``rank`` (``num_1f1b_microbatches``)."""
-    per_round = m // max(1, m // p)
-    total = m * v
-    warm = min((v - 1) * per_round + (p - 1 - rank), total)
+    per_round, warm = _interleaved_zb_shape(rank, p, m, v)
     counts = _Counters()
     ops: list[Op] = []
+    for kind, step in _interleaved_zb_steps(rank, p, m, v):
+        chunk = (step // per_round) % v if kind == "F" else v - 1 - ((step - warm) // per_round) % v
+        ops.append((kind, chunk, counts.take(kind, chunk)))
+    return ops
+
+
+def _interleaved_zb_shape(rank: int, p: int, m: int, v: int) -> tuple[int, int]:
+    """``interleaved_zb``'s micro-batches per round and the warm-up forwards of ``rank``."""
+    per_round = m // max(1, m // p)
+    return per_round, min((v - 1) * per_round + (p - 1 - rank), m * v)
+
+
+def _interleaved_zb_steps(rank: int, p: int, m: int, v: int) -> Iterator[tuple[str, int]]:
+    """``_interleaved_zb_order``'s op kinds in order, each with the step that sets its chunk: a forward's own,
+    an input or weight step's backward step."""
+    total = m * v
+    _, warm = _interleaved_zb_shape(rank, p, m, v)
     backward_steps: list[int] = []
     weights_done = 0
-
-    def forward_chunk(step: int) -> int:
-        return (step // per_round) % v
-
-    def backward_chunk(step: int) -> int:
-        return v - 1 - ((step - warm) // per_round) % v
-
-    def add(kind: str, c: int) -> None:
-        ops.append((kind, c, counts.take(kind, c)))
-
     for step in range(total + warm):  # warm-up forwards, forward + input steps, then the input steps left
         if step < total:
-            add("F", forward_chunk(step))
+            yield "F", step
         if step < warm:
             continue
-        add("I", backward_chunk(step))
+        yield "I", step
         backward_steps.append(step)
         if step - warm >= rank:
-            add("W", backward_chunk(backward_steps[weights_done]))
+            yield "W", backward_steps[weights_done]
             weights_done += 1
     for step in backward_steps[weights_done:]:
-        add("W", backward_chunk(step))
-    return ops
+        yield "W", step
 
 
 def _zbv_order(rank: int, p: int, m: int) -> list[Op]:

@@ -74,6 +74,43 @@ def test_bounds_never_exceed_the_estimate(case):
     assert checked >= 20
 
 
+@pytest.mark.parametrize("case", [CASES[i] for i in (0, 1, 3, 4, 6)], ids=lambda c: f"{Path(c[0]).stem}-{c[5]}")
+def test_a_family_s_floor_is_under_the_bound_of_each_of_its_layouts(case):
+    """The search queues the layouts that differ only in the last technique's knobs (the schedule, v, groups) as one
+    family under a floor.  On random families of each model the floor is at or under every member's own bound, and
+    the unit totals are the same for all members (they do not read those knobs): a family never opened holds no
+    layout that could have won."""
+    from autopar.inter_op import techniques
+    from autopar.inter_op.layout import Layout
+    from autopar.inter_op.search import layout_families
+
+    model, config, cluster_name, gpus, batch, framework, attention = case
+    cluster = load_cluster(cluster_name).with_overrides(gpus=gpus)
+    ctx = PassContext(cluster=cluster, attention=attention, framework=load_framework(framework))
+    graph = trace_model(model, config, ctx=ctx).graph
+    cache = UnitCostCache(graph, cluster, ctx, "cbc", 60.0)
+    keys = unit_sequence(graph)
+    counts = {k: keys.count(k) for k in dict.fromkeys(keys)}
+    shared = SharedWork()
+    deferred = [t for t in techniques.TECHNIQUES if t.expand is not None][-1]
+    families = layout_families(graph, cluster, batch, {}, ctx.framework)
+    rng = random.Random(1)
+    several = [f for f in families if len(f) > 1]  # the families of several schedules, and a few of one
+    single = [f for f in families if len(f) == 1]
+    assert several
+    for family in rng.sample(several, min(30, len(several))) + rng.sample(single, min(10, len(single))):
+        first = Layout.of(family[0])
+        costs, _ = cache.get(first.tp, first.mbs, first.sp, "fast")
+        totals = unit_totals(shared.shares(costs, first, cluster), counts, first, ctx)
+        floor = time_bound_s(totals, first, cluster, ctx, shared.links(cluster, first), deferred=deferred)
+        assert floor > 0
+        for p in family:
+            layout = Layout.of(p)
+            assert unit_totals(shared.shares(costs, layout, cluster), counts, layout, ctx) == totals
+            assert floor <= time_bound_s(totals, layout, cluster, ctx, shared.links(cluster, layout)) * (1 + 1e-12), \
+                layout
+
+
 def test_the_bound_prunes_across_pipeline_depths():
     """The bubble, the optimizer step and the unhidden dp traffic make the bound differ across pp, where the old
     ``m * work / pp`` gave every depth the same: most of a large search is never estimated, and the plan is the

@@ -33,7 +33,7 @@ from autopar.inter_op.estimate import tied_params
 from autopar.inter_op.layout import Layout
 from autopar.inter_op.links import Links
 from autopar.inter_op.recompute import layer_recompute
-from autopar.inter_op.technique import UnitTotals
+from autopar.inter_op.technique import Technique, UnitTotals
 from autopar.inter_op.unit_costs import POST, PRE, UnitCost
 from autopar.passes.context import PassContext
 
@@ -65,13 +65,18 @@ def unit_totals(costs: dict[str, UnitCost], counts: dict[str, int], layout: Layo
 
 
 def time_bound_s(t: UnitTotals, layout: Layout, cluster: Cluster, ctx: PassContext, links: Links,
-                 memo: dict[tuple, float] | None = None) -> float:
+                 memo: dict[tuple, float] | None = None, deferred: Technique | None = None) -> float:
     """A lower bound of ``estimate_layout``'s iteration time for ``layout`` on units totalling ``t``; ``links``: the
     layout's (``links.layout_links``).  The sum of the registered techniques' terms.  ``memo``: a search's terms of
     the techniques that say what they read (``Technique.bound_reads``), keyed on the identities of ``t`` and
-    ``links`` (the caller keeps them alive) and those fields."""
+    ``links`` (the caller keeps them alive) and those fields.  ``deferred``: a technique whose knobs may take any
+    value (``layout``'s are one of them): its floor (``Technique.time_bound_floor_s``) stands for its term, and the
+    sum bounds every layout that differs from ``layout`` only in those knobs."""
     total = 0.0
     for technique in techniques.TECHNIQUES:
+        if technique is deferred and technique.time_bound_floor_s is not None:
+            total += technique.time_bound_floor_s(t, layout, links, cluster, ctx)
+            continue
         if technique.time_bound_s is None:
             continue
         if memo is None or technique.bound_reads is None:

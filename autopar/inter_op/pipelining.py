@@ -486,6 +486,12 @@ def _time_bound_s(t: UnitTotals, layout: Layout, links: Links, cluster: Cluster,
     return pipeline_slots(layout) * ((t.work_s + recompute_passes(layout) * t.recompute_s) / p)
 
 
+def _time_bound_floor_s(t: UnitTotals, layout: Layout, links: Links, cluster: Cluster, ctx: PassContext) -> float:
+    """The least ``_time_bound_s`` takes over the schedules, ``v`` and groups: every schedule's ``pipeline_slots``
+    are at least ``m``, and the recomputation runs at least once."""
+    return layout.num_microbatches * (t.work_s + t.recompute_s) / layout.pp
+
+
 def _memory_bound_bytes(t: UnitTotals, layout: Layout, ctx: PassContext) -> float:
     """The mean stage's activations, of the fewest micro-batches any stage holds at once."""
     p = layout.pp
@@ -501,7 +507,7 @@ STAGES = Technique("pipeline_stages", (Knob("pp"), Knob("dp")), expand=_expand_s
 TECHNIQUE = Technique("pipeline_schedule", (Knob("schedule", "choice", choices=SCHEDULES), Knob("v"),
                                                            Knob("group", low=0)), expand=_expand_schedule,
                       check_fixed=_check_fixed_schedule, unit_step=_unit_step, time_bound_s=_time_bound_s,
-                      memory_bound_bytes=_memory_bound_bytes)
+                      time_bound_floor_s=_time_bound_floor_s, memory_bound_bytes=_memory_bound_bytes)
 
 __all__ = ["INTERLEAVE_V", "STAGES", "TECHNIQUE", "Crossing", "PipelineCarry", "backward_run_s", "bubble_bound_s",
            "bubble_time_s", "carried_bytes", "check_fixed_pipeline", "cut_crossings", "fewest_in_flight",

@@ -26,6 +26,8 @@ beat the last candidate kept; a layout whose memory bound exceeds the budget is 
 from __future__ import annotations
 
 import dataclasses
+import heapq
+import itertools
 import math
 import multiprocessing
 import os
@@ -268,13 +270,22 @@ def layouts(graph: OpGraph, cluster: Cluster, global_batch: int, fixed: dict[str
             fw: Framework | None = None) -> Iterator[Layout]:
     """Every layout of the search space that satisfies ``fixed`` (and, for unpinned knobs, that the framework
     implements): each technique, in the registry's order, sets its knobs on the partial layouts before it."""
+    for family in layout_families(graph, cluster, global_batch, fixed, fw):
+        for p in family:
+            yield Layout.of(p)
+
+
+def layout_families(graph: OpGraph, cluster: Cluster, global_batch: int, fixed: dict[str, Any],
+                    fw: Framework | None = None) -> list[list[Partial]]:
+    """``layouts``' knob values (in their order), grouped by all but the last registered technique's knobs: the
+    layouts of one family differ only in those (the pipeline schedule, ``v`` and groups).  No empty family."""
     space = search_space(graph, cluster, global_batch, fixed, fw)
     partials: list[Partial] = [{}]
-    for technique in techniques.TECHNIQUES:
-        if technique.expand is not None:
-            partials = [q for p in partials for q in technique.expand(space, p)]
-    for p in partials:
-        yield Layout.of(p)
+    *before, last = [t for t in techniques.TECHNIQUES if t.expand is not None]
+    for technique in before:
+        partials = [q for p in partials for q in technique.expand(space, p)]  # type: ignore[misc]
+    families = [list(last.expand(space, p)) for p in partials]  # type: ignore[misc]
+    return [f for f in families if f]
 
 
 def shards_parameters_on_tp(graph: OpGraph, strategies: dict[str, Strategy]) -> bool:
@@ -299,6 +310,82 @@ def _totals(costs: dict[str, UnitCost], counts: dict[str, int], layout: Layout, 
     if key not in memo:
         memo[key] = unit_totals(costs, counts, layout, ctx)
     return memo[key]
+
+
+@dataclass(slots=True)
+class _Family:
+    """Layouts of one variant that differ only in the deferred technique's knobs, with their unit costs' totals."""
+
+    members: list[Partial]
+    variant: str
+    costs: dict[str, UnitCost]
+    totals: UnitTotals
+
+
+class _Queue:
+    """A search's layouts, best first in their time bound.  A family of layouts that differ only in the last
+    registered technique's knobs (``layout_families``) waits under its floor (``time_bound_s`` with that technique
+    ``deferred``), which no member's bound is under, and is opened into its layouts when it comes up: a family whose
+    floor cannot beat the cut-off is never looked at layout by layout.  Pops are in the order of the bounds, ties
+    by the layout's knobs and the variant; ``exhaustive`` (or a last technique with no floor) opens every family at
+    once."""
+
+    def __init__(self, cluster: Cluster, ctx: PassContext, shared: SharedWork, counts: dict[str, int],
+                 exhaustive: bool) -> None:
+        self.cluster, self.ctx, self.shared, self.counts = cluster, ctx, shared, counts
+        last = [t for t in techniques.TECHNIQUES if t.expand is not None][-1]
+        self.deferred = last if last.time_bound_floor_s is not None and not exhaustive else None
+        self.enumerated = 0
+        self._heap: list[tuple[float, tuple, str, int, Any]] = []
+        self._order = itertools.count()  # the last tie-break: a family and its layout may tie on all else
+        self._families: list[_Family] = []
+        self._totals_memo: dict[tuple, UnitTotals] = {}
+        self._bound_memo: dict[tuple, float] = {}  # keyed on ids of ``_totals_memo``'s totals and ``shared``'s links
+
+    def add_family(self, members: list[Partial], first: Layout, variant: str, costs: dict[str, UnitCost]) -> None:
+        """Queue ``members`` (``first``: the first one's layout) on ``costs``, one variant's."""
+        family = _Family(members, variant, costs, self._totals(costs, first))
+        self._families.append(family)
+        self.enumerated += len(members)
+        if self.deferred is None or len(members) == 1:
+            self.open(family, first)
+            return
+        links = self.shared.links(self.cluster, first)
+        floor = time_bound_s(family.totals, first, self.cluster, self.ctx, links, self._bound_memo, self.deferred)
+        heapq.heappush(self._heap, (floor, _layout_key(first), variant, next(self._order), family))
+
+    def open(self, family: _Family, first: Layout | None = None) -> None:
+        """Queue each of ``family``'s layouts under its own bound."""
+        for i, p in enumerate(family.members):
+            layout = first if i == 0 and first is not None else Layout.of(p)
+            bound = time_bound_s(family.totals, layout, self.cluster, self.ctx, self.shared.links(self.cluster, layout),
+                                 self._bound_memo)
+            heapq.heappush(self._heap, (bound, _layout_key(layout), family.variant, next(self._order),
+                                        (layout, family.totals)))
+
+    def pop(self) -> tuple[float, str, Layout | None, Any] | None:
+        """The next ``(bound, variant, layout, totals)``, or ``(bound, variant, None, family)`` for a family to
+        ``open``; ``None`` when the queue is empty."""
+        if not self._heap:
+            return None
+        bound, _, variant, _, item = heapq.heappop(self._heap)
+        if isinstance(item, _Family):
+            return bound, variant, None, item
+        return bound, variant, item[0], item[1]
+
+    def every_layout(self) -> list[tuple[float, tuple, str, Layout, UnitTotals]]:
+        """Every queued layout with its bound, sorted as the pops would come (for a search where nothing fits)."""
+        out = []
+        for family in self._families:
+            for p in family.members:
+                layout = Layout.of(p)
+                bound = time_bound_s(family.totals, layout, self.cluster, self.ctx,
+                                     self.shared.links(self.cluster, layout), self._bound_memo)
+                out.append((bound, _layout_key(layout), family.variant, layout, family.totals))
+        return sorted(out, key=lambda q: q[:3])
+
+    def _totals(self, costs: dict[str, UnitCost], layout: Layout) -> UnitTotals:
+        return _totals(costs, self.counts, layout, self.cluster, self.ctx, self.shared, self._totals_memo)
 
 
 @dataclass
@@ -364,32 +451,35 @@ def search(graph: OpGraph, cluster: Cluster, ctx: PassContext, global_batch: int
                            accept, may_accept, exhaustive)
     # best first: every layout's lower bound, then the layouts in its order, until the bound of the next one
     # cannot beat the K-th best found (the rest cannot either); a layout whose memory bound exceeds the budget
-    # cannot fit and is not estimated (unless nothing fits)
-    queue: list[tuple[float, tuple, str, Layout, UnitTotals]] = []
+    # cannot fit and is not estimated (unless nothing fits).  The layouts that differ only in the last technique's
+    # knobs (the schedule's) wait as one family, under the least bound any of them can have, until it comes up
     counts = {k: sequence.count(k) for k in dict.fromkeys(sequence)}
-    memo: dict[tuple, UnitTotals] = {}
-    bound_memo: dict[tuple, float] = {}  # keyed on ids of ``memo``'s totals and ``shared``'s links
-    space = list(layouts(graph, cluster, global_batch, fixed, ctx.framework))
+    queue = _Queue(cluster, ctx, shared, counts, exhaustive)
+    families = layout_families(graph, cluster, global_batch, fixed, ctx.framework)
     if jobs > 1:  # one process solves each ILP when the queue first asks for it
-        cache.solve_all(sorted({cache.solve_key(lay.tp, lay.mbs, lay.sp, v) for lay in space for v in VARIANTS}),
+        firsts = [Layout.of(f[0]) for f in families]
+        cache.solve_all(sorted({cache.solve_key(lay.tp, lay.mbs, lay.sp, v) for lay in firsts for v in VARIANTS}),
                         jobs)
-    for layout in space:
-        for variant in VARIANTS if layout.tp > 1 else VARIANTS[:1]:
-            costs, strategies = cache.get(layout.tp, layout.mbs, layout.sp, variant)
-            if runtime_runs(layout, cache.shards_parameters(strategies)) and expert_parallel_runs(layout, costs):
-                totals = _totals(costs, counts, layout, cluster, ctx, shared, memo)
-                time_lb = time_bound_s(totals, layout, cluster, ctx, shared.links(cluster, layout), bound_memo)
-                queue.append((time_lb, _layout_key(layout), variant, layout, totals))
-    queue.sort(key=lambda q: q[:3])
-    for i, (bound, _, variant, layout, totals) in enumerate(queue):
+    for family in families:
+        first = Layout.of(family[0])  # the family's tp, mbs, sp, cp, ep, recomputation, ZeRO level and stages
+        for variant in VARIANTS if first.tp > 1 else VARIANTS[:1]:
+            costs, strategies = cache.get(first.tp, first.mbs, first.sp, variant)
+            if runtime_runs(first, cache.shards_parameters(strategies)) and expert_parallel_runs(first, costs):
+                queue.add_family(family, first, variant, costs)
+    popped = 0
+    while (item := queue.pop()) is not None:
+        bound, variant, layout, held = item
         # the cut-off is the last of the bucket kept, not the K-th best: the kept candidates are re-estimated with
         # their bubbles simulated and ranked again, so the bucket must hold what an exhaustive search's holds
         full = len(fitting) >= _bucket_size(top_k) and not exhaustive
         cutoff = fitting[-1].estimate.iteration_time_s if full else None
         if cutoff is not None and bound > cutoff:  # a tie may still win on memory (``_rank``)
-            pruned_bound = len(queue) - i
             break
-        if not exhaustive and memory_bound_bytes(totals, layout, ctx) > memory_budget_bytes:
+        if layout is None:  # a family: its layouts join the queue, each under its own bound
+            queue.open(held)
+            continue
+        popped += 1
+        if not exhaustive and memory_bound_bytes(held, layout, ctx) > memory_budget_bytes:
             pruned_memory += 1
             continue
         before = estimator.evaluated
@@ -398,19 +488,21 @@ def search(graph: OpGraph, cluster: Cluster, ctx: PassContext, global_batch: int
             progress(f"searching layouts: {estimator.evaluated} evaluated")
         if cand is not None:
             _keep(fitting, cand, top_k, _rank)
+    pruned_bound = queue.enumerated - popped
     evaluated = estimator.evaluated  # the estimates of the search proper (not those made after nothing fit)
     leanest = None
     if not fitting:
         # nothing fits: the fastest layouts, marked as not fitting (best first in their time bound, as above), and
         # apart from them the leanest one (best first in its memory bound): what the error says a layout needs
-        for bound, _, variant, layout, _ in queue:
+        everything = queue.every_layout()
+        for bound, _, variant, layout, _ in everything:
             cutoff = spill[-1].estimate.iteration_time_s if len(spill) >= _bucket_size(top_k) else None
             if cutoff is not None and bound > cutoff and not exhaustive:
                 break
             cand = estimator.candidate(layout, variant, prune_above_s=None if exhaustive else cutoff)
             if cand is not None:
                 _keep(spill, cand, top_k, _rank)
-        leanest = _leanest(queue, estimator)
+        leanest = _leanest(everything, estimator)
     # the closed-form bubble is exact only for equal stages: the candidates kept are re-estimated with their
     # schedules simulated op by op (as the timeline draws them) and ranked again
     fitting = sorted(_exact(fitting, graph, cache, global_batch, cluster, ctx, memory_budget_bytes, flops),
@@ -419,8 +511,8 @@ def search(graph: OpGraph, cluster: Cluster, ctx: PassContext, global_batch: int
     chosen = _distinct(fitting, top_k) if fitting else _distinct(sorted(spill, key=_spill_rank), top_k)
     status = "feasible" if cache.statuses - {"optimal"} else "optimal"
     return SearchResult(chosen, evaluated, cache.solves - solves_before, time.perf_counter() - t0, status,
-                        cache.gap if status != "optimal" else 0.0, enumerated=len(queue), pruned_bound=pruned_bound,
-                        pruned_memory=pruned_memory, leanest=leanest)
+                        cache.gap if status != "optimal" else 0.0, enumerated=queue.enumerated,
+                        pruned_bound=pruned_bound, pruned_memory=pruned_memory, leanest=leanest)
 
 
 def _leanest(queue: list[tuple[float, tuple, str, Layout, UnitTotals]], estimator: _Estimator) -> Candidate | None:

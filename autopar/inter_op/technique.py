@@ -141,6 +141,10 @@ class Technique:
     memory_bound_bytes: Callable[[UnitTotals, Layout, PassContext], float] | None = None
     bound_reads: Callable[[Layout], tuple] | None = None
     """The layout fields ``time_bound_s`` reads beyond the totals and links: a search computes it once per them."""
+    time_bound_floor_s: Callable[[UnitTotals, Layout, Links, Cluster, PassContext], float] | None = None
+    """The least ``time_bound_s`` takes over every value of this technique's own knobs (the others as ``layout``
+    has them).  The search bounds the layouts that differ only in the last registered technique's knobs with it, as
+    one family, before it sets them; so no other technique's bound, nor the unit totals, may read those knobs."""
     flags: tuple[tuple[str, bool | int | float | str], ...] = ()
 
     def __post_init__(self) -> None:

@@ -613,14 +613,16 @@ def solve_intra_op(graph: OpGraph, node_names: Iterable[str], mesh: MeshSpec, cf
     others: dict[str, list[tuple[Strategy, float, float]]] = {}
     if result.choice:
         per_group = alternatives(request, result.choice)
-        for name, rep in problem.rep_of.items():
+        # an op and the ops it represents (the same op of the other layers) share its choice and alternatives
+        chosen: dict[str, tuple[Strategy, list[tuple[Strategy, float, float]]]] = {}
+        for rep in dict.fromkeys(problem.rep_of.values()):
             if rep in problem.group_of:
                 gi = problem.group_of[rep]
-                others[name] = [(problem.groups[gi].place[rep][k], dt, dm) for k, dt, dm in per_group[gi]]
+                place = problem.groups[gi].place[rep]
+                chosen[rep] = (place[result.choice[gi]], [(place[k], dt, dm) for k, dt, dm in per_group[gi]])
         for name, rep in problem.rep_of.items():
-            if rep in problem.group_of:
-                g = problem.groups[problem.group_of[rep]]
-                strat = g.place[rep][result.choice[problem.group_of[rep]]]
+            if rep in chosen:
+                strat, others[name] = chosen[rep]
             else:
                 strat = tuple(AxisStrategy((R,) * len(graph[name].outputs), (R,) * len(tensor_refs(graph[name])))
                               for _ in mesh.shape)
