@@ -14,6 +14,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicO
 from torch.overrides import TorchFunctionMode
 
 from autopar import modelfile
+from autopar.collector import collector_paused
 from autopar.errors import ModelFileError
 from autopar.inputs import ModelInputs
 from autopar.ir import OpGraph
@@ -177,6 +178,7 @@ def fake_copy(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
+@collector_paused()
 def trace_model(ref: str, config: dict[str, Any] | None = None, seq_len: int | None = None,
                 ctx: PassContext | None = None, every_layer: bool = False, *, example_inputs: str | None = None,
                 built: nn.Module | None = None) -> TracedModel:

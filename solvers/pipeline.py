@@ -153,8 +153,8 @@ def steady_microbatches(schedule: Schedule, p: int, m: int) -> int:
 def _held_frontiers(schedule: Schedule, p: int, m: int, v: int) -> tuple[tuple[tuple[int, int], ...], ...]:
     """Per rank, the (chunks held, of them between ``I`` and ``W``) pairs its op order passes through that
     no other pair exceeds in both: the peak for any ``residue`` is among them."""
-    if schedule == "interleaved_zb":  # the kinds alone, without the micro-batch counters (the search's hot path)
-        return tuple(_held_frontier(kind for kind, _ in _interleaved_zb_steps(rank, p, m, v)) for rank in range(p))
+    if schedule == "interleaved_zb":  # the search's hot path: by phases, not op by op
+        return tuple(_pareto(_interleaved_zb_held(rank, p, m, v)) for rank in range(p))
     return tuple(_held_frontier(op[0] for op in schedule_order(schedule, rank, p, m, v)) for rank in range(p))
 
 
@@ -171,6 +171,36 @@ def _held_frontier(kinds: Iterable[str]) -> tuple[tuple[int, int], ...]:
         else:
             held -= 1
         seen.add((held, pending))
+    return _pareto(seen)
+
+
+def _interleaved_zb_held(rank: int, p: int, m: int, v: int) -> set[tuple[int, int]]:
+    """The (held, pending) pairs ``_interleaved_zb_order`` passes through that can be on its frontier, phase by
+    phase (``_interleaved_zb_steps``): the warm-up forwards (their last pair covers the others); forward + input
+    steps before the weight steps start (``rank`` of them); one forward + input + weight step (the next ones pass
+    through the same pairs); the input steps with no forward left, up to the first with a weight step after it
+    (from there the chunks held only fall, and the weight steps left lower both counts)."""
+    total = m * v
+    _, warm = _interleaved_zb_shape(rank, p, m, v)
+    held, pending = warm, 0
+    seen = {(held, pending)} if warm else set()
+    with_forward = total - warm  # steps that run a forward after the warm-up
+    for _ in range(min(rank, with_forward)):
+        seen.add((held + 1, pending))
+        held, pending = held + 1, pending + 1
+        seen.add((held, pending))
+    if with_forward > rank:
+        seen.update({(held + 1, pending), (held + 1, pending + 1)})
+    for j in range(with_forward, total):
+        pending += 1
+        seen.add((held, pending))
+        if j >= rank:
+            break
+    return seen
+
+
+def _pareto(seen: Iterable[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """The pairs of ``seen`` that no other exceeds in both, sorted."""
     frontier, most_pending = [], -1
     for pair in sorted(seen, reverse=True):  # by held, descending: keep a pair only if it has more pending
         if pair[1] > most_pending:

@@ -185,6 +185,20 @@ def test_in_flight_needs_only_a_few_rounds_of_the_order(schedule):
                     schedule, p, steady_microbatches(schedule, p, m), v), (p, v, m)
 
 
+def test_interleaved_zb_s_held_chunks_by_phases_are_its_order_s():
+    """The search reads ``interleaved_zb``'s chunks in flight from its phases, not op by op: the frontier of the
+    (held, pending) pairs is the walk of its whole order's, for every rank, and micro-batch counts that divide into
+    the stages or not."""
+    from autopar.solvers.pipeline import _held_frontier, _interleaved_zb_held, _pareto, schedule_order
+
+    for p in (2, 3, 5, 8, 13):
+        for v in (1, 2, 3, 4, 8):
+            for m in range(1, 4 * p + 3):
+                for rank in range(p):
+                    walked = _held_frontier(op[0] for op in schedule_order("interleaved_zb", rank, p, m, v))
+                    assert _pareto(_interleaved_zb_held(rank, p, m, v)) == walked, (p, v, m, rank)
+
+
 @pytest.mark.parametrize(("schedule", "v"), [("interleaved_zb", 1), ("interleaved_zb", 4), ("zbv", 2)])
 def test_only_dualpipev_runs_whole_backwards(schedule, v):
     from autopar.solvers.pipeline import schedule_order, split_fraction

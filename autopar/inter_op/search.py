@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autopar.cluster import Cluster, MeshSpec
+from autopar.collector import collector_paused
 from autopar.framework import DEFAULT_FRAMEWORK, Framework, load_framework
 from autopar.inter_op import techniques
 from autopar.inter_op.bound import UnitTotals, memory_bound_bytes, time_bound_s, unit_totals
@@ -421,6 +422,7 @@ class _Estimator:
         return Candidate(est, variant, strategies, self.cache.alternatives(strategies))
 
 
+@collector_paused()
 def search(graph: OpGraph, cluster: Cluster, ctx: PassContext, global_batch: int, fixed: dict[str, Any],
            memory_budget_bytes: float, backend: Backend = "cbc", time_limit_s: float = 60.0, top_k: int = 1,
            progress: Callable[[str], None] | None = None, cache: UnitCostCache | None = None,
