@@ -351,19 +351,71 @@ def _weight_operands(graph: OpGraph, node: Node) -> list[int]:
             and graph[r.name].out is not None and len(graph[r.name].out.shape) == 2]
 
 
+@dataclass(frozen=True, slots=True)
+class _Slice:
+    """What the intra-op problems over one slice of the graph take from its structure alone, whatever the mesh,
+    the micro-batch and the options: built once per slice (``OpGraph.derived``) for all its problems."""
+
+    nodes: list[Node]  # the slice's ops, in graph order
+    rep_of: dict[str, str]  # ``_representatives``
+    inputs: list[Node]  # the graph inputs the slice reads
+    reps: list[tuple[Node, list[str]]]  # the representatives that read activations, with those they read
+    multiplicity: dict[str, int]  # how many ops each representative stands for
+    edge_weights: dict[tuple[str, int, str, int], int]  # (producer rep, output, consumer rep, slot) -> edges
+    parameter_uses: dict[str, list[tuple[str, int]]]  # a parameter's consuming reps and slots
+    region_outputs: frozenset[str]  # ``_region_outputs``
+    residual_adds: frozenset[str]  # ``_residual_adds``
+
+
+def _slice(graph: OpGraph, names: frozenset[str]) -> _Slice:
+    nodes = [n for n in graph.nodes if n.name in names and n.kind == "op"]
+    rep_of = _representatives(graph, nodes)
+    constants: set[str] = {n.name for n in graph.nodes if n.kind in ("param", "buffer", "constant")}
+
+    def activation_inputs(n: Node) -> list[str]:
+        return list(dict.fromkeys(r.name for r in tensor_refs(n) if r.name not in constants))
+
+    read = {a for m in nodes for a in activation_inputs(m)}
+    inputs = [n for n in graph.nodes if n.kind == "input" and n.name in read]
+    reps = []
+    for n in nodes:
+        if rep_of[n.name] != n.name:
+            continue
+        acts = activation_inputs(n)
+        if acts:
+            reps.append((n, acts))
+        else:  # made from constants alone (a mask, a position table): a constant too
+            constants.add(n.name)
+    grouped = {n.name for n in inputs} | {n.name for n, _ in reps}  # what the problem's groups hold
+    weights: dict[tuple[str, int, str, int], int] = {}
+    uses: dict[str, list[tuple[str, int]]] = {}
+    for n in nodes:
+        rep = rep_of[n.name]
+        for k, r in enumerate(tensor_refs(n)):
+            kind = graph[r.name].kind
+            if kind == "param" and rep in grouped and (rep, k) not in uses.get(r.name, []):
+                uses.setdefault(r.name, []).append((rep, k))
+            if r.name in constants or kind in ("param", "buffer", "constant"):
+                continue
+            producer = rep_of.get(r.name, r.name)
+            if producer not in grouped:
+                continue  # produced outside the slice: a stage boundary, costed by the pipeline model
+            key = (producer, r.index, rep, k)
+            weights[key] = weights.get(key, 0) + 1
+    return _Slice(nodes, rep_of, inputs, reps, _multiplicity(nodes, rep_of), weights, uses,
+                  _region_outputs(graph, nodes), _residual_adds(graph, nodes))
+
+
 def build_intra_op(graph: OpGraph, node_names: Iterable[str], mesh: MeshSpec, cfg: IntraOpConfig,
                    cluster: Cluster, ctx: PassContext) -> IntraOpProblem:
     """The ILP for the op nodes ``node_names`` (a stage, a layer or the whole graph) on ``mesh``."""
     t0 = time.perf_counter()
-    names = set(node_names)
-    nodes = [n for n in graph.nodes if n.name in names and n.kind == "op"]
-    rep_of = _representatives(graph, nodes)
-    reps = [n for n in nodes if rep_of[n.name] == n.name]
+    names = frozenset(node_names)
+    sl: _Slice = graph.derived(("intra_op_slice", names), lambda: _slice(graph, names))
     tp = mesh.axis("tp")
     batch = cfg.batch
 
-    constants: set[str] = {n.name for n in graph.nodes if n.kind in ("param", "buffer", "constant")}
-    leaving = _region_outputs(graph, nodes) if not cfg.sequence_parallel else frozenset()
+    leaving = sl.region_outputs if not cfg.sequence_parallel else frozenset()
     # Without sequence parallelism the residual stream is whole on every tp rank, as Megatron-LM runs it
     # and as the runtime's RowwiseParallel hands its all-reduced output on: a row-parallel product's partial
     # sums are all-reduced, not reduce-scattered into a stream split on the hidden dimension (which would
@@ -372,30 +424,22 @@ def build_intra_op(graph: OpGraph, node_names: Iterable[str], mesh: MeshSpec, cf
     # (Korthikanti et al. 2022): a row-parallel product's partial sums are reduce-scattered into it, not
     # all-reduced into a whole stream (which the ILP may find as cheap, but Megatron-LM does not run).
     megatron_sp = cfg.sequence_parallel and cfg.shard_block_linears
-    residual = _residual_adds(graph, nodes) if not cfg.sequence_parallel or megatron_sp else frozenset()
-    fixed_split = _split_linears(graph, nodes, mesh.shape[tp]) if cfg.shard_block_linears and tp is not None \
+    residual = sl.residual_adds if not cfg.sequence_parallel or megatron_sp else frozenset()
+    fixed_split = _split_linears(graph, sl.nodes, mesh.shape[tp]) if cfg.shard_block_linears and tp is not None \
         else frozenset()
     groups: list[_Group] = []
     group_of: dict[str, int] = {}
 
-    def activation_inputs(n: Node) -> list[str]:
-        return list(dict.fromkeys(r.name for r in tensor_refs(n) if r.name not in constants))
+    for n in sl.inputs:  # graph inputs feeding the slice
+        strategies = _input_strategies(n.out, mesh, batch)
+        if not cfg.split_batch_on_tp and tp is not None:
+            strategies = [s for s in strategies if s[tp].outputs[0] != shard(n.out.batch_dim)] or strategies[:1]
+        g = _Group(n.name, n.name, strategies, [n.name], {n.name: strategies})
+        group_of[n.name] = len(groups)
+        groups.append(g)
 
-    # graph inputs feeding the slice
-    for n in graph.nodes:
-        if n.kind == "input" and any(n.name in activation_inputs(m) for m in nodes):
-            strategies = _input_strategies(n.out, mesh, batch)
-            if not cfg.split_batch_on_tp and tp is not None:
-                strategies = [s for s in strategies if s[tp].outputs[0] != shard(n.out.batch_dim)] or strategies[:1]
-            g = _Group(n.name, n.name, strategies, [n.name], {n.name: strategies})
-            group_of[n.name] = len(groups)
-            groups.append(g)
-
-    for n in reps:
-        acts = activation_inputs(n)
-        if not acts:
-            constants.add(n.name)
-            continue
+    rep_of = sl.rep_of
+    for n, acts in sl.reps:
         strategies = mesh_strategies(graph, n, batch, mesh.shape)
         if not cfg.sequence_parallel:
             strategies = [s for s in strategies if not _is_sequence_sharded(graph, n, s, tp)] or strategies[:1]
@@ -427,9 +471,9 @@ def build_intra_op(graph: OpGraph, node_names: Iterable[str], mesh: MeshSpec, cf
         group_of[n.name] = len(groups)
         groups.append(g)
 
-    node_cost, memory = _group_costs(graph, nodes, rep_of, groups, mesh, cfg, cluster, ctx)
-    edges, edge_mats = _edge_costs(graph, nodes, rep_of, groups, group_of, constants, node_cost, mesh, cfg, ctx)
-    edges, edge_mats = _tie_shared_parameters(graph, nodes, rep_of, groups, group_of, node_cost, edges, edge_mats)
+    node_cost, memory = _group_costs(graph, sl.multiplicity, groups, mesh, cfg, cluster, ctx)
+    edges, edge_mats = _edge_costs(graph, sl.edge_weights, groups, group_of, node_cost, mesh, cfg, ctx)
+    edges, edge_mats = _tie_shared_parameters(sl.parameter_uses, groups, group_of, node_cost, edges, edge_mats)
     request = SolverRequest(
         node_names=tuple(g.name for g in groups),
         node_cost_s=tuple(tuple(row) for row in node_cost),
@@ -473,9 +517,8 @@ def _multiplicity(nodes: list[Node], rep_of: dict[str, str]) -> dict[str, int]:
     return mult
 
 
-def _group_costs(graph: OpGraph, nodes: list[Node], rep_of: dict[str, str], groups: list[_Group], mesh: MeshSpec,
-                 cfg: IntraOpConfig, cluster: Cluster, ctx: PassContext) -> tuple[list[list[float]], list[list[float]]]:
-    mult = _multiplicity(nodes, rep_of)
+def _group_costs(graph: OpGraph, mult: dict[str, int], groups: list[_Group], mesh: MeshSpec, cfg: IntraOpConfig,
+                 cluster: Cluster, ctx: PassContext) -> tuple[list[list[float]], list[list[float]]]:
     cost = [[0.0] * len(g.strategies) for g in groups]
     memory = [[0.0] * len(g.strategies) for g in groups]
     seen_params: set[str] = set()
@@ -508,20 +551,10 @@ def _group_costs(graph: OpGraph, nodes: list[Node], rep_of: dict[str, str], grou
     return cost, memory
 
 
-def _edge_costs(graph: OpGraph, nodes: list[Node], rep_of: dict[str, str], groups: list[_Group],
-                group_of: dict[str, int], constants: set[str], node_cost: list[list[float]], mesh: MeshSpec,
-                cfg: IntraOpConfig, ctx: PassContext) -> tuple[list[tuple[int, int]], list[list[list[float]]]]:
-    # (producer rep, output index, consumer rep, slot) -> how many real edges map onto it
-    weight: dict[tuple[str, int, str, int], int] = {}
-    for n in nodes:
-        for k, r in enumerate(tensor_refs(n)):
-            if r.name in constants or graph[r.name].kind in ("param", "buffer", "constant"):
-                continue
-            pu = rep_of.get(r.name, r.name)
-            if pu not in group_of:
-                continue  # produced outside the slice: a stage boundary, costed by the pipeline model
-            key = (pu, r.index, rep_of[n.name], k)
-            weight[key] = weight.get(key, 0) + 1
+def _edge_costs(graph: OpGraph, weight: dict[tuple[str, int, str, int], int], groups: list[_Group],
+                group_of: dict[str, int], node_cost: list[list[float]], mesh: MeshSpec, cfg: IntraOpConfig,
+                ctx: PassContext) -> tuple[list[tuple[int, int]], list[list[list[float]]]]:
+    """``weight``: how many real edges map onto each (producer rep, output index, consumer rep, slot)."""
     mats: dict[tuple[int, int], list[list[float]]] = {}
     for (pu, idx, pc, k), w in weight.items():
         gu, gc = group_of[pu], group_of[pc]
@@ -551,24 +584,16 @@ def _edge_costs(graph: OpGraph, nodes: list[Node], rep_of: dict[str, str], group
 SPLIT_PARAMETER_S = 1e3
 
 
-def _tie_shared_parameters(graph: OpGraph, nodes: list[Node], rep_of: dict[str, str], groups: list[_Group],
-                           group_of: dict[str, int], node_cost: list[list[float]], edges: list[tuple[int, int]],
+def _tie_shared_parameters(consumers: dict[str, list[tuple[str, int]]], groups: list[_Group], group_of: dict[str, int],
+                           node_cost: list[list[float]], edges: list[tuple[int, int]],
                            mats: list[list[list[float]]]) -> tuple[list[tuple[int, int]], list[list[list[float]]]]:
-    """Make every consumer of a parameter (a tied embedding and output head) require the same placement:
-    choices that differ cost ``SPLIT_PARAMETER_S``, on the node when both consumers are in one group, else on
-    an edge between their groups."""
+    """Make every consumer of a parameter (a tied embedding and output head; ``consumers``: each parameter's
+    consuming reps and slots) require the same placement: choices that differ cost ``SPLIT_PARAMETER_S``, on the
+    node when both consumers are in one group, else on an edge between their groups."""
     def required(name: str, slot: int, s: int) -> tuple[str, ...]:
         strat = groups[group_of[name]].place[name][s]
         return tuple("R" if ax.inputs[slot] in (None, R, "P") else ax.inputs[slot] for ax in strat)
 
-    consumers: dict[str, list[tuple[str, int]]] = {}
-    for n in nodes:
-        rep = rep_of[n.name]
-        if rep not in group_of:
-            continue
-        for k, r in enumerate(tensor_refs(n)):
-            if graph[r.name].kind == "param" and (rep, k) not in consumers.get(r.name, []):
-                consumers.setdefault(r.name, []).append((rep, k))
     by_pair = {e: i for i, e in enumerate(edges)}
     edges, mats = list(edges), list(mats)
     for uses in consumers.values():
