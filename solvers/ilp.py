@@ -106,6 +106,16 @@ def _solve_by_elimination(request: SolverRequest) -> SolverResult | None:
                         num_constraints=request.num_constraints)
 
 
+def starting_choice(request: SolverRequest) -> tuple[int, ...]:
+    """A choice that meets the memory budget, to start a solver from (CBC's warm start), so that a solve its time
+    limit stops still has an answer: under a budget each node at its least memory (the cheaper on a tie), which
+    ``solve_ilp`` has checked fits; without one, each at its cheapest."""
+    if request.memory_budget_bytes is None:
+        return tuple(min(range(len(row)), key=row.__getitem__) for row in request.node_cost_s)
+    return tuple(min(range(len(mem)), key=lambda s, mem=mem, cost=cost: (mem[s], cost[s]))
+                 for mem, cost in zip(request.memory_bytes, request.node_cost_s, strict=True))
+
+
 def _solve_pulp(request: SolverRequest, backend: Backend) -> SolverResult:
     import pulp
 
@@ -134,13 +144,18 @@ def _solve_pulp(request: SolverRequest, backend: Backend) -> SolverResult:
                            for s, m in enumerate(row)) <= request.memory_budget_bytes, "memory"
         n_cons += 1
     prob += pulp.LpAffineExpression(terms)
+    start = starting_choice(request)
+    for i, row in enumerate(x):
+        for s, var in enumerate(row):
+            var.setInitialValue(1 if s == start[i] else 0)
     limit = max(1, int(request.time_limit_s))
     if backend == "highs":
         solver = pulp.HiGHS(msg=False, timeLimit=limit, threads=1, random_seed=0)
         with _quiet_stdout():  # highspy prints a banner from C++ even with msg=False
             prob.solve(solver)
     else:
-        solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=limit, threads=1, options=["randomSeed 0", "randomCbcSeed 0"])
+        solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=limit, threads=1, warmStart=True,
+                                   options=["randomSeed 0", "randomCbcSeed 0"])
         prob.solve(solver)
     elapsed = time.perf_counter() - t0
     sol = prob.sol_status

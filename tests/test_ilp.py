@@ -56,6 +56,35 @@ def test_exact_ties_go_to_the_lowest_index_on_every_backend():
         assert r.objective_s == pytest.approx(8.0)  # reported without the tie-break
 
 
+@settings(max_examples=120, deadline=None, derandomize=True)
+@given(requests())
+def test_cbc_starts_from_a_choice_that_meets_the_budget(request):
+    """CBC is warm-started (a solve its time limit stops keeps an answer) from ``starting_choice``: one strategy
+    per node, within the memory budget wherever any choice is."""
+    import pulp
+    from autopar.solvers.evaluate import min_memory_bytes
+    from autopar.solvers.ilp import _solve_pulp, starting_choice
+
+    if request.memory_budget_bytes is not None and min_memory_bytes(request) > request.memory_budget_bytes:
+        return  # solve_ilp refuses it before any solver runs
+    start = starting_choice(request)
+    assert violations(request, start) == []
+    seen = {}
+
+    def solve(prob, solver):
+        seen["start"] = {v.name: v.varValue for v in prob.variables() if v.name.startswith("x_")}
+        seen["warm"] = solver.optionsDict.get("warmStart")
+        return original(prob, solver)
+
+    original = pulp.LpProblem.solve
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(pulp.LpProblem, "solve", solve)
+        assert _solve_pulp(request, "cbc").status in ("optimal", "feasible")
+    assert seen["warm"] is True
+    assert seen["start"] == {f"x_{i}_{s}": float(s == start[i]) for i, row in enumerate(request.node_cost_s)
+                             for s in range(len(row))}
+
+
 def test_memory_budget_forces_the_cheaper_layout():
     # strategy 0 is fast but needs 10 B, strategy 1 slow but needs 1 B
     req = SolverRequest(node_names=("a", "b"), node_cost_s=((1, 3), (1, 3)), memory_bytes=((10, 1), (10, 1)),
