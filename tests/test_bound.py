@@ -42,18 +42,23 @@ CASES = [
 ]
 
 
+def _traced(case: tuple) -> tuple:
+    """A case's graph, cluster, context, global batch, unit-cost cache, unit sequence and unit counts."""
+    model, config, cluster_name, gpus, batch, framework, attention = case
+    cluster = load_cluster(cluster_name).with_overrides(gpus=gpus)
+    ctx = PassContext(cluster=cluster, attention=attention, framework=load_framework(framework))
+    graph = trace_model(model, config, ctx=ctx).graph
+    keys = unit_sequence(graph)
+    return (graph, cluster, ctx, batch, UnitCostCache(graph, cluster, ctx, "cbc", 60.0), keys,
+            {k: keys.count(k) for k in dict.fromkeys(keys)})
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{Path(c[0]).stem}-{c[5]}")
 def test_bounds_never_exceed_the_estimate(case):
     """On random layouts of each model (every kind the search enumerates: schedules, v, groups, cp, ep, ZeRO,
     recomputation), the time bound stays at or under the estimated iteration time, and the memory bound under
     the peak memory of the split the estimate settles on (any split holds at least that much)."""
-    model, config, cluster_name, gpus, batch, framework, attention = case
-    cluster = load_cluster(cluster_name).with_overrides(gpus=gpus)
-    ctx = PassContext(cluster=cluster, attention=attention, framework=load_framework(framework))
-    graph = trace_model(model, config, ctx=ctx).graph
-    cache = UnitCostCache(graph, cluster, ctx, "cbc", 60.0)
-    keys = unit_sequence(graph)
-    counts = {k: keys.count(k) for k in dict.fromkeys(keys)}
+    graph, cluster, ctx, batch, cache, keys, counts = _traced(case)
     shared, flops = SharedWork(), ModelFlops.of(graph)
     everything = list(layouts(graph, cluster, batch, {}, ctx.framework))
     rng = random.Random(0)
@@ -84,13 +89,7 @@ def test_a_family_s_floor_is_under_the_bound_of_each_of_its_layouts(case):
     from autopar.inter_op.layout import Layout
     from autopar.inter_op.search import layout_families
 
-    model, config, cluster_name, gpus, batch, framework, attention = case
-    cluster = load_cluster(cluster_name).with_overrides(gpus=gpus)
-    ctx = PassContext(cluster=cluster, attention=attention, framework=load_framework(framework))
-    graph = trace_model(model, config, ctx=ctx).graph
-    cache = UnitCostCache(graph, cluster, ctx, "cbc", 60.0)
-    keys = unit_sequence(graph)
-    counts = {k: keys.count(k) for k in dict.fromkeys(keys)}
+    graph, cluster, ctx, batch, cache, _, counts = _traced(case)
     shared = SharedWork()
     deferred = [t for t in techniques.TECHNIQUES if t.expand is not None][-1]
     families = layout_families(graph, cluster, batch, {}, ctx.framework)
