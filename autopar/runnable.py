@@ -4,9 +4,11 @@ The runtime builds ``parallelize_module`` styles from a plan's placements and re
 (``autopar.runtime.support.check_runnable``: sequence parallelism around a row-parallel projection, a
 HuggingFace architecture it cannot split into stages, ...).  Such an intra-op solution must not be
 chosen, so the search asks this filter before it keeps a candidate.  The answer depends only on the
-intra-op solution, on whether there are pipeline stages, context and expert parallelism, and, for a plan that
-compiles its blocks, on whether its schedule splits the backward and whether it recomputes selectively, so it
-is computed once per combination.
+intra-op solution (its placements and the tp degree and sequence parallelism they were solved for), on whether
+there are pipeline stages, context and expert parallelism, and, for a plan that compiles its blocks, on whether
+its schedule splits the backward and whether it recomputes selectively, so it is computed once per combination.
+Solutions are told apart by their placements, not by which solve made them: the solves at several micro-batch
+sizes and both variants often place every op alike (GPT-3 175B on 1024 GPUs: 18 combinations, 6 distinct).
 """
 
 from __future__ import annotations
@@ -35,13 +37,16 @@ class RuntimeFilter:
         self._plan_args = {"graph": graph, "model_ref": model_ref, "config": config, "cluster": cluster, "ctx": ctx,
                            "global_batch": global_batch, "example_inputs": example_inputs}
         self._model = None
-        self._verdicts: dict[tuple[int, bool, bool, bool, bool, bool], str | None] = {}
+        self._verdicts: dict[tuple, str | None] = {}
+        # each solution's placements, by its id (the solution is kept here too, so that its id is not reused)
+        self._placements: dict[int, tuple[dict[str, Strategy], frozenset]] = {}
         self.reasons: list[str] = []
 
-    @staticmethod
-    def _key(lay: Layout, strategies: dict[str, Strategy]) -> tuple[int, bool, bool, bool, bool, bool]:
-        return (id(strategies), lay.pp > 1, lay.cp > 1, lay.ep > 1, lay.schedule in SPLIT_BACKWARD,
-                lay.recompute == "selective")
+    def _key(self, lay: Layout, strategies: dict[str, Strategy]) -> tuple:
+        if id(strategies) not in self._placements:
+            self._placements[id(strategies)] = (strategies, frozenset(strategies.items()))
+        return (self._placements[id(strategies)][1], lay.tp, lay.sp, lay.pp > 1, lay.cp > 1, lay.ep > 1,
+                lay.schedule in SPLIT_BACKWARD, lay.recompute == "selective")
 
     def may_accept(self, layout: Layout, strategies: dict[str, Strategy]) -> bool:
         """False where ``accept`` already refused this combination (the search skips estimating it)."""
