@@ -85,13 +85,12 @@ def test_a_family_s_floor_is_under_the_bound_of_each_of_its_layouts(case):
     family under a floor.  On random families of each model the floor is at or under every member's own bound, and
     the unit totals are the same for all members (they do not read those knobs): a family never opened holds no
     layout that could have won."""
-    from autopar.inter_op import techniques
     from autopar.inter_op.layout import Layout
-    from autopar.inter_op.search import layout_families
+    from autopar.inter_op.search import last_expanding_technique, layout_families
 
     graph, cluster, ctx, batch, cache, _, counts = _traced(case)
     shared = SharedWork()
-    deferred = [t for t in techniques.TECHNIQUES if t.expand is not None][-1]
+    deferred = last_expanding_technique()
     families = layout_families(graph, cluster, batch, {}, ctx.framework)
     rng = random.Random(1)
     several = [f for f in families if len(f) > 1]  # the families of several schedules, and a few of one

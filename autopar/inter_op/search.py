@@ -20,7 +20,8 @@ Unit costs depend only on ``(tp, mbs, sp)``.  The intra-op ILP chooses strategie
 few reference micro-batch sizes, twice (fastest, and fastest among the leanest in memory); every layout
 reuses them, re-costed at its own micro-batch size; the rest is arithmetic plus the stage DP.  Layouts are
 estimated best first, in the order of their lower bound (``autopar.inter_op.bound``), until that bound cannot
-beat the last candidate kept; a layout whose memory bound exceeds the budget is not estimated.
+beat the last candidate kept; a layout whose memory bound exceeds the budget is not estimated.  The layouts that
+differ only in the schedule's knobs wait as one family under a floor of their bounds until it comes up.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from autopar.inter_op import techniques
 from autopar.inter_op.bound import UnitTotals, memory_bound_bytes, time_bound_s, unit_totals
 from autopar.inter_op.estimate import Estimate, ModelFlops, SharedWork, estimate_layout
 from autopar.inter_op.layout import Layout
-from autopar.inter_op.technique import Partial, SearchSpace
+from autopar.inter_op.technique import Partial, SearchSpace, Technique
 from autopar.inter_op.tensor_parallel import attention_heads
 from autopar.inter_op.unit_costs import UnitCost, solve_tp, unit_costs, unit_sequence
 from autopar.intra_op.problem import IntraOpProblem, IntraOpSolution
@@ -282,11 +283,17 @@ def layout_families(graph: OpGraph, cluster: Cluster, global_batch: int, fixed: 
     layouts of one family differ only in those (the pipeline schedule, ``v`` and groups).  No empty family."""
     space = search_space(graph, cluster, global_batch, fixed, fw)
     partials: list[Partial] = [{}]
-    *before, last = [t for t in techniques.TECHNIQUES if t.expand is not None]
-    for technique in before:
-        partials = [q for p in partials for q in technique.expand(space, p)]  # type: ignore[misc]
+    last = last_expanding_technique()
+    for technique in techniques.TECHNIQUES:
+        if technique.expand is not None and technique is not last:
+            partials = [q for p in partials for q in technique.expand(space, p)]
     families = [list(last.expand(space, p)) for p in partials]  # type: ignore[misc]
     return [f for f in families if f]
+
+
+def last_expanding_technique() -> Technique:
+    """The registered technique that sets its knobs last: the one whose knobs tell a family's layouts apart."""
+    return [t for t in techniques.TECHNIQUES if t.expand is not None][-1]
 
 
 def shards_parameters_on_tp(graph: OpGraph, strategies: dict[str, Strategy]) -> bool:
@@ -319,7 +326,6 @@ class _Family:
 
     members: list[Partial]
     variant: str
-    costs: dict[str, UnitCost]
     totals: UnitTotals
 
 
@@ -334,7 +340,7 @@ class _Queue:
     def __init__(self, cluster: Cluster, ctx: PassContext, shared: SharedWork, counts: dict[str, int],
                  exhaustive: bool) -> None:
         self.cluster, self.ctx, self.shared, self.counts = cluster, ctx, shared, counts
-        last = [t for t in techniques.TECHNIQUES if t.expand is not None][-1]
+        last = last_expanding_technique()
         self.deferred = last if last.time_bound_floor_s is not None and not exhaustive else None
         self.enumerated = 0
         self._heap: list[tuple[float, tuple, str, int, Any]] = []
@@ -345,7 +351,7 @@ class _Queue:
 
     def add_family(self, members: list[Partial], first: Layout, variant: str, costs: dict[str, UnitCost]) -> None:
         """Queue ``members`` (``first``: the first one's layout) on ``costs``, one variant's."""
-        family = _Family(members, variant, costs, self._totals(costs, first))
+        family = _Family(members, variant, self._totals(costs, first))
         self._families.append(family)
         self.enumerated += len(members)
         if self.deferred is None or len(members) == 1:
