@@ -164,8 +164,7 @@ def main():
     summary = report.summary_line()
     if first:
         print(summary, flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+    end_distributed()  # the ranks meet, then exit without the interpreter's teardown (see its docstring)
 
 
 def stop_for_bad_steps(bad: int, limit: int, step: int, saver, root: str | None, first: bool) -> None:

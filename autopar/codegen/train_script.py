@@ -43,7 +43,7 @@ from autopar.errors import AutoparError
 from autopar.modelfile import build as build_from
 from autopar.modelfile import load_module, loss_fn_of
 from autopar.runtime import checkpoint
-from autopar.runtime.apply import device_for_rank, init_distributed
+from autopar.runtime.apply import device_for_rank, end_distributed, init_distributed
 from autopar.runtime.data import TokenData, run_batches
 from autopar.runtime.fp8 import check_fp8_device
 from autopar.runtime.materialize import build_on_meta

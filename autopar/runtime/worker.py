@@ -19,7 +19,7 @@ import torch.distributed as dist
 from autopar.errors import AutoparError
 from autopar.plan_file import Plan
 from autopar.runtime import checkpoint
-from autopar.runtime.apply import apply
+from autopar.runtime.apply import apply, end_distributed
 from autopar.runtime.memory import activation_peak_bytes
 from autopar.runtime.session import batch_for_step, build_model, disable_dropout
 from autopar.runtime.training import RUN_NUMERICS, check_config
@@ -107,12 +107,14 @@ def main() -> int:
 
         for i, plan_path in enumerate(args.plans):
             run_one(plan_path, Path(args.out) / str(i), args, own(args.resume, i), own(args.checkpoint, i))
-        return 0
     except AutoparError as exc:
         print(f"autopar: error (rank {rank}, {args.plans[i]}): {exc}", file=sys.stderr)
-        return 2
-    finally:
         dist.destroy_process_group()
+        return 2
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    end_distributed()  # every plan ran on every rank
 
 if __name__ == "__main__":
     raise SystemExit(main())
