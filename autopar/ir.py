@@ -244,6 +244,9 @@ class OpGraph:
     #: bias, which the first layer makes and every later one takes): the slots (a positional index, or a keyword)
     #: the first layer gets as ``None`` and the second as a tensor with a gradient
     layer_loop_args: tuple[str, ...] = ()
+    #: the same, of the other stacks of blocks that have any (an encoder's, which an encoder-decoder's pipeline
+    #: splits too: ``autopar.inter_op.units``), by the stack's module path
+    stack_loop_args: dict[str, tuple[str, ...]] = field(default_factory=dict)
     annotations: dict[str, Any] = field(default_factory=dict)
     _index: dict[str, Node] = field(default_factory=dict, repr=False)
     _compute_itemsize: int = field(default=0, repr=False)

@@ -20,11 +20,13 @@ from autopar import __version__
 from autopar.errors import AutoparError
 from autopar.ir import OpGraph
 
-SCHEMA_VERSION = 6  # 2: the mesh gained the context-parallel axis, (pp, dp, cp, tp); 3: the schedule
+SCHEMA_VERSION = 7  # 2: the mesh gained the context-parallel axis, (pp, dp, cp, tp); 3: the schedule
 # records its stage-to-rank mapping (V-shaped zero-bubble schedules), tied parameters the ranks holding a copy;
 # 4: the training precision (bf16, or fp8 and the Linears that train in it); 5: expert parallelism (layout.ep,
 # the experts' placement on ep, each stage's all-to-all bytes); 6: the cluster's clocks, power, attention tables
-# and kernel latencies (autopar.power, autopar.interference), the layout's interleaved group
+# and kernel latencies (autopar.power, autopar.interference), the layout's interleaved group; 7: an
+# encoder-decoder's stages split both stacks (model.num_layers counts the encoder's blocks and the decoder's layers,
+# model.stack_ends.stacks and .between)
 _FLOAT_DIGITS = 12  # significant digits kept for floats: identical bytes across runs and platforms
 
 

@@ -50,6 +50,9 @@ def render_model_summary(summary: dict[str, Any], title: str, console: Console) 
     for t in types:
         table.add_row(f"  type {t['hash']}", f"{t['count']} x {t['module_type'] or 'layer'}: "
                       f"{human_count(t['parameters_per_layer'])} params, {t['ops_per_layer']} ops")
+    stacks = summary.get("pipeline_stacks", [])
+    if len(stacks) > 1:  # an encoder-decoder: the stages' layer numbers run over both stacks
+        table.add_row("pipeline layers", " then ".join(f"{s['container']} ({s['blocks']})" for s in stacks))
     table.add_row("sequence length", str(summary["seq_len"]))
     table.add_row("FLOPs per token", f"{human_flops(summary['flops_per_token'])} (fwd+bwd, model FLOPs)")
     if "flops_per_iteration" in summary:

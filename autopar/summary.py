@@ -6,6 +6,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from autopar.inter_op.units import unit_chain
 from autopar.ir import OpGraph
 from autopar.passes.activations import ActivationSummary
 from autopar.passes.flops import total_flops
@@ -57,6 +58,7 @@ def model_summary(graph: OpGraph, global_batch: int | None = None) -> dict[str, 
              "module_type": t.module_type}
             for t in layer_types(graph)
         ],
+        "pipeline_stacks": [{"container": s.container, "blocks": s.blocks} for s in unit_chain(graph).stacks],
         "seq_len": graph.seq_len,
         "flops_per_token": per_sample_model / tokens,
         "hardware_flops_per_token": total_flops(graph, 1, "hardware") / tokens,

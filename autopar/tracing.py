@@ -129,45 +129,64 @@ def trace(
     seq_len = _seq_len_of(example_inputs.tensors()) or tokens or 1
     container = _find_layer_container(model)
     graph = None
+    stacks = ([container] if container else []) + _stacks_beside(model, container)
     # does the loss compare the batch's samples (autopar.gather_batch)?  Fused kernels as one op each
     with gathering_over(None) as gathers, traced_as_fused_kernels():
         if repeat_identical_layers and _identical_blocks(model, container):
-            with _truncated_stack(model, container, TRACED_LAYERS), _layer_calls(model, container) as calls:
+            with _truncated_stack(model, container, TRACED_LAYERS), _layer_calls(model, stacks) as calls:
                 ep = _export(model, inputs, loss_fn)
             graph = _repeat_layers(_to_opgraph(ep, model, sentinel, seq_len), container,
                                    len(list(model.get_submodule(container).children())))
         if graph is None:
-            with _layer_calls(model, container) as calls:
+            with _layer_calls(model, stacks) as calls:
                 ep = _export(model, inputs, loss_fn)
             graph = _to_opgraph(ep, model, sentinel, seq_len)
     graph.loss_gathers_batch = bool(gathers)
-    graph.layer_loop_args = _loop_args(calls)
+    graph.layer_loop_args = _loop_args(calls.get(container or "", []))
+    graph.stack_loop_args = {stack: args for stack in stacks[1:] if (args := _loop_args(calls.get(stack, [])))}
     graph.trace_time_s = time.perf_counter() - t0
     return graph
 
 
 @contextlib.contextmanager
-def _layer_calls(model: nn.Module, container: str | None) -> Iterator[list[dict[str, Any]]]:
-    """The arguments the stack's first two layers are called with, by slot (a positional index as a string, or a
-    keyword), as the export calls them."""
-    calls: list[dict[str, Any]] = []
-    layers = list(model.get_submodule(container).children())[:2] if container else []
-    if len(layers) < 2:
-        yield calls
-        return
+def _layer_calls(model: nn.Module, containers: Sequence[str]) -> Iterator[dict[str, list[dict[str, Any]]]]:
+    """The arguments each stack's first two blocks are called with, by slot (a positional index as a string, or a
+    keyword), as the export calls them: stack -> [first block's call, second block's call]."""
+    calls: dict[str, list[dict[str, Any]]] = {}
 
-    def record(index: int) -> Callable[..., None]:
+    def record(stack: str, index: int) -> Callable[..., None]:
         def hook(_module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-            if len(calls) == index:  # the first call of each (a model may call its layers again)
-                calls.append({**{str(i): a for i, a in enumerate(args)}, **kwargs})
+            mine = calls.setdefault(stack, [])
+            if len(mine) == index:  # the first call of each (a model may call its layers again)
+                mine.append({**{str(i): a for i, a in enumerate(args)}, **kwargs})
         return hook
 
-    handles = [layer.register_forward_pre_hook(record(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    handles = []
+    for stack in containers:
+        blocks = list(model.get_submodule(stack).children())[:2]
+        if len(blocks) == 2:
+            handles += [block.register_forward_pre_hook(record(stack, i), with_kwargs=True)
+                        for i, block in enumerate(blocks)]
     try:
         yield calls
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _stacks_beside(model: nn.Module, container: str | None) -> list[str]:
+    """Stacks of blocks outside ``container`` (an encoder's beside the decoder's layers): module lists of two or
+    more modules of one class, each with parameters."""
+    found = []
+    for name, module in model.named_modules():
+        inside = container is not None and (name == container or name.startswith(container + "."))
+        if inside or not isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            continue
+        children = list(module.children())
+        if len(children) >= 2 and len({type(c) for c in children}) == 1 and all(
+                next(c.parameters(), None) is not None for c in children):
+            found.append(name)
+    return found
 
 
 def _loop_args(calls: list[dict[str, Any]]) -> tuple[str, ...]:

@@ -17,6 +17,7 @@ from autopar.inter_op.search import UnitCostCache, expert_parallel_runs, layouts
 from autopar.inter_op.unit_costs import unit_sequence
 
 LORA = str(Path(__file__).parent.parent / "examples" / "lora_llama.py")
+MODELS = str(Path(__file__).parent.parent / "examples" / "hf_models.py")
 TINY_LORA = {"layers": 4, "hidden": 128, "heads": 4, "kv_heads": 2, "ffn": 256, "vocab": 512, "rank": 8}
 
 #: (model, config, cluster, GPUs, global batch, framework, attention): dense, grouped-query and MoE models, every
@@ -39,6 +40,9 @@ CASES = [
     # a frozen base (LoRA): no gradients, no optimizer state, 16-bit weights, in both state layouts
     (LORA, {**TINY_LORA, "seq_len": 256}, "h100-80gb", 16, 32, "torch", "flash"),
     (LORA, {**TINY_LORA, "seq_len": 256}, "a100-80gb", 16, 32, "megatron-core", "flash"),
+    # an encoder-decoder, whose pipeline splits the encoder's blocks then the decoder's layers
+    (MODELS, {"arch": "t5", "layers": 4, "hidden": 128, "heads": 4, "vocab": 512, "seq_len": 256}, "h100-80gb", 16,
+     32, "torch", "flash"),
 ]
 
 

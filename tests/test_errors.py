@@ -109,7 +109,7 @@ def plan_file(tmp_path, capsys):
 
 @pytest.mark.parametrize(("edit", "expected"), [
     (lambda text: "{not json", "not a JSON plan file"),
-    (lambda text: text.replace('"schema_version": 6', '"schema_version": 5'), "schema version 5 is not supported"),
+    (lambda text: text.replace('"schema_version": 7', '"schema_version": 6'), "schema version 6 is not supported"),
     (lambda text: text.replace('"global_batch": 8', '"global_batch": 16'), "modified after it was written"),
 ], ids=["not-json", "wrong-schema", "tampered"])
 def test_bad_plan_files(capsys, tmp_path, plan_file, edit, expected):

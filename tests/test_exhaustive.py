@@ -43,6 +43,9 @@ CASES = [
      "flash"),
     (HF, {"arch": "mixtral", "layers": 2, "hidden": 64, "heads": 4, "vocab": 128}, "h100-80gb", 8, 16, "torch",
      "flash"),
+    # an encoder-decoder: the stages split its encoder's blocks, then its decoder's layers
+    (str(EXAMPLES / "hf_models.py"), {"arch": "bart", "layers": 4, "hidden": 64, "heads": 4, "vocab": 128,
+                                      "seq_len": 64}, "a100-80gb", 16, 32, "torch", "flash"),
 ]
 
 

@@ -23,13 +23,17 @@ def test_decoders_hand_on_the_hidden_state_alone():
 
 
 def test_what_else_a_cut_would_carry_is_named():
-    """T5's decoder layers read the encoder's output and the relative position bias the first layer made; a
+    """T5's pipeline runs its encoder's 3 blocks, then its decoder's 3 layers: a cut inside the encoder hands on the
+    relative position bias its first block made, the cut that ends it the encoder's output (beside the decoder's
+    embedded input, the hidden state there), and a cut inside the decoder that output and the decoder's own bias; a
     Mixtral trained with its load-balancing loss hands every layer's router logits to the loss."""
     t5 = cut_crossings(trace_model(str(ROOT / "examples" / "hf_models.py"), {"arch": "t5", "layers": 3},
                                    seq_len=16).graph)
-    assert set(t5) == {1, 2}
-    assert any(c.module == "decoder.block.0.layer.0.SelfAttention.relative_attention_bias" for c in t5[2])
-    assert any(c.module.startswith("encoder") for c in t5[1])
+    assert set(t5) == {1, 2, 3, 4, 5}
+    bias = "block.0.layer.0.SelfAttention.relative_attention_bias"
+    assert [c.module for c in t5[1]] == [f"encoder.{bias}"] == [c.module for c in t5[2]]
+    assert [c.module for c in t5[3]] == ["encoder.dropout"]  # the encoder's output, after its final norm
+    assert sorted(c.module for c in t5[5]) == [f"decoder.{bias}", "encoder.dropout"]
     router = cut_crossings(trace_model(str(FIXTURES / "hf_router_aux.py"), {"layers": 3}).graph)
     assert [len(router[k]) for k in (1, 2)] == [1, 2]  # the routers of the layers before each cut
     assert all(c.module.endswith("mlp.gate") and not c.read_by_layers for c in router[2])
@@ -47,9 +51,10 @@ def test_pipeline_stages_that_would_lose_a_tensor_are_refused_in_one_line(tmp_pa
 
 
 def test_an_encoder_output_is_carried_and_priced(monkeypatch):
-    """BART and Whisper: the encoder runs whole on the first stage; every boundary hands its output on beside the
-    decoder's hidden state, and the estimate's pipeline sends count it.  CLIP's image embeddings, which only its
-    loss reads after the text layers, are carried the same way to the last stage."""
+    """BART and Whisper: the stage that ends the encoder hands its output on beside the decoder's hidden state, as
+    does every later boundary, and the estimate's pipeline sends count it.  CLIP's image embeddings, which only its
+    loss reads after the text layers, are carried the same way to the last stage (its vision tower runs whole on the
+    first stage: its text layers read nothing of it)."""
     from autopar.api import plan_model
     from autopar.inter_op import estimate
     from autopar.inter_op.pipelining import carried_bytes, pipeline_carry
@@ -76,15 +81,16 @@ def test_an_encoder_output_is_carried_and_priced(monkeypatch):
 
 def test_what_the_layers_hand_on_is_carried_and_priced(tmp_path, capsys):
     """T5's first decoder layer makes the relative position bias and the stack's loop hands it to every later
-    layer (as the third positional argument of their calls): the stages hand it on beside the encoder's output,
-    priced once per micro-batch whatever its size (it has no batch dimension).  torch's split backward cannot run
+    layer (as the third positional argument of their calls), as the encoder's first block does for its blocks: the
+    stages hand it on (beside the encoder's output, in the decoder), priced once per micro-batch whatever its size
+    (it has no batch dimension).  torch's split backward cannot run
     a weight's output that several layers of a chunk read, so the zero-bubble schedules are refused for it in one
     line."""
     from autopar.inter_op.pipelining import carried_bytes, pipeline_carry
 
     models = str(ROOT / "examples" / "hf_models.py")
     graph = trace_model(models, {"arch": "t5", "layers": 3}, seq_len=16).graph
-    assert graph.layer_loop_args == ("2",)
+    assert graph.layer_loop_args == ("2",) and graph.stack_loop_args == {"encoder.block": ("2",)}
     carry = pipeline_carry(graph)
     assert carry.modules == ("encoder",) and carry.loop_args == ("2",) and not carry.lost
     bias = 4 * 16 * 16 * 2  # heads x queries x keys x bf16, for any number of samples
@@ -121,11 +127,13 @@ def test_two_stacks_train_on_pipeline_stages_as_one_process(tmp_path):
         assert result.ok, (path, result)
     # T5 under SGD at the check's rate diverges within three steps (one process too: its losses grow tenfold and
     # rounding decides the rest), so its stages are checked on one step: the whole forward and backward, the
-    # position bias's gradient sent back over each cut included; interleaved's chunks (0-0, 0-2, 2-3, 3-4) take
-    # every part: one without layers, one that makes the bias and sends it, one that takes and sends it on, the last
+    # position biases' gradients sent back over each cut included.  Interleaved's chunks over the encoder's 4 blocks
+    # then the decoder's 4 take every part: encoder blocks 0-1 (make the encoder's bias and send it), 2-3 (take it;
+    # end the encoder: its output and the decoder's embedded input leave), decoder layers 0-2 (take the encoder's
+    # output; make the decoder's bias and send both on), 3 (take both)
     out = tmp_path / "t5-interleaved"
     assert main(["plan", models, "--config", "arch=t5,layers=4,seq_len=16", "--cluster", "cpu", "--gpus", "4",
                  "--global-batch", "8", "--fix", "pp=2,dp=2,schedule=interleaved", "-q", "-o", str(out)]) == 0
-    assert Plan.load(out / "plan.json").schedule["chunks"] == [[0, 0], [0, 2], [2, 3], [3, 4]]
+    assert Plan.load(out / "plan.json").schedule["chunks"] == [[0, 2], [2, 4], [4, 7], [7, 8]]
     result = verify_many([out / "plan.json"], steps=1)[0]
     assert result.ok and result.grad_rel_diff < 1e-5, result

@@ -34,7 +34,8 @@ from autopar.inter_op.layout import Layout
 from autopar.inter_op.links import Links
 from autopar.inter_op.recompute import layer_recompute
 from autopar.inter_op.technique import Technique, UnitTotals
-from autopar.inter_op.unit_costs import POST, PRE, UnitCost
+from autopar.inter_op.unit_costs import UnitCost
+from autopar.inter_op.units import is_layer_unit
 from autopar.passes.context import PassContext
 
 
@@ -54,7 +55,7 @@ def unit_totals(costs: dict[str, UnitCost], counts: dict[str, int], layout: Layo
         experts += n * e
         dense_frozen += n * fd
         expert_frozen += n * fe
-        if k in (PRE, POST):
+        if not is_layer_unit(k):
             act += n * u.activation_bytes
         else:
             rc = layer_recompute(u, layout.recompute, fw)

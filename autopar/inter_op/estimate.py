@@ -82,6 +82,7 @@ from autopar.inter_op.pipelining import (
 from autopar.inter_op.recompute import layer_recompute
 from autopar.inter_op.technique import UnitLoadDraft
 from autopar.inter_op.unit_costs import POST, PRE, UnitCost, unit_sequence
+from autopar.inter_op.units import is_layer_unit
 from autopar.interference import compute_rate, overlapped_s
 from autopar.ir import OpGraph
 from autopar.kernels import memory_s
@@ -279,7 +280,7 @@ class SharedWork:
         key = (id(costs), layout.dp, layout.tp, layout.cp, layout.ep, layout.pp, layout.num_microbatches,
                layout.recompute, layout.sp, layout.zero, split, layout.options)
         if key not in self._loads:
-            loads = {k: _unit_load(costs[k], k not in (PRE, POST), layout, links, cluster, ctx)
+            loads = {k: _unit_load(costs[k], is_layer_unit(k), layout, links, cluster, ctx)
                      for k in dict.fromkeys(keys)}
             self._loads[key] = (costs, loads)
         return self._loads[key][1]
@@ -530,7 +531,7 @@ def tp_bytes(costs: dict[str, UnitCost], keys: list[str], layout: Layout) -> dic
     backward, and the forward again for layers under full recomputation."""
     def unit(key: str) -> list[dict[str, float]]:
         u = costs[key]
-        again = layout.recompute == "full" and key not in (PRE, POST)
+        again = layout.recompute == "full" and is_layer_unit(key)
         return [u.tp_fwd_bytes, u.tp_bwd_bytes, *([u.tp_fwd_bytes] if again else [])]
     return _summed(part for key in keys for part in unit(key))
 
@@ -544,7 +545,7 @@ def ep_bytes(costs: dict[str, UnitCost], keys: list[str], layout: Layout) -> dic
     # the forward again under full or per-op recomputation, once more for a split backward's weight steps
     again = recompute_passes(layout)
     passes = 2 + (again if layout.recompute in ("full", "op") else 0)
-    total = sum((passes if key not in (PRE, POST) else 2) * (costs[key].expert_dispatch_bytes
+    total = sum((passes if is_layer_unit(key) else 2) * (costs[key].expert_dispatch_bytes
                                                              + costs[key].expert_combine_bytes)
                 for key in keys if costs[key].expert_fqns)
     return {"all_to_all": total} if total else {}
@@ -616,12 +617,19 @@ def _as_solver_load(x: _UnitLoad) -> UnitLoad:
 
 
 def tied_params(costs: dict[str, UnitCost], frozen: bool = False) -> float:
-    """Local parameters shared by ``pre`` and ``post`` (tied embeddings), which both units count; ``frozen``: of
+    """Local parameters that several units read (tied embeddings: the embedding's, the head's, an encoder-decoder's
+    second embedding), beyond one copy each: what one stage holding all those units counts twice; ``frozen``: of
     those, the frozen ones."""
-    shared = set(costs[PRE].param_local) & set(costs[POST].param_local)
+    seen: dict[str, int] = {}
+    for u in costs.values():
+        for fqn in u.param_local:
+            seen[fqn] = seen.get(fqn, 0) + 1
+    tied = {fqn: copies - 1 for fqn, copies in seen.items() if copies > 1}
     if frozen:
-        shared &= set(costs[POST].frozen_fqns)
-    return sum(costs[POST].param_local[f] for f in shared)
+        frozen_fqns = {f for u in costs.values() for f in u.frozen_fqns}
+        tied = {f: extra for f, extra in tied.items() if f in frozen_fqns}
+    local = {f: n for u in costs.values() for f, n in u.param_local.items()}
+    return sum(extra * local[f] for f, extra in tied.items())
 
 
 def _recompute_flops(costs: dict[str, UnitCost], keys: list[str], layout: Layout, global_batch: int,
@@ -629,4 +637,4 @@ def _recompute_flops(costs: dict[str, UnitCost], keys: list[str], layout: Layout
     micro = global_batch / max(1, layout.mbs)  # micro-batches over all dp ranks
     again = recompute_passes(layout)  # weight steps too
     return again * micro * sum(layer_recompute(costs[k], layout.recompute, ctx.framework).flops
-                               for k in keys if k not in (PRE, POST))
+                               for k in keys if is_layer_unit(k))

@@ -37,6 +37,7 @@ from autopar.inter_op.technique import (
     divisors,
 )
 from autopar.inter_op.unit_costs import UnitCost
+from autopar.inter_op.units import unit_chain
 from autopar.ir import OpGraph, Ref, tensor_refs
 from autopar.passes.activations import storage_key
 from autopar.passes.context import PassContext
@@ -188,34 +189,39 @@ def cut_crossings(graph: OpGraph) -> dict[int, list[Crossing]]:
     the tensors made before the cut, from parameters (so a later stage cannot make them again: its copy of an
     earlier module is a placeholder), that the layers from ``k`` on or the ops after the stack read.  The
     hidden state itself is the one tensor of layer ``k - 1`` that crosses."""
-    layers = len(graph.layers)
+    chain = unit_chain(graph)
+    layers = chain.blocks  # the blocks of every stack (an encoder's, then the layers)
     if layers < 2:
         return {}
     derived: set[str] = set()
-    unit: dict[str, int] = {}
-    seen_layer = False
+    unit: dict[str, int] = {}  # an op's block (-1: before the first, ``layers``: after the last)
     for n in graph.nodes:
         if n.kind == "param":
             derived.add(n.name)
         elif n.kind == "op":
             if any(i in derived for i in n.inputs):
                 derived.add(n.name)
-            seen_layer = seen_layer or n.layer is not None
-            unit[n.name] = n.layer if n.layer is not None else (layers if seen_layer else -1)
+            unit[n.name] = chain.unit_of[n.name] - 1
     crossing: dict[int, dict[str, tuple[int, Ref]]] = {}  # cut -> storage -> (the unit that made it, a ref)
     in_layers: set[str] = set()  # storages a layer reads from before it
+    last_reader: dict[str, int] = {}
     for n in graph.ops():
         for r in tensor_refs(n):
             if r.name not in derived or r.name not in unit or unit[r.name] >= unit[n.name]:
                 continue
             key, made = storage_key(graph, r), unit[r.name]
+            last_reader[key] = max(last_reader.get(key, -1), unit[n.name])
             if unit[n.name] < layers:
                 in_layers.add(key)
             for k in range(max(1, made + 1), min(layers - 1, unit[n.name]) + 1):
                 crossing.setdefault(k, {})[key] = (made, r)
     out = {}
     for k, storages in sorted(crossing.items()):
-        hidden = next((key for key, (made, _) in sorted(storages.items()) if made == k - 1), None)
+        # the hidden state: made by the block before the cut and read by the next block only (where the block
+        # before the cut makes more, an encoder's last block its output and the decoder's embedding), else the
+        # first made by the block before the cut
+        made_before = [key for key, (made, _) in sorted(storages.items()) if made == k - 1]
+        hidden = next((key for key in made_before if last_reader[key] == k), made_before[0] if made_before else None)
         extra = [(key, r) for key, (_, r) in sorted(storages.items()) if key != hidden]
         if extra:
             out[k] = [_crossing(graph, key, r, key in in_layers) for key, r in extra]
@@ -316,6 +322,31 @@ def stack_ends(graph: OpGraph) -> dict[str, list[str]]:
         if child and child not in ends["before"] and child not in ends["after"]:
             ends["after" if seen_layer else "before"].append(child)
     return {**ends, **{k: v for k, v in direct.items() if v}}
+
+
+def chain_ends(graph: OpGraph, containers: list[str]) -> dict[str, list[str]]:
+    """The modules beside a chain of stacks (an encoder's blocks, then the decoder's layers: ``autopar.inter_op.
+    units``) by when the forward first calls them: ``before`` the first stack's blocks (the embeddings), ``between``
+    the stacks (the encoder's final norm, the decoder's embedding: on the stage that ends the encoder), ``after``
+    the last (the final norm, the head).  A module here is a child of a module on the path to a stack that holds
+    no stack itself."""
+    on_path = {".".join(c.split(".")[:i]) for c in containers for i in range(len(c.split(".")))}
+    chain = unit_chain(graph)
+    post = len(chain.keys) - 1
+    ends: dict[str, list[str]] = {"before": [], "between": [], "after": []}
+    placed: set[str] = set()
+    for n in graph.ops():
+        unit = chain.unit_of[n.name]
+        parts = n.module.split(".") if n.module else []
+        depth = next((i for i in range(len(parts)) if ".".join(parts[:i + 1]) not in on_path), None)
+        if depth is None or n.layer is not None or any(n.module == c or n.module.startswith(c + ".")
+                                                       for c in containers):
+            continue  # an op of a block, or of a module on the path itself (a mask made in the decoder's forward)
+        child = ".".join(parts[:depth + 1])
+        if child not in placed:
+            placed.add(child)
+            ends["before" if unit == 0 else "after" if unit == post else "between"].append(child)
+    return ends
 
 
 def carried_bytes(graph: OpGraph, mbs: int) -> float:
@@ -451,7 +482,7 @@ def _check_fixed_stages(space: SearchSpace, graph: OpGraph) -> None:
                            "stack is two or more blocks of one kind; a model of one block has no stages to cut): "
                            "plan with --fix pp=1")
     if "pp" in fixed and fixed["pp"] > space.layers:
-        raise AutoparError(f"--fix pp={fixed['pp']} exceeds the {len(graph.layers)} layers")
+        raise AutoparError(f"--fix pp={fixed['pp']} exceeds the {space.layers} layers")
     product = fixed.get("dp", 0) * fixed.get("tp", 0) * fixed.get("pp", 0) * fixed.get("cp", 1)
     if all(k in fixed for k in ("dp", "tp", "pp")) and product != n:
         raise AutoparError(f"--fix dp*cp*tp*pp = {product} but the cluster has {n} devices")
@@ -510,7 +541,7 @@ TECHNIQUE = Technique("pipeline_schedule", (Knob("schedule", "choice", choices=S
                       time_bound_floor_s=_time_bound_floor_s, memory_bound_bytes=_memory_bound_bytes)
 
 __all__ = ["INTERLEAVE_V", "STAGES", "TECHNIQUE", "Crossing", "PipelineCarry", "backward_run_s", "bubble_bound_s",
-           "bubble_time_s", "carried_bytes", "check_fixed_pipeline", "cut_crossings", "fewest_in_flight",
+           "bubble_time_s", "carried_bytes", "chain_ends", "check_fixed_pipeline", "cut_crossings", "fewest_in_flight",
            "group_options", "group_runs", "interleaving_runs", "makespan_s", "op_times", "p2p_s", "pipeline_carry",
            "pipeline_slots", "recompute_passes", "schedule_options", "schedule_refuses", "simulated_bubble",
            "split_backward_load", "stack_ends"]

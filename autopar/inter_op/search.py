@@ -48,6 +48,7 @@ from autopar.inter_op.layout import Layout
 from autopar.inter_op.technique import Partial, SearchSpace, Technique
 from autopar.inter_op.tensor_parallel import attention_heads
 from autopar.inter_op.unit_costs import UnitCost, solve_tp, unit_costs, unit_sequence
+from autopar.inter_op.units import loop_args, unit_chain
 from autopar.intra_op.problem import IntraOpProblem, IntraOpSolution
 from autopar.intra_op.strategies import R, Strategy, param_tp_placements
 from autopar.ir import OpGraph
@@ -242,11 +243,12 @@ def default_jobs() -> int:
 def search_space(graph: OpGraph, cluster: Cluster, global_batch: int, fixed: dict[str, Any],
                  fw: Framework | None = None) -> SearchSpace:
     """What the techniques' options read for this model, cluster, batch and pinned values."""
-    return SearchSpace(gpus=cluster.gpus, layers=max(1, len(graph.layers)), global_batch=global_batch,
+    return SearchSpace(gpus=cluster.gpus, layers=max(1, unit_chain(graph).blocks), global_batch=global_batch,
                        seq_len=graph.seq_len, heads=tuple(attention_heads(graph)),
                        experts=expert_parallel_count(graph), cluster=cluster,
                        fw=fw or load_framework(DEFAULT_FRAMEWORK), fixed=dict(fixed),
-                       one_microbatch=graph.loss_gathers_batch, layer_loop=bool(graph.layer_loop_args))
+                       one_microbatch=graph.loss_gathers_batch,
+                       layer_loop=any(loop_args(graph, s.container) for s in unit_chain(graph).stacks))
 
 
 def check_fixed(graph: OpGraph, cluster: Cluster, global_batch: int, fixed: dict[str, Any],

@@ -8,8 +8,9 @@ from autopar.cluster import Cluster
 from autopar.inter_op.context_parallel import RUNTIME_PATH
 from autopar.inter_op.estimate import Estimate
 from autopar.inter_op.fp8 import plan_precision
-from autopar.inter_op.pipelining import pipeline_carry, stack_ends
+from autopar.inter_op.pipelining import chain_ends, pipeline_carry, stack_ends
 from autopar.inter_op.unit_costs import POST, PRE, unit_sequence
+from autopar.inter_op.units import unit_chain
 from autopar.intra_op.strategies import R, Strategy, param_tp_placements, tensor_refs
 from autopar.ir import OpGraph
 from autopar.modelfile import ZOO, locate
@@ -79,15 +80,10 @@ def _param_stages(graph: OpGraph, est: Estimate) -> dict[str, list[int]]:
     for c, (lo, hi) in enumerate(chunks):
         for layer in range(lo, hi):
             stage_of_unit[1 + layer] = rank_of_chunk(lay.schedule, c, lay.pp)
-    first_layer_unit = 1
+    unit_of = unit_chain(graph).unit_of
     out: dict[str, list[int]] = {}
-    seen_layer = False
     for n in graph.ops():
-        if n.layer is not None:
-            seen_layer = True
-            unit = first_layer_unit + [layer.index for layer in graph.layers].index(n.layer)
-        else:
-            unit = len(keys) - 1 if seen_layer else 0
+        unit = unit_of[n.name]
         for r in tensor_refs(n):
             src = graph[r.name]
             if src.kind == "param":
@@ -162,9 +158,15 @@ def build_plan(*, graph: OpGraph, model_ref: str, config: dict[str, Any], cluste
         ends["carried"] = list(carry.modules)
     if carry.loop_args:  # what the stack's loop hands from layer to layer, which the stages hand on too
         ends["layer_args"] = list(carry.loop_args)
+    chain = unit_chain(graph)
+    if chain.chained:  # an encoder's blocks, then the layers: the stages' layer ranges run over both
+        ends.update(chain_ends(graph, [s.container for s in chain.stacks]))
+        loop_args = {**graph.stack_loop_args, graph.layer_container: carry.loop_args}
+        ends["stacks"] = [{"container": s.container, "layers": s.blocks,
+                           "layer_args": list(loop_args.get(s.container, ()))} for s in chain.stacks]
     path = None if model_ref in ZOO else locate(model_ref)
     model = {"ref": model_ref, "path": path, "config": config, "fingerprint": model_fingerprint(graph, config),
-             "layer_container": graph.layer_container, "num_layers": len(graph.layers), "stack_ends": ends,
+             "layer_container": graph.layer_container, "num_layers": chain.blocks, "stack_ends": ends,
              "layer_types": {h: idx for h, idx in first_of_type.items()}, "units": [k for k in keys
                                                                                     if k not in (PRE, POST)],
              "expert_weights": sorted(stacked_expert_params(graph))}

@@ -16,6 +16,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from autopar.cluster import Cluster, MeshSpec
+from autopar.inter_op.units import POST, PRE, unit_chain, unit_sequence
 from autopar.intra_op.problem import IntraOpConfig, IntraOpProblem, IntraOpSolution, build_intra_op, solve_intra_op
 from autopar.intra_op.sharding_costs import (
     ATTENTION_OPS,
@@ -48,7 +49,6 @@ from autopar.power import NO_POWER, PowerMix, clock_fraction
 from autopar.recompute_policy import is_attention_module, product_is_saved
 from autopar.solvers.ilp import Backend
 
-PRE, POST = "pre", "post"
 ATTENTION_CORE_KEYS = ("probs", "dropout_mask", "dropped_probs")
 
 
@@ -152,33 +152,6 @@ class ExpertProduct:
     # their gradient written): a rank streams ``1 / ep`` of them
 
 
-def unit_sequence(graph: OpGraph) -> list[str]:
-    """Unit keys in model order: ``pre``, one structural hash per layer, ``post``."""
-    return [PRE, *(layer.structural_hash for layer in graph.layers), POST]
-
-
-def _unit_nodes(graph: OpGraph) -> dict[str, list[str]]:
-    """Op nodes of one instance of every unit.
-
-    A layer type is read off its second occurrence when there is one: its input then comes from a layer
-    like itself, as for all but the first layer of the stack.
-    """
-    instances: dict[str, list[int]] = {}
-    for layer in graph.layers:
-        instances.setdefault(layer.structural_hash, []).append(layer.index)
-    wanted = {idx[1] if len(idx) > 1 else idx[0]: h for h, idx in instances.items()}
-    units: dict[str, list[str]] = {PRE: [], POST: [], **{h: [] for h in instances}}
-    seen_layer = False
-    for n in graph.ops():
-        if n.layer is not None:
-            seen_layer = True
-            if n.layer in wanted:
-                units[wanted[n.layer]].append(n.name)
-        else:
-            units[POST if seen_layer else PRE].append(n.name)
-    return units
-
-
 def _replicated(graph: OpGraph, names: list[str], axes: int) -> dict[str, Strategy]:
     return {name: tuple(AxisStrategy((R,) * len(graph[name].outputs), (R,) * len(tensor_refs(graph[name])))
                         for _ in range(axes)) for name in names}
@@ -215,33 +188,39 @@ def unit_costs(graph: OpGraph, strategies: dict[str, Strategy], mesh: MeshSpec, 
                ctx: PassContext) -> dict[str, UnitCost]:
     """Read per-unit costs off the chosen strategies."""
     out = {}
-    units = _unit_nodes(graph)
+    chain = unit_chain(graph)
+    units = {key: list(names) for key, names in chain.members.items()}
     users = graph.users()
     for key, names in units.items():
         cost = _unit_cost(graph, names, strategies, mesh, mbs, cluster, ctx)
         transient = _forward_transient_bytes(graph, names, strategies, mesh, mbs, ctx, users)
         out[key] = dataclasses.replace(cost, forward_transient_bytes=transient)
-    if graph.layers and sum(layer.structural_hash == graph.layers[0].structural_hash for layer in graph.layers) > 1:
-        out[PRE] = _with_first_layer_input(out[PRE], graph, set(units[PRE]), strategies, mesh, mbs, ctx)
+    for stack in chain.stacks:
+        first, feeder = chain.keys[stack.first_unit], chain.keys[stack.first_unit - 1]
+        # a block type is costed off its second instance, whose input comes from a block like it: the edge into
+        # the first is priced on the unit before it, where that unit is the only one of its kind (pre; an encoder's
+        # last block, with the decoder's embedding)
+        if chain.keys.count(first) > 1 and chain.keys.count(feeder) == 1:
+            into = {name for name, unit in chain.unit_of.items() if unit == stack.first_unit}
+            out[feeder] = _with_first_block_input(out[feeder], graph, set(units[feeder]), into, strategies, mesh,
+                                                  mbs, ctx)
     return out
 
 
-def _with_first_layer_input(pre: UnitCost, graph: OpGraph, pre_nodes: set[str], strategies: dict[str, Strategy],
-                            mesh: MeshSpec, mbs: int, ctx: PassContext) -> UnitCost:
-    """``pre`` plus the resharding of what it hands the first layer (the embedding's output gathered for
-    the first norm, say).  A layer type is costed off its second instance, whose input comes from a layer,
-    so that edge is priced nowhere else."""
-    first = graph.layers[0].index
-    edges = _Reshards(mesh, mbs, ctx, fwd_bytes=dict(pre.tp_fwd_bytes), bwd_bytes=dict(pre.tp_bwd_bytes))
+def _with_first_block_input(feeder: UnitCost, graph: OpGraph, feeder_nodes: set[str], first_block: set[str],
+                            strategies: dict[str, Strategy], mesh: MeshSpec, mbs: int, ctx: PassContext) -> UnitCost:
+    """``feeder`` plus the resharding of what it hands the first block of a stack (``first_block``: its ops; the
+    embedding's output gathered for the first norm, say)."""
+    edges = _Reshards(mesh, mbs, ctx, fwd_bytes=dict(feeder.tp_fwd_bytes), bwd_bytes=dict(feeder.tp_bwd_bytes))
     for n in graph.ops():
-        if n.layer != first or n.name not in strategies:
+        if n.name not in first_block or n.name not in strategies:
             continue
         strat = strategies[n.name]
         for k, r in enumerate(tensor_refs(n)):
-            if r.name in pre_nodes and r.name in strategies:
+            if r.name in feeder_nodes and r.name in strategies:
                 edges.add(graph.tensor(r), r, _produced(strategies[r.name], r), tuple(ax.inputs[k] for ax in strat),
                           strat)
-    return dataclasses.replace(pre, tp_fwd_s=pre.tp_fwd_s + edges.fwd_s, tp_bwd_s=pre.tp_bwd_s + edges.bwd_s,
+    return dataclasses.replace(feeder, tp_fwd_s=feeder.tp_fwd_s + edges.fwd_s, tp_bwd_s=feeder.tp_bwd_s + edges.bwd_s,
                                tp_fwd_bytes=edges.fwd_bytes, tp_bwd_bytes=edges.bwd_bytes)
 
 

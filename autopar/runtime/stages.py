@@ -17,8 +17,9 @@ How a stage runs:
   stage's layers in a stack that iterates like the ``ModuleList`` it replaces, parameter-free
   placeholders for the embeddings of later stages (the first layer takes the stage's input instead) and
   for the final norm and head of earlier ones (where the stage ends with its hidden states); of an
-  encoder-decoder, the decoder's layers, the encoder running whole on the first stage, whose output the
-  stages hand on (with whatever the layers' loop passes from one to the next: T5's position bias).
+  encoder-decoder, the encoder's blocks then the decoder's layers, the stage that ends the encoder handing
+  its output on to the later ones (with whatever a stack's loop passes from block to block: T5's position
+  bias).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import copy
 import inspect
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -232,45 +234,38 @@ class _Placeholder(nn.Module):
             t.shape, device=device, dtype=self.dtype if t.is_floating_point() else t.dtype), shaped)
 
 
-def _hf_ends(model: nn.Module, ends: Mapping[str, list[str]]) -> tuple[list[tuple[nn.Module, str]], ...]:
-    """(parent, name) of the modules with parameters the forward calls before the layer stack (embeddings)
-    and after it (final norm, head): the plan's ``stack_ends``, from the traced op order."""
-    def owned(names: list[str]) -> list[tuple[nn.Module, str]]:
-        out = []
-        for fqn in names:
-            owner, _, name = fqn.rpartition(".")
-            parent = model.get_submodule(owner) if owner else model
-            if next(getattr(parent, name).parameters(), None) is not None:
-                out.append((parent, name))
-        return out
-    return owned(ends.get("before", [])), owned(ends.get("after", []))
+@dataclass(frozen=True, slots=True)
+class _StackSpan:
+    """One stack of a stage's chain: its module path, its first layer's position in the chain, its blocks, what
+    its loop hands from block to block, and the blocks ``[lo, hi)`` of it the stage holds."""
+
+    container: str
+    offset: int
+    size: int
+    loop: tuple[str, ...]
+    lo: int
+    hi: int
 
 
-def hf_stage(model: nn.Module, container: str, lo: int, hi: int, first: bool, last: bool,
-             ends: Mapping[str, list[str]] | None) -> nn.Module:
-    """A HuggingFace decoder cut down to layers ``[lo, hi)``, running its own ``forward``: the other layers
-    leave the stack; the embeddings of a later stage and the final norm and head of an earlier one become
-    parameter-free placeholders.  A later stage takes hidden states (token ids of their shape drive the
-    positions and masks, as in the whole model; a model that reads images first gets the micro-batch's images,
-    ``FIRST_INPUT_KWARG``) and hands them to its first layer; an earlier one stops at
-    the final norm and returns what it was about to normalize.  Every stage takes the model's other inputs
-    by keyword (``attention_mask=...``); the last returns the logits and records the model's output type.
-    No per-architecture code: whatever the decoder does around its layers (masks, rotary or learned
-    positions, ALiBi, scaling) it does itself.
-    What it needs: the hidden states are all the layers carry from the embeddings, but for the outputs of one
-    module run before the stack (an encoder, ``ends["carried"]``): the first stage hands them on beside its
-    hidden states, and later stages take them, passed on, in place of that module; and for what the stack's
-    loop hands from layer to layer (``ends["layer_args"]``: T5's position bias), which a stage ending before the
-    last layer sends as its loop would pass it to the next layer (``_LoopProbe``), and a stage starting after
-    the first puts into its first layer's call.  Anything else the later layers read from earlier stages is
-    refused at plan time (``autopar.inter_op.pipelining.pipeline_carry``)."""
-    if ends is None:
-        raise AutoparError("this plan does not say which modules run before and after the layers "
-                           "(model.stack_ends, written since plan schema 3): plan it again")
-    owner_name, _, attr = container.rpartition(".")
+def _stack_spans(container: str, lo: int, hi: int, ends: Mapping[str, object]) -> list[_StackSpan]:
+    """The stacks a stage's layers ``[lo, hi)`` run over: the plan's ``stack_ends["stacks"]`` (an encoder's, then
+    the decoder's), else the one stack ``container``."""
+    stacks = ends.get("stacks") or [{"container": container, "layers": None, "layer_args": ends.get("layer_args", ())}]
+    spans, offset = [], 0
+    for stack in stacks:
+        size = stack["layers"]
+        spans.append(_StackSpan(stack["container"], offset, size, tuple(stack.get("layer_args", ())),
+                                max(lo - offset, 0), hi - offset if size is None else min(hi - offset, size)))
+        offset += size or 0
+    return spans
+
+
+def _cut_stack(model: nn.Module, span: _StackSpan) -> tuple[StageLayers, int]:
+    """Swap ``span``'s stack for the blocks the stage holds; returns them and the stack's length."""
+    owner_name, _, attr = span.container.rpartition(".")
     owner = model.get_submodule(owner_name) if owner_name else model
     stack = list(getattr(owner, attr))
-    kept = {str(i): layer for i, layer in enumerate(stack) if lo <= i < hi}
+    kept = {str(i): layer for i, layer in enumerate(stack) if span.lo <= i < span.hi}
     layers = StageLayers(kept)
     setattr(owner, attr, layers)
     config = getattr(owner, "config", None)
@@ -278,7 +273,46 @@ def hf_stage(model: nn.Module, container: str, lo: int, hi: int, first: bool, la
         # the loop looks a layer's type up by its position in the stack (Mamba's config derives it: no setter)
         owner.config = copy.copy(config)
         owner.config.layer_types = [config.layer_types[int(i)] for i in kept]
-    before, after = _hf_ends(model, ends)
+    return layers, len(stack)
+
+
+def hf_stage(model: nn.Module, container: str, lo: int, hi: int, first: bool, last: bool,
+             ends: Mapping[str, list[str]] | None) -> nn.Module:
+    """A HuggingFace model cut down to layers ``[lo, hi)``, running its own ``forward``: the other layers
+    leave the stack; the embeddings of a later stage and the final norm and head of an earlier one become
+    parameter-free placeholders.  A later stage takes hidden states (token ids of their shape drive the
+    positions and masks, as in the whole model; a model that reads images first gets the micro-batch's images,
+    ``FIRST_INPUT_KWARG``) and hands them to its first layer; an earlier one stops at
+    the final norm and returns what it was about to normalize.  Every stage takes the model's other inputs
+    by keyword (``attention_mask=...``); the last returns the logits and records the model's output type.
+    No per-architecture code: whatever the model does around its layers (masks, rotary or learned
+    positions, ALiBi, scaling) it does itself.
+    What it needs: the hidden states are all the layers carry from the embeddings, but for the outputs of one
+    module run before the stack (an encoder, ``ends["carried"]``): the stage that makes them hands them on beside
+    its hidden states, and later stages take them, passed on, in place of that module; and for what a stack's
+    loop hands from layer to layer (``layer_args``: T5's position bias), which a stage ending before the stack's
+    last layer sends as its loop would pass it to the next layer (``_LoopProbe``), and a stage starting after the
+    stack's first layer puts into its first layer's call.  An encoder-decoder's layers run over both stacks
+    (``ends["stacks"]``, ``autopar.inter_op.units``): the encoder's blocks, then the decoder's; what runs between
+    them (``ends["between"]``: the encoder's final norm, the decoder's embedding) runs on the stage that ends the
+    encoder, which hands on the decoder's embedded input beside the encoder's output (made there).  Anything else
+    the later layers read from earlier stages is refused at plan time
+    (``autopar.inter_op.pipelining.pipeline_carry``)."""
+    if ends is None:
+        raise AutoparError("this plan does not say which modules run before and after the layers "
+                           "(model.stack_ends, written since plan schema 3): plan it again")
+    spans = _stack_spans(container, lo, hi, ends)
+    cut = [_cut_stack(model, span) for span in spans]
+    sizes = [n for _, n in cut]
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    total = sum(sizes)
+    # the stack the stage starts in (its input goes to that stack's first layer here) and the one it ends in
+    start = max((i for i in range(len(spans)) if offsets[i] <= lo), default=0)
+    end = max((i for i in range(len(spans)) if offsets[i] < hi), default=0)
+    # the modules around the stacks, by segment: before the first, between two, after the last; each runs on the
+    # stage that holds that point of the chain, else is a placeholder (zeros before the stage, its end after it)
+    segments = [ends.get("before", []), *([ends.get("between", [])] * (len(spans) - 1)), ends.get("after", [])]
+    holds = [first, *(lo < offsets[k] <= hi for k in range(1, len(spans))), last]
     # parameters of the model itself (CLIP's temperature) stay on the stage that reads them: elsewhere an unused
     # copy would go stale, and a checkpoint would hold two of one name
     for fqn in [*(ends.get("params_before", []) if not first else []), *(ends.get("params_after", []) if not last
@@ -286,29 +320,49 @@ def hf_stage(model: nn.Module, container: str, lo: int, hi: int, first: bool, la
         owner_name, _, name = fqn.rpartition(".")
         del model.get_submodule(owner_name)._parameters[name]
     carried_names = list(ends.get("carried", ()))
-    # what the stack's loop hands from layer to layer crosses the cuts between two layers: a chunk takes it where it
-    # starts after the first layer, and hands it on where it ends before the last
-    loop_slots = list(ends.get("layer_args", ()))
-    takes_loop = loop_slots if 0 < lo < len(stack) else []
-    sends_loop = bool(loop_slots) and 0 < hi < len(stack)
-    if sends_loop and kept:
-        layers.probe = _LoopProbe(loop_slots)
-    hands_on = bool(carried_names) or sends_loop  # more than the hidden state
-    captured: list[torch.Tensor] = []  # on the first stage: the carried modules' outputs, to hand on
-    if first and not last:
+    if len(spans) > 1:  # the encoder's output is made on the stage that ends the encoder, taken by every later one
+        makes, takes = lo < offsets[1] <= hi, lo >= offsets[1]
+    else:  # the carried module runs before the stack: made on the first stage
+        makes, takes = first, not first
+    makes, takes = makes and bool(carried_names), takes and bool(carried_names)
+    # what a stack's loop hands from block to block crosses the cuts inside that stack: a chunk takes it where it
+    # starts after the stack's first block, and hands it on where it ends before the stack's last
+    takes_loop = list(spans[start].loop) if 0 < lo - offsets[start] < sizes[start] else []
+    sends_loop = bool(spans[end].loop) and 0 < hi - offsets[end] < sizes[end]
+    probe_layers = cut[end][0]
+    # a stage ending inside an encoder stops where its next block would run (the rest of the forward would go on to
+    # the decoder), as one whose loop hands on more than the hidden state
+    ends_early = end < len(spans) - 1 and hi - offsets[end] < sizes[end]
+    if (sends_loop or ends_early) and len(probe_layers):
+        probe_layers.probe = _LoopProbe(list(spans[end].loop) if sends_loop else [])
+    hands_on = (makes and not last) or takes or sends_loop  # more than the hidden state
+    captured: list[torch.Tensor] = []  # where the carried modules run: their outputs, to hand on
+    if makes and not last:
         for fqn in carried_names:
             model.get_submodule(fqn).register_forward_hook(
                 lambda _module, _args, output: captured.extend(
                     t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)))
     placeholders = []
     carriers: list[_Placeholder] = []  # later stages: the carried modules, taking what the stage received
-    for ends_of, keep, is_before in ((before, first, True), (after, last, False)):
-        for parent, name in ends_of if not keep else ():
-            placeholders.append(_Placeholder(getattr(parent, name), is_before))
-            fqn = ".".join(p for p in (_fqn_of(model, parent), name) if p)
-            if is_before and fqn in carried_names:
-                carriers.append(placeholders[-1])
+    if takes:
+        for fqn in carried_names:
+            parent, name = _parent_of(model, fqn)
+            carriers.append(_Placeholder(getattr(parent, name), True))
+            setattr(parent, name, carriers[-1])
+    for k, segment in enumerate(segments):
+        if holds[k]:
+            continue
+        at = offsets[k] if k < len(spans) else total  # where the segment runs in the chain
+        # a carried module already stands in for what it holds
+        names = [m for m in segment if not (takes and any(m == c or m.startswith(c + ".") for c in carried_names))]
+        for parent, name in _owned(model, names):
+            placeholders.append(_Placeholder(getattr(parent, name), at <= lo))  # before the stage: zeros
             setattr(parent, name, placeholders[-1])
+    called = [*carried_names, *(m for segment in segments for m in segment)]
+    _drop_unused_ties(model, [span.container for span in spans], called)
+    entry = cut[start][0]
+    holds_between = any(holds[1:len(spans)])
+    empty = not any(len(layers) for layers, _ in cut)
     cls_forward = type(model).forward
     # what the model reads first, token ids or images (a PEFT model's: the model it wraps, which gets its inputs)
     params = list(inspect.signature(type(wrapped_model(model)).forward).parameters.values())[1:]
@@ -320,7 +374,8 @@ def hf_stage(model: nn.Module, container: str, lo: int, hi: int, first: bool, la
     if lead != "input_ids":  # a later stage drives its placeholder embeddings with the images' shape
         model.wants_first_input = True
     stage_input: list[torch.Tensor] = []
-    if not kept and not first and last and after:  # a head-only chunk: its input goes to the final norm
+    after = _owned(model, ends.get("after", []))
+    if empty and not first and last and after:  # a head-only chunk: its input goes to the final norm
         parent, name = after[0]
         getattr(parent, name).register_forward_pre_hook(lambda _module, args: (stage_input[-1], *args[1:]))
 
@@ -328,37 +383,37 @@ def hf_stage(model: nn.Module, container: str, lo: int, hi: int, first: bool, la
         original = inputs.pop(FIRST_INPUT_KWARG, None)
         # a copy (a view would refuse the split backward's detach_), whose gradient flows back to the received one
         handed = [t.clone() for t in received]
-        if not kept and not first and not last:
+        if empty and not first and not last and not holds_between:
             return (x, *handed) if hands_on else x  # a chunk without layers between two others
-        from_encoder = len(received) - len(takes_loop)
+        from_carried = len(received) - len(takes_loop)
         for placeholder in carriers:  # the carried module takes what the stage received beside the hidden state
-            placeholder.carried = list(received[:from_encoder])
+            placeholder.carried = list(received[:from_carried])
         if first:
             ids = x
         elif lead == "input_ids":
             ids = torch.zeros(x.shape[:2], dtype=torch.long, device=x.device)
         else:  # the first input itself (images): only its shape reaches the placeholder embeddings
             ids = original
-        layers.inject = None if first else x
-        layers.inject_slots = dict(zip(takes_loop, handed[from_encoder:], strict=True))
+        entry.inject = None if first else x
+        entry.inject_slots = dict(zip(takes_loop, handed[from_carried:], strict=True))
         stage_input[:] = [x]
-        for placeholder in placeholders:
+        for placeholder in (*placeholders, *carriers):
             placeholder.dtype = x.dtype if x.is_floating_point() else torch.float32
         captured.clear()
         try:
             out = cls_forward(model, **{lead: ids}, **cache, **inputs)
-        except _StageEnd as end:  # a view (OPT's layers return one) would refuse the split backward's detach_
-            hidden = end.hidden if end.hidden._base is None else end.hidden.clone()
+        except _StageEnd as stop:  # a view (OPT's layers return one) would refuse the split backward's detach_
+            hidden = stop.hidden if stop.hidden._base is None else stop.hidden.clone()
             if not hands_on:
                 return hidden
-            if layers.probe is not None and end.loop is None:
+            if probe_layers.probe is not None and stop.loop is None:
                 raise AutoparError("the layer stack's loop ended without calling a next layer, to which the plan's "
                                    "stages hand on what it passes: plan again with --fix pp=1") from None
-            # the first stage's carried outputs leave as copies too: its own layers saved them for backward
-            encoder = [t.clone() for t in captured] if first else handed[:from_encoder]
-            return (hidden, *encoder, *[t.clone() for t in end.loop or ()])
+            # the carried outputs made here leave as copies too: the stage's own layers saved them for backward
+            carried = [t.clone() for t in captured] if makes else handed[:from_carried] if takes else []
+            return (hidden, *carried, *[t.clone() for t in stop.loop or ()])
         finally:
-            layers.inject = layers.inject_slots = None
+            entry.inject = entry.inject_slots = None
             stage_input.clear()
         if not hasattr(out, "logits"):  # tensors (CLIP's embeddings and temperature): the loss takes them as they are
             model.output_type = None
@@ -368,6 +423,40 @@ def hf_stage(model: nn.Module, container: str, lo: int, hi: int, first: bool, la
 
     model.forward = forward
     return model
+
+
+def _drop_unused_ties(model: nn.Module, containers: list[str], called: list[str]) -> None:
+    """Stand in for the modules beside the stacks that the forward never calls itself (an encoder-decoder's
+    ``shared`` embedding, which the encoder's, the decoder's and the head's names tie), where no module the stage
+    keeps holds their parameters: a middle stage would otherwise keep a copy that no step updates."""
+    on_path = {".".join(c.split(".")[:i]) for c in containers for i in range(len(c.split(".")))}
+    candidates = [f"{owner}.{name}" if owner else name for owner in sorted(on_path)
+                  for name, child in model.get_submodule(owner).named_children()
+                  if not isinstance(child, _Placeholder) and next(child.parameters(), None) is not None]
+    candidates = [c for c in candidates if c not in on_path and c not in containers and c not in called]
+    if not candidates:
+        return
+    kept = {id(p) for name, module in model.named_modules() if name not in candidates
+            and not any(name.startswith(c + ".") for c in candidates) for p in module.parameters(recurse=False)}
+    for fqn in candidates:
+        parent, name = _parent_of(model, fqn)
+        if not any(id(p) in kept for p in getattr(parent, name).parameters()):
+            setattr(parent, name, _Placeholder(getattr(parent, name), False))
+
+
+def _parent_of(model: nn.Module, fqn: str) -> tuple[nn.Module, str]:
+    owner, _, name = fqn.rpartition(".")
+    return (model.get_submodule(owner) if owner else model), name
+
+
+def _owned(model: nn.Module, names: list[str]) -> list[tuple[nn.Module, str]]:
+    """(parent, name) of the modules ``names`` that hold parameters."""
+    out = []
+    for fqn in names:
+        parent, name = _parent_of(model, fqn)
+        if next(getattr(parent, name).parameters(), None) is not None:
+            out.append((parent, name))
+    return out
 
 
 def _fqn_of(model: nn.Module, module: nn.Module) -> str:

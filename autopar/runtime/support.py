@@ -56,6 +56,11 @@ def check_pipeline_stages(model: nn.Module, container: str | None = None,
     model = wrapped_model(model)
     first_stage = (ends or {}).get("before", []) if is_huggingface(model) else []
     others = [o for o in others if not any(o.startswith(b + ".") for b in first_stage)]  # whole on the first stage
+    chained = [s["container"] for s in (ends or {}).get("stacks", [])]  # an encoder's blocks, split as the layers
+    if chained and not is_huggingface(model):
+        raise AutoparError(f"pipeline stages over two stacks ({', '.join(chained)}) run a HuggingFace model's own "
+                           f"forward; {type(model).__name__} is not one: plan with --fix pp=1")
+    others = [o for o in others if o not in chained]
     if getattr(getattr(model, "config", None), "is_encoder_decoder", False) and others:
         raise AutoparError(f"pipeline stages run one stack of layers; {type(model).__name__} is an encoder-decoder "
                            "(two stacks): plan with --fix pp=1")
