@@ -28,7 +28,7 @@ def test_the_norm_counts_each_element_once_whatever_holds_it():
             return p
 
         def norm(p: torch.nn.Parameter) -> float:
-            return float(grad_norm([("w", p)], 4, set(), torch.device("cpu"), reduce=False))
+            return float(grad_norm([("w", p)], 4, {}, torch.device("cpu"), reduce=False))
 
         # FSDP2 over the dim tp splits holds a _StridedShard, which is no Shard but splits all the same
         assert norm(param([_StridedShard(0, split_factor=2), Shard(0)])) == pytest.approx(math.sqrt(24.0))

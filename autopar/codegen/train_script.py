@@ -103,6 +103,9 @@ def generate_train_script(plan: Plan, script_name: str = "train.py") -> str:
         note = "# The plan shards no parameter on its tp axis, so that axis runs as data parallelism.\n"
     path = plan.model.get("path") or modelfile.locate(plan.model["ref"])
     layout = ", ".join(f"{k}={v}" for k, v in sorted(lay.items()))
+    stacks = (plan.model.get("stack_ends") or {}).get("stacks", [])
+    over = (" (numbered over " + " then ".join(f"{s['container']}'s {s['layers']}" for s in stacks) + ")") \
+        if stacks else ""
     est = plan.estimate
     estimate = {k: est[k] for k in ("iteration_time_s", "model_flops_per_iter", "mfu", "peak_memory_bytes",
                                     "tokens_per_s")}
@@ -127,7 +130,7 @@ def generate_train_script(plan: Plan, script_name: str = "train.py") -> str:
         f"MICRO_BATCH = {mbs}  # samples per micro-batch on one data-parallel rank\n"
         f"NUM_MICROBATCHES = {lay['num_microbatches']}\n"
         f"SCHEDULE = {lay['schedule']!r}  # gpipe | 1f1b | interleaved | interleaved_zb | zbv | dualpipev\n"
-        f"STAGE_LAYERS = {[tuple(r) for r in stage_layer_ranges(plan)]!r}  # layers of each pipeline chunk\n"
+        f"STAGE_LAYERS = {[tuple(r) for r in stage_layer_ranges(plan)]!r}  # layers of each pipeline chunk{over}\n"
         f"LAYER_CONTAINER = {plan.model['layer_container']!r}\n"
         f"STACK_ENDS = {plan.model.get('stack_ends')!r}  # modules run before / after the layers\n"
         f"RECOMPUTE = {lay['recompute']!r}  # none | selective | op | full\n"

@@ -9,8 +9,8 @@ from autopar.inter_op.context_parallel import RUNTIME_PATH
 from autopar.inter_op.estimate import Estimate
 from autopar.inter_op.fp8 import plan_precision
 from autopar.inter_op.pipelining import chain_ends, pipeline_carry, stack_ends
-from autopar.inter_op.unit_costs import POST, PRE, unit_sequence
-from autopar.inter_op.units import unit_chain
+from autopar.inter_op.unit_costs import unit_sequence
+from autopar.inter_op.units import is_layer_unit, unit_chain
 from autopar.intra_op.strategies import R, Strategy, param_tp_placements, tensor_refs
 from autopar.ir import OpGraph
 from autopar.modelfile import ZOO, locate
@@ -167,8 +167,8 @@ def build_plan(*, graph: OpGraph, model_ref: str, config: dict[str, Any], cluste
     path = None if model_ref in ZOO else locate(model_ref)
     model = {"ref": model_ref, "path": path, "config": config, "fingerprint": model_fingerprint(graph, config),
              "layer_container": graph.layer_container, "num_layers": chain.blocks, "stack_ends": ends,
-             "layer_types": {h: idx for h, idx in first_of_type.items()}, "units": [k for k in keys
-                                                                                    if k not in (PRE, POST)],
+             "layer_types": {h: idx for h, idx in first_of_type.items()},
+             "units": [k for k in keys if is_layer_unit(k)],  # the layers' types, in order
              "expert_weights": sorted(stacked_expert_params(graph))}
     if example_inputs is not None:
         model["example_inputs"] = example_inputs

@@ -161,35 +161,35 @@ class PipelineRunner:
         stages = self.stages if schedule in MULTI_CHUNK else self.stages[0]
         self.last_module = modules[chunks.index(num_chunks - 1)] if self.has_last else None
         self.schedule = cls(stages, n_microbatches=num_microbatches, loss_fn=self._loss)
-        self._tie_group = self._make_tie_group()
-        self._cross_ties = self._ties_across_stages()
+        # per tied parameter: every copy the pipeline holds, and this rank's group with the other ranks holding one
+        self.tie_copies, self._tie_groups = self._make_tie_groups()
 
-    def _make_tie_group(self) -> dist.ProcessGroup | None:
-        """One group per (dp, cp, tp) coordinate of the ranks of the first and last chunk; every rank creates
-        all.  None when they are one rank (a V): the copies are summed in place."""
-        if not self.tied or self.pp == 1 or self.first_rank == self.last_rank:
-            return None
-        mine = None
-        ranks = self.mesh.mesh  # [pp, dp, cp, tp] tensor of global ranks
-        for first, last in zip(ranks[self.first_rank].flatten().tolist(), ranks[self.last_rank].flatten().tolist()):
-            g = dist.new_group([first, last])
-            if dist.get_rank() in (first, last):
-                mine = g
-        return mine
-
-    def _ties_across_stages(self) -> list[str]:
-        """The tied parameters (canonical FQNs) of which this rank and its tie-group peer both hold a copy: one at
-        each end of the pipeline.  A pair tied within one chunk (BERT's decoder bias and ``cls.predictions.bias``)
-        has its peer hold nothing, and is left out on both ranks alike (summing it would wait for a peer that
-        never sends)."""
-        if self._tie_group is None:
-            return []
+    def _make_tie_groups(self) -> tuple[dict[str, int], dict[str, dist.ProcessGroup]]:
+        """Per tied parameter (canonical FQN): how many copies the pipeline's ranks hold in all (a chunk holds one
+        under however many names), and, where several pipeline ranks hold one, this rank's group of them at its
+        (dp, cp, tp) coordinate, which sums their gradients: the first and last chunk's ranks of a decoder (its
+        embedding and head), and of an encoder-decoder also the rank whose stage ends the encoder (the decoder's
+        embedding).  Every rank creates every group.  A pair tied within one chunk (BERT's decoder bias and
+        ``cls.predictions.bias``) has one holder."""
+        if not self.tied or self.pp == 1:
+            return {}, {}
         copies = self._tied_copies()
-        names = sorted({fqn for fqn, _ in self.tied})  # the same order on both ranks
+        names = sorted({fqn for fqn, _ in self.tied})  # the same order on every rank
         device = "cpu" if self.device.type == "meta" else self.device  # a stage built to be measured, not run
-        held = torch.tensor([float(fqn in copies) for fqn in names], device=device)
-        dist.all_reduce(held, group=self._tie_group)
-        return [fqn for fqn, n in zip(names, held.tolist(), strict=True) if n == 2]
+        mine = torch.tensor([float(len(copies.get(fqn, []))) for fqn in names], device=device)
+        held = [torch.zeros_like(mine) for _ in range(self.pp)]
+        dist.all_gather(held, mine, group=self.mesh["pp"].get_group())
+        counts = {fqn: int(sum(h[i].item() for h in held)) for i, fqn in enumerate(names)}
+        holders = {fqn: tuple(r for r in range(self.pp) if held[r][i].item() > 0) for i, fqn in enumerate(names)}
+        ranks = self.mesh.mesh  # [pp, dp, cp, tp] tensor of global ranks
+        me = dist.get_rank()
+        groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        for pp_ranks in sorted({h for h in holders.values() if len(h) > 1}):
+            for coordinate in zip(*(ranks[r].flatten().tolist() for r in pp_ranks), strict=True):
+                group = dist.new_group(list(coordinate))
+                if me in coordinate:
+                    groups[pp_ranks] = group
+        return counts, {fqn: groups[h] for fqn, h in holders.items() if h in groups}
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for m in self.modules for p in m.parameters()]
@@ -255,7 +255,7 @@ class PipelineRunner:
 
     def _sum_tied_grads(self) -> None:
         """Every copy of a tied parameter gets the sum of all copies' gradients: the copies of this rank's
-        chunks (a V, or interleaved chunks), then over the tie group of the first and last chunk's ranks."""
+        chunks (a V, or interleaved chunks), then over the other pipeline ranks holding a copy."""
         if not self.tied or self.pp == 1:
             return
         copies = self._tied_copies()
@@ -269,18 +269,16 @@ class PipelineRunner:
                 total.add_(_laid_out_as(g, total))
             for p in trainable:
                 p.grad = _laid_out_as(total, p).clone() if p.grad is None else p.grad.copy_(_laid_out_as(total, p.grad))
-        if self._tie_group is None:  # a middle rank, or a V: no peer
-            return
-        for fqn in self._cross_ties:
+        for fqn, group in self._tie_groups.items():  # then over the other ranks holding a copy
             params = copies[fqn]
             p = params[0]
-            if not p.requires_grad:  # frozen: so is the copy at the other end
+            if not p.requires_grad:  # frozen: so are the other copies
                 continue
-            if p.grad is None:  # unused this step: its peer still waits for a sum
+            if p.grad is None:  # unused this step: its peers still wait for a sum
                 p.grad = torch.zeros_like(p)
             g = p.grad.redistribute(p.grad.device_mesh, p.placements) if hasattr(p.grad, "redistribute") else p.grad
             local = g._local_tensor if hasattr(g, "_local_tensor") else g
-            dist.all_reduce(local, group=self._tie_group)
+            dist.all_reduce(local, group=group)
             if g is not p.grad:
                 p.grad = g
             for other in params[1:]:

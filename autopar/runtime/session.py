@@ -110,7 +110,7 @@ def reference_run(plan: Plan, steps: int, seed: int, config: TrainingConfig,
             loss.backward()
         if config.max_grad_norm is not None:
             named = list(s.model.named_parameters())
-            clip_grads(named, config.max_grad_norm, grad_norm(named, 1, set(), device, reduce=False))
+            clip_grads(named, config.max_grad_norm, grad_norm(named, 1, {}, device, reduce=False))
         opt.step()
         sched.step()
         losses.append(float(loss.detach()))

@@ -147,21 +147,22 @@ def _shards(t: torch.Tensor) -> int:
                      if p.is_shard() or isinstance(p, _StridedShard))
 
 
-def grad_norm(named: Sequence[tuple[str, nn.Parameter]], stage_ranks: int, skip: set[str],
+def grad_norm(named: Sequence[tuple[str, nn.Parameter]], stage_ranks: int, copies: Mapping[str, int],
               device: torch.device, reduce: bool = True) -> torch.Tensor:
     """The L2 norm of every gradient of the model, the same on every rank.
 
     Each rank sums the squares of what it holds, divided by how many ranks of its pipeline stage hold the
     same elements (``stage_ranks`` over the gradient's shard count); one all-reduce over all ranks adds
-    the stages (``reduce=False``: a single process holding everything).  ``skip``: parameters counted
-    elsewhere (the second copy of a weight tied across stages).
+    the stages (``reduce=False``: a single process holding everything).  ``copies``: per name, how many copies
+    of that parameter the pipeline holds (a weight tied across stages, whose copies hold one summed gradient),
+    each counting its share.
     """
     total = torch.zeros((), dtype=torch.float32, device=device)
     for name, p in named:
-        if p.grad is None or name in skip:
+        if p.grad is None:
             continue
         local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-        total += local.float().pow(2).sum() * (_shards(p.grad) / stage_ranks)
+        total += local.float().pow(2).sum() * (_shards(p.grad) / stage_ranks) / copies.get(name, 1)
     if reduce and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(total)
     return total.sqrt()
@@ -208,8 +209,9 @@ class Trainer:
         params = [p for part in parts for p in part.parameters()]
         self.optimizer = build_optimizer(params, config, device)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, config))
-        # the second copy of a weight tied across pipeline stages (its gradient equals the first's)
-        self._tied_copies = {alias for _, alias in tied} if self.pipeline is not None else set()
+        # the copies of a weight tied across pipeline stages, under each of its names (they hold one gradient)
+        held = self.pipeline.tie_copies if self.pipeline is not None else {}
+        self._tied_copies = {name: held[fqn] for fqn, alias in tied if held.get(fqn, 0) > 1 for name in (fqn, alias)}
         self._stage_ranks = mesh["dp"].size() * mesh["cp"].size() * mesh["tp"].size()
         self._replicas = replica_mesh(mesh)  # the loss is averaged over dp x cp, as the gradients are
         self._scalars = [p for part in parts for p in scalar_parameters(part)]  # left whole by data parallelism
