@@ -86,7 +86,8 @@ CONVOLUTIONS = ("aten.conv1d.default", "aten.conv2d.default", "aten.conv3d.defau
 _INDEX_SAVING = frozenset({
     "aten.embedding.default", "aten.index_select.default", "aten.gather.default", "aten.index.Tensor",
     "aten.scatter.src", "aten.scatter_add.default", "aten.index_add.default", "aten.topk.default",
-    "aten.masked_fill.Scalar", "aten.masked_fill.Tensor", "aten.where.self",
+    "aten.masked_fill.Scalar", "aten.masked_fill.Tensor", "aten.where.self", "aten.where.ScalarOther",
+    "aten.where.ScalarSelf", "aten.where.Scalar",  # the condition alone: torch's backward of where
 })
 _NORMS = {
     "aten.layer_norm.default": 2,  # mean and rstd per row

@@ -178,3 +178,28 @@ def test_megatron_keeps_sequence_parallel_linear_inputs_sharded():
     megatron = unit_costs(g, placed, mesh, 1, cluster, megatron_ctx)[layer].activation_bytes
     whole = g.tensor(fc1.args[0]).numel_at(1) * 2
     assert dtensor - megatron == pytest.approx(whole * 7 / 8)
+
+
+def test_where_saves_its_condition_alone():
+    """torch's backward of ``where`` reads the condition only: a floating operand (T5's position bias, masked on its
+    way into every layer's scores) is not saved for it."""
+    import torch
+    from autopar.passes import run_pipeline
+    from torch import nn
+
+    from autopar.tracing import trace
+
+    class Masked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.proj(x)
+            return torch.where(y > 0, y, 0.0) + torch.where(x > 0, 1.0, y)
+
+    g = run_pipeline(trace(Masked(), [torch.randn(2, 8)], lambda out, x: out.sum()), PassContext())
+    wheres = [n for n in g.ops() if n.op.startswith("aten.where.")]
+    assert {n.op for n in wheres} == {"aten.where.ScalarOther", "aten.where.ScalarSelf"}
+    for n in wheres:
+        assert [g[t.key.split(":")[0]].op for t in n.annotations["saved"]] == ["aten.gt.Scalar"], n.op
