@@ -247,6 +247,9 @@ class OpGraph:
     #: the same, of the other stacks of blocks that have any (an encoder's, which an encoder-decoder's pipeline
     #: splits too: ``autopar.inter_op.units``), by the stack's module path
     stack_loop_args: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    #: the other stacks of blocks (module lists of two or more modules of one class, each with parameters), by module
+    #: path: an encoder's beside the decoder's layers, a vision tower beside the text layers
+    other_stacks: tuple[str, ...] = ()
     annotations: dict[str, Any] = field(default_factory=dict)
     _index: dict[str, Node] = field(default_factory=dict, repr=False)
     _compute_itemsize: int = field(default=0, repr=False)

@@ -144,6 +144,7 @@ def trace(
     graph.loss_gathers_batch = bool(gathers)
     graph.layer_loop_args = _loop_args(calls.get(container or "", []))
     graph.stack_loop_args = {stack: args for stack in stacks[1:] if (args := _loop_args(calls.get(stack, [])))}
+    graph.other_stacks = tuple(stacks[1:] if container else stacks)
     graph.trace_time_s = time.perf_counter() - t0
     return graph
 

@@ -82,9 +82,9 @@ def loop_args(graph: OpGraph, container: str) -> tuple[str, ...]:
 
 def earlier_stack(graph: OpGraph) -> str | None:
     """The stack of blocks that runs whole before the layers and whose output the layers read (an encoder-decoder's
-    encoder, for the decoder's cross-attention), else ``None``: its blocks' ops all come before the first layer's,
-    it has two blocks or more, numbered 0.. in order, and the layers read what it made (CLIP's text layers read
-    nothing of its vision tower: only its loss does)."""
+    encoder, for the decoder's cross-attention), else ``None``: a stack the trace found (``OpGraph.other_stacks``:
+    blocks of one class, each with parameters), whose blocks run in order, all before the first layer, and whose
+    output the layers read (CLIP's text layers read nothing of its vision tower: only its loss does)."""
     ops = list(graph.ops())
     first_layer = next((i for i, n in enumerate(ops) if n.layer is not None), None)
     if first_layer is None or not graph.layer_container:
@@ -98,7 +98,7 @@ def earlier_stack(graph: OpGraph) -> str | None:
         if i > first_layer:
             late.add(m["stack"])
         found.setdefault(m["stack"], []).append(int(m["index"]))
-    stacks = [s for s, idx in found.items() if s not in late and len(set(idx)) >= 2 and idx == sorted(idx)
+    stacks = [s for s, idx in found.items() if s in graph.other_stacks and s not in late and idx == sorted(idx)
               and sorted(set(idx)) == list(range(max(idx) + 1))]
     if len(stacks) != 1:
         return None
