@@ -42,13 +42,13 @@ def check_runnable(plan: Plan, model: nn.Module, compiled: bool | None = None) -
 def check_pipeline_stages(model: nn.Module, container: str | None = None,
                           carries: dict[str, list[str]] | None = None,
                           ends: dict[str, list[str]] | None = None) -> None:
-    """What pipeline stages split: one stack of layers (``container``).  Of HuggingFace models
+    """What pipeline stages split: one stack of layers (``container``), or an encoder-decoder's chain of two
+    (``ends["stacks"]``: the encoder's blocks, then the decoder's layers).  Of HuggingFace models
     (``autopar.runtime.stages.hf_stage``) those whose forward takes an input first (token ids, or images that
     every stage gets), and whose later stages need nothing from earlier ones but the hidden state and the
-    outputs of one module run before the stack on the first stage that the layers read (an encoder's, for the
-    decoder's cross-attention: ``ends["carried"]``) and what the layers' loop passes from one to the next
-    (``ends["layer_args"]``), which the stages hand on; another stack of layers runs whole inside a module
-    before the stack.
+    outputs of one module that the layers read (an encoder's, for the decoder's cross-attention:
+    ``ends["carried"]``) and what a stack's loop passes from one block to the next (``layer_args``), which the
+    stages hand on; any other stack of layers runs whole inside a module before the stack.
     ``carries``: what no stage could hand on (the plan's ``pipeline_carries``,
     ``autopar.inter_op.pipelining.pipeline_carry``).  Other models run their own forward on the stages: one
     stack."""
