@@ -116,7 +116,7 @@ def test_a_non_finite_step_leaves_weights_and_moments_alone_on_either_optimizer_
     trainer.parts, trainer.config, trainer.device = [model], TrainingConfig(warmup_steps=0), torch.device("cpu")
     trainer.optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, fused=fused, foreach=not fused)
     trainer.scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lambda s: 1.0)
-    trainer._replicas, trainer._stage_ranks, trainer._tied_copies = _OneReplica(), 1, set()
+    trainer._replicas, trainer._stage_ranks, trainer._tied_copies = _OneReplica(), 1, {}
     trainer.bad_steps, trainer.last_grad_norm = torch.zeros((), dtype=torch.int64), None
 
     def step(loss_value: float) -> None:
