@@ -109,20 +109,25 @@ def test_what_the_layers_hand_on_is_carried_and_priced(tmp_path, capsys):
 
 def test_two_stacks_train_on_pipeline_stages_as_one_process(tmp_path):
     """pp2 x dp2, 3 steps in fp32: BART (its shared embedding tied four ways, summed once over the ends of the
-    pipeline), Whisper (audio features first) and CLIP (its vision tower whole on the first stage, its image
-    embeddings handed on to the loss, its temperature a parameter of the model itself that only the last stage
-    holds; the loss reads a tuple with a 0-dim tensor, which torch detaches in place between the input and weight
-    steps of interleaved_zb) match one process."""
+    pipeline; and under DualPipeV with a chunk ending at the encoder's end), Whisper (audio features first) and CLIP
+    (its vision tower whole on the first stage, its image embeddings handed on to the loss, its temperature a
+    parameter of the model itself that only the last stage holds; the loss reads a tuple with a 0-dim tensor, which
+    torch detaches in place between the input and weight steps of interleaved_zb) match one process."""
     from autopar.runtime.verify import verify_many
 
     models = str(ROOT / "examples" / "hf_models.py")
     paths = []
-    for arch, schedule in (("bart", "1f1b"), ("bart", "zbv"), ("whisper", "1f1b"), ("clip", "interleaved_zb")):
-        out = tmp_path / f"{arch}-{schedule}"
-        assert main(["plan", models, "--config", f"arch={arch},layers=4,seq_len=16", "--cluster", "cpu", "--gpus", "4",
-                     "--global-batch", "8", "--fix", f"pp=2,dp=2,schedule={schedule}", "-q", "-o", str(out)]) == 0
+    for arch, layers, fix in (("bart", 4, "schedule=1f1b"), ("bart", 4, "schedule=zbv"),
+                              ("whisper", 4, "schedule=1f1b"), ("clip", 4, "schedule=interleaved_zb"),
+                              ("bart", 2, "schedule=dualpipev,mbs=1")):
+        out = tmp_path / f"{arch}-{layers}-{fix}"
+        assert main(["plan", models, "--config", f"arch={arch},layers={layers},seq_len=16", "--cluster", "cpu",
+                     "--gpus", "4", "--global-batch", "8", "--fix", f"pp=2,dp=2,{fix}", "-q", "-o", str(out)]) == 0
         paths.append(out / "plan.json")
-    assert Plan.load(paths[-1]).model["stack_ends"]["params_after"] == ["logit_scale"]
+    assert Plan.load(paths[3]).model["stack_ends"]["params_after"] == ["logit_scale"]
+    # a chunk that ends at the encoder's end hands on the decoder's embedded input, made from weights and token ids
+    # alone: the split backward's input step must still reach those weights (on the same rank as the next chunk)
+    assert Plan.load(paths[4]).schedule["chunks"] == [[0, 1], [1, 2], [2, 3], [3, 4]]
     for path, result in zip(paths, verify_many(paths, steps=3), strict=True):
         assert result.ok, (path, result)
     # T5 under SGD at the check's rate diverges within three steps (one process too: its losses grow tenfold and

@@ -234,6 +234,23 @@ class _Placeholder(nn.Module):
             t.shape, device=device, dtype=self.dtype if t.is_floating_point() else t.dtype), shaped)
 
 
+class _JoinedToInput(torch.autograd.Function):
+    """``output`` (copied), joined in the autograd graph to the stage's input ``anchor``, to which it passes no
+    gradient.  torch's split backward (the zero-bubble schedules' input step, ``stage_backward_input``) finds a
+    stage's weights only where their autograd path meets the path from the stage's inputs: an output made from
+    weights and token ids alone (an encoder-decoder's decoder embedding, on the stage that ends the encoder) would
+    get its gradient from the next stage and pass it to no weight.  The join is the meeting point; a copy, as a
+    view would refuse the split backward's in-place detach of the outputs."""
+
+    @staticmethod
+    def forward(ctx: object, output: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        return output.clone()
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
 @dataclass(frozen=True, slots=True)
 class _StackSpan:
     """One stack of a stage's chain: its module path, its first layer's position in the chain, its blocks, what
@@ -403,7 +420,11 @@ def hf_stage(model: nn.Module, container: str, lo: int, hi: int, first: bool, la
         try:
             out = cls_forward(model, **{lead: ids}, **cache, **inputs)
         except _StageEnd as stop:  # a view (OPT's layers return one) would refuse the split backward's detach_
-            hidden = stop.hidden if stop.hidden._base is None else stop.hidden.clone()
+            hidden = stop.hidden
+            if holds_between and not first and x.requires_grad:  # the decoder's embedded input may not read x
+                hidden = _JoinedToInput.apply(hidden, x)
+            elif hidden._base is not None:
+                hidden = hidden.clone()
             if not hands_on:
                 return hidden
             if probe_layers.probe is not None and stop.loop is None:
