@@ -257,7 +257,19 @@ def build(module: ModuleType, config: dict[str, Any], ref: str = "model") -> nn.
         BUILDING.reset(token)
     if not isinstance(model, nn.Module):
         raise ModelFileError(f"{ref}: build_model returned {type(model).__name__}, not an nn.Module")
+    _train_without_kv_cache(model)
     return model
+
+
+def _train_without_kv_cache(model: nn.Module) -> None:
+    """Turn off the key/value cache of every HuggingFace model inside ``model``: training has no use for it, and
+    activation checkpointing breaks on it (an encoder-decoder caches its cross-attention's keys and values on the
+    first call, so a recomputed layer skips their projections and saves fewer tensors than its forward did).
+    HuggingFace's own gradient checkpointing sets ``use_cache=False`` for the same reason."""
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "use_cache", False) is True and type(config).__module__.startswith("transformers."):
+            config.use_cache = False
 
 
 def infer_seq_len(model: nn.Module, config: dict[str, Any]) -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from autopar.models import gpt
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -53,3 +55,24 @@ def test_selective_checkpoints_the_attention_module():
     apply_recompute(model, "blocks", "selective")
     assert all("CheckpointWrapper" in type(b.attn).__name__ for b in model.blocks.values())
     assert not any("CheckpointWrapper" in type(b).__name__ for b in model.blocks.values())
+
+
+def test_an_encoder_decoder_recomputes_its_decoder_layers_as_they_ran():
+    """HuggingFace encoder-decoders cache their cross-attention's keys and values on the first call when their KV
+    cache is on (their default), so a recomputed decoder layer would skip those projections and checkpointing would
+    fail on the count of saved tensors; models are built for training, without the cache, and both modes give the
+    gradients of no recomputation."""
+    from autopar import modelfile
+
+    module = modelfile.load_module(str(Path(__file__).resolve().parents[1] / "examples" / "hf_models.py"))
+    inputs = {"input_ids": torch.randint(2, 128, (2, 8)), "decoder_input_ids": torch.randint(2, 128, (2, 8))}
+    grads = {}
+    for mode in ("none", "full", "op"):
+        torch.manual_seed(0)
+        model = modelfile.build(module, {"arch": "bart", "layers": 2, "seq_len": 8})
+        assert all(not m.config.use_cache for m in model.modules() if hasattr(m, "config"))
+        apply_recompute(model, "model.decoder.layers", mode)
+        module.loss_fn(model(**inputs), **inputs).backward()
+        grads[mode] = {n.replace("_checkpoint_wrapped_module.", ""): p.grad for n, p in model.named_parameters()}
+    for name, g in grads["none"].items():
+        assert torch.allclose(grads["full"][name], g, atol=1e-6) and torch.allclose(grads["op"][name], g, atol=1e-6)
