@@ -87,3 +87,22 @@ def _ranks_of(plan: str) -> list[int]:
             except OSError:
                 continue
     return pids
+
+
+def test_a_failed_launch_is_reported_by_the_exception_a_rank_raised():
+    """torchrun relays each rank's traceback and closes with a rule of ``=`` signs: the report names the exception
+    (with its module path, as torch's checkpointing raises its own), never the rule."""
+    from autopar.runtime.verify import root_cause
+
+    stderr = ("[rank0]: Traceback (most recent call last):\n"
+              "[rank0]:   File \"train.py\", line 3, in <module>\n"
+              "[rank0]: torch.utils.checkpoint.CheckpointError: torch.utils.checkpoint: A different number of "
+              "tensors was saved during the original forward and recomputation.\n"
+              "[rank0]: Number of tensors saved during forward: 51\n"
+              "E1207 worker.py:1 failed (exitcode: 1) local_rank: 0\n"
+              "============================================================\n")
+    assert root_cause(stderr).startswith("torch.utils.checkpoint.CheckpointError: torch.utils.checkpoint: A different")
+    assert root_cause("[rank1]: RuntimeError: boom\n") == "RuntimeError: boom"
+    assert root_cause("autopar: error: bad plan\n[rank0]: ValueError: x\n") == "autopar: error: bad plan"
+    assert root_cause("something went wrong\n=====\n") == "something went wrong"
+    assert root_cause("") == "no output"

@@ -125,8 +125,19 @@ def _exact_reference(plan: Plan, steps: int, seed: int, lr: float, numerics: str
         return None
 
 
-#: A rank's exception as torchrun relays it (``[rank1]: RuntimeError: ...``): the root cause to report.
-_EXCEPTION_LINE = re.compile(r"^(?:\[rank\d+\]: )?(\w+(?:Error|Exception): .*)$")
+#: A rank's exception as torchrun relays it (``[rank1]: RuntimeError: ...``, or with its module path:
+#: ``torch.utils.checkpoint.CheckpointError: ...``): the root cause to report.
+_EXCEPTION_LINE = re.compile(r"^(?:\[rank\d+\]: )?((?:\w+\.)*\w+(?:Error|Exception): .*)$")
+
+
+def root_cause(stderr: str) -> str:
+    """The line of a failed launch's ``stderr`` that says why: autopar's own error, else the first exception a rank
+    raised, else the last line with words in it (not torchrun's closing rule of ``=`` signs)."""
+    lines = stderr.splitlines()
+    errors = [line for line in lines if line.startswith("autopar: error")]
+    raised = [m.group(1) for line in lines if (m := _EXCEPTION_LINE.search(line))]
+    worded = [line.strip() for line in lines if re.search(r"[A-Za-z]", line)]
+    return (errors or raised or worded[-1:] or ["no output"])[0]
 
 
 def run_plans(plan_paths: Sequence[str | Path], steps: int, *, seed: int = 0, lr: float = 0.1, start_step: int = 0,
@@ -160,11 +171,7 @@ def run_plans(plan_paths: Sequence[str | Path], steps: int, *, seed: int = 0, lr
             raise AutoparError(f"the distributed run took more than {limit_s:g} s: stopped its ranks") from None
         done = all((out / str(i) / "rank0.pt").exists() for i in range(len(plan_paths)))
         if proc.returncode != 0 or not done:
-            lines = proc.stderr.splitlines()
-            errors = [line for line in lines if line.startswith("autopar: error")]
-            raised = [m.group(1) for line in lines if (m := _EXCEPTION_LINE.search(line))]
-            detail = (errors or raised or [line for line in lines if line.strip()][-1:] or ["no output"])[0]
-            raise AutoparError(f"the distributed run failed: {detail}")
+            raise AutoparError(f"the distributed run failed: {root_cause(proc.stderr)}")
         return [_merge(out / str(i)) for i in range(len(plan_paths))]
 
 
