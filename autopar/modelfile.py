@@ -268,7 +268,8 @@ def _train_without_kv_cache(model: nn.Module) -> None:
     HuggingFace's own gradient checkpointing sets ``use_cache=False`` for the same reason."""
     for module in model.modules():
         config = getattr(module, "config", None)
-        if getattr(config, "use_cache", False) is True and type(config).__module__.startswith("transformers."):
+        if getattr(config, "use_cache", False) is True and any(
+                cls.__module__.startswith("transformers.") for cls in type(config).__mro__):  # a PretrainedConfig
             config.use_cache = False
 
 
