@@ -57,7 +57,8 @@ VIEW_OPS = frozenset({
     "aten.select.int", "aten.alias.default", "aten.split.Tensor", "aten.split_with_sizes.default",
     "aten.chunk.default", "aten.unflatten.int", "aten.narrow.default", "aten.unbind.int", "aten.view_as.default",
     "aten.expand_as.default", "aten.detach.default", "aten.as_strided.default", "aten.diagonal.default",
-    "aten.movedim.int", "aten.swapaxes.default", "aten.tensor_split.sections",
+    "aten.movedim.int", "aten.swapaxes.default", "aten.tensor_split.sections", "aten.numpy_T.default",
+    "aten.mT.default",
 })
 #: Ops that return a view when their input is contiguous and a copy otherwise.
 VIEW_IF_CONTIGUOUS_OPS = frozenset({

@@ -65,6 +65,7 @@ _SAVES_ONE = frozenset({
 # Ops whose backward needs nothing but shapes (or is not differentiable in the activations).
 _SAVES_NOTHING = frozenset({
     "aten.add.Tensor", "aten.sub.Tensor", "aten.neg.default", "aten.add.Scalar", "aten.sub.Scalar",
+    "aten.add_.Tensor", "aten.sub_.Tensor",
     "aten.cat.default", "aten.stack.default", "aten.clone.default", "aten.contiguous.default",
     "aten.reshape.default", "aten.flatten.using_ints", "aten.sum.dim_IntList", "aten.sum.default",
     "aten.mean.dim", "aten.mean.default", "aten._to_copy.default", "aten.to.dtype", "aten.to.dtype_layout",

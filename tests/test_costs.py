@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 from autopar.passes import PassContext
@@ -203,3 +204,18 @@ def test_where_saves_its_condition_alone():
     assert {n.op for n in wheres} == {"aten.where.ScalarOther", "aten.where.ScalarSelf"}
     for n in wheres:
         assert [g[t.key.split(":")[0]].op for t in n.annotations["saved"]] == ["aten.gt.Scalar"], n.op
+
+
+def test_a_transposed_weight_is_no_activation():
+    """Falcon multiplies by ``weight.T`` (a view of the parameter, ``aten.numpy_T``) and adds its attention output to
+    its MLP's in place: neither the weight nor the in-place sum's operands are activations (its layers once counted
+    every weight as saved, once per micro-batch in flight)."""
+    graph = trace_model(str(Path(__file__).resolve().parents[1] / "examples" / "hf_decoder.py"),
+                        {"arch": "falcon", "layers": 2, "hidden": 64, "heads": 4, "vocab": 128}, seq_len=16).graph
+    ops = {n.op for n in graph.ops()}
+    assert {"aten.numpy_T.default", "aten.add_.Tensor"} <= ops
+    assert graph.annotations["activations"].unknown_ops == ()
+    saved_roots = {graph[t.key.split(":")[0]].op for n in graph.ops() for t in n.annotations["saved"]}
+    assert "aten.numpy_T.default" not in saved_roots
+    # what a layer saves whatever the batch (its rotary tables) is smaller than its smallest weight (64 x 64 in bf16)
+    assert graph.annotations["activations"].per_layer[1].fixed < 64 * 64 * 2
