@@ -45,6 +45,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from autopar.batch_loss import gathering_over
 from autopar.errors import TraceError
 from autopar.fused_kernels import traced_as_fused_kernels
+from autopar.hf_masks import masks_as_run
 from autopar.inputs import ModelInputs
 from autopar.ir import BatchScaled, LayerInfo, Node, OpGraph, ParamInfo, Ref, TensorInfo, iter_refs, structural_hash
 
@@ -132,7 +133,8 @@ def trace(
     graph = None
     stacks = ([container] if container else []) + _stacks_beside(model, container)
     # does the loss compare the batch's samples (autopar.gather_batch)?  Fused kernels as one op each
-    with gathering_over(None) as gathers, traced_as_fused_kernels():
+    # (HuggingFace models: their attention masks as a training run builds them, autopar.hf_masks)
+    with gathering_over(None) as gathers, traced_as_fused_kernels(), masks_as_run(model, example_inputs):
         if repeat_identical_layers and _identical_blocks(model, container):
             with _truncated_stack(model, container, TRACED_LAYERS), _layer_calls(model, stacks) as calls:
                 ep = _export(model, inputs, loss_fn)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -182,18 +184,55 @@ def test_blocks_that_differ_are_all_traced():
     assert not _identical_blocks(_stack([16, 16, 16, 16, 32]), "blocks")
 
 
-@pytest.mark.parametrize("example", ["hf_gpt2.py", "hf_llama.py"])
+@pytest.mark.parametrize("example", ["hf_gpt2.py", "hf_llama.py", "hf_decoder.py"])
 def test_per_sample_shapes_hold_no_trace_batch(example, examples):
     # HuggingFace builds its causal mask from input_ids.shape[0] without reading input_ids: the mask is
-    # still per sample, not a constant holding the whole trace batch
+    # still per sample, not a constant holding the whole trace batch (Falcon's, which it always builds)
     from autopar.tracing import SENTINEL_BATCHES
 
+    extra = {"hf_llama.py": {"kv_heads": 4, "ffn": 128}, "hf_decoder.py": {"arch": "falcon"}}.get(example, {})
     traced = trace_model(str(examples / example), {"layers": 2, "hidden": 64, "heads": 4, "vocab": 128,
-                                                    "seq_len": 32, **({"kv_heads": 4, "ffn": 128}
-                                                                      if example == "hf_llama.py" else {})})
+                                                    "seq_len": 32, **extra})
     sized = [(n.name, o.shape) for n in traced.graph.nodes for o in n.outputs if o is not None
              for d in o.shape if any(d and d % p == 0 for p in SENTINEL_BATCHES)]
     assert not sized, sized[:3]
-    masks = [o for n in traced.graph.ops() for o in n.outputs if o is not None and o.dtype == "bool"
-             and o.shape[-2:] == (32, 32)]
-    assert masks and all(o.batch_dim == 0 for o in masks)
+    if example == "hf_decoder.py":
+        masks = [o for n in traced.graph.ops() for o in n.outputs if o is not None and o.dtype == "bool"
+                 and o.shape[-2:] == (32, 32)]
+        assert any(o.batch_dim == 0 for o in masks)  # the one expanded to the batch: per sample
+
+
+def _sdpa_masks(traced) -> list[bool]:
+    """Whether each SDPA call of a trace takes a mask tensor (else it must run causal)."""
+    out = []
+    for node in traced.graph.ops():
+        if node.op == "aten.scaled_dot_product_attention.default":
+            masked = any(isinstance(a, Ref) for a in node.args[3:4]) or isinstance(node.kwargs.get("attn_mask"), Ref)
+            causal = node.kwargs.get("is_causal", node.args[5] if len(node.args) > 5 else False)
+            assert masked or causal is True, node.args
+            out.append(masked)
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "opt", "mistral"])
+def test_huggingface_attention_is_traced_as_it_trains(arch, examples):
+    # Given token ids alone, HuggingFace builds no mask in training: SDPA runs causal (FlashAttention's kernel
+    # on a GPU).  Under torch.export its mask code cannot read values and materializes the mask: the trace must
+    # take the branch the run takes (autopar.hf_masks), or attention is priced over every score.
+    traced = trace_model(str(examples / "hf_decoder.py"), {"arch": arch, "layers": 2, "hidden": 64, "heads": 4,
+                                                           "vocab": 128, "seq_len": 32})
+    assert _sdpa_masks(traced) == [False, False]
+    assert not [o for n in traced.graph.ops() for o in n.outputs if o is not None and o.dtype == "bool"
+                and o.shape[-2:] == (32, 32)]
+
+
+def test_a_window_shorter_than_the_sequence_keeps_its_mask(tmp_path):
+    # Mistral's sliding window cuts into a sequence longer than it: the run builds that mask, and so does the trace
+    config = {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_size": 64,
+              "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "vocab_size": 128, "max_position_embeddings": 64}
+    masks = {}
+    for window in (8, 64):
+        (tmp_path / "config.json").write_text(json.dumps({**config, "sliding_window": window}))
+        masks[window] = _sdpa_masks(trace_model(f"hf:{tmp_path}", seq_len=32))
+    assert masks == {8: [True, True], 64: [False, False]}
