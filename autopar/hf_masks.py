@@ -69,21 +69,32 @@ def masks_as_run(model: nn.Module, inputs: ModelInputs) -> Iterator[None]:
     except ImportError:
         yield
         return
+    try:
+        from transformers.integrations import sdpa_attention
+    except ImportError:
+        sdpa_attention = None
     names = set(inputs.kwargs)
-    patches = {"_ignore_causal_mask_sdpa": _causal_skip, "_ignore_bidirectional_mask_sdpa": _bidirectional_skip}
+    patches = {(masking_utils, "_ignore_causal_mask_sdpa"): _causal_skip,
+               (masking_utils, "_ignore_bidirectional_mask_sdpa"): _bidirectional_skip}
     if "position_ids" not in names:
-        patches["find_packed_sequence_indices"] = lambda _original: lambda position_ids: None
-    originals = {name: getattr(masking_utils, name) for name in patches if hasattr(masking_utils, name)}
+        patches[masking_utils, "find_packed_sequence_indices"] = lambda _original: lambda position_ids: None
+    if sdpa_attention is not None:
+        # Without a mask, the SDPA integration would hand attention fewer key/value heads (enable_gqa); with the
+        # mask it repeated them (repeat_kv), which is the path tensor parallelism runs (the heads split evenly
+        # over tp even where tp exceeds the key/value heads: autopar.runtime.region_graph._attention_as_traced),
+        # and the one the trace keeps.
+        patches[sdpa_attention, "use_gqa_in_sdpa"] = lambda _original: lambda *args, **kwargs: False
+    originals = {key: getattr(*key) for key in patches if hasattr(*key)}
     if len(originals) < len(patches):
         yield
         return
     try:
-        for name, make in patches.items():
-            setattr(masking_utils, name, make(originals[name]))
+        for (owner, name), make in patches.items():
+            setattr(owner, name, make(originals[owner, name]))
         yield
     finally:
-        for name, original in originals.items():
-            setattr(masking_utils, name, original)
+        for (owner, name), original in originals.items():
+            setattr(owner, name, original)
 
 
 __all__ = ["is_transformers_model", "masks_as_run"]

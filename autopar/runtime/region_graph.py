@@ -252,10 +252,10 @@ def _structure(module: nn.Module) -> tuple:
 def _attention_as_traced(module: nn.Module):
     """Export a HuggingFace attention region down the path the planner's whole-model export took.
 
-    Exported whole, a HuggingFace decoder materializes its causal mask, and with a mask its SDPA integration
-    repeats the key/value heads before attention (``repeat_kv``).  A region exported alone gets no mask
-    (run eagerly, HuggingFace skips it), and the integration would then pass ``enable_gqa`` to attention
-    instead: other ops than the plan's.  Both compute the same; this keeps the plan's."""
+    The planner's export repeats the key/value heads before attention (``repeat_kv``, ``autopar.hf_masks``), which
+    splits them evenly over tp whatever their number.  A region exported alone gets no mask (run eagerly,
+    HuggingFace skips it), and the integration would then pass ``enable_gqa`` to attention instead: other ops
+    than the plan's.  Both compute the same; this keeps the plan's."""
     if not any(cls.__module__.startswith("transformers.") for cls in type(module).__mro__):
         yield
         return
