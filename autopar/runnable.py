@@ -22,7 +22,7 @@ from autopar.inter_op.estimate import Estimate
 from autopar.inter_op.layout import Layout
 from autopar.inter_op.to_plan import build_plan
 from autopar.intra_op.strategies import Strategy
-from autopar.ir import OpGraph
+from autopar.ir import OpGraph, Ref
 from autopar.passes.context import PassContext
 from autopar.runtime.support import check_runnable, model_on_meta
 from autopar.solvers.pipeline import SPLIT_BACKWARD
@@ -68,7 +68,23 @@ class RuntimeFilter:
             check_runnable(plan, self._model)
         except AutoparError as exc:
             return str(exc)
+        if estimate.layout.cp > 1:
+            return masked_attention_refusal(self._plan_args["graph"])
         return None
+
+
+def masked_attention_refusal(graph: OpGraph) -> str | None:
+    """Why context parallelism cannot run ``graph``'s attention, where an SDPA call takes a mask tensor (ALiBi, a
+    sliding window shorter than the sequence, a padding mask): the runtime's attention over the whole sequence
+    (``autopar.runtime.context_parallel``) masks by position alone and would drop it.  ``None`` when none does."""
+    for node in graph.ops():
+        if node.op != "aten.scaled_dot_product_attention.default":
+            continue
+        mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+        if isinstance(mask, Ref):
+            return (f"context parallelism runs attention masked by position alone; this model's attention "
+                    f"({node.name}) takes a mask tensor: plan with --fix cp=1")
+    return None
 
 
 def runtime_filter(graph: OpGraph, model_ref: str, config: dict[str, Any], cluster: Cluster, ctx: PassContext,

@@ -85,6 +85,14 @@ VERIFIED = {
                               "--cluster", "cpu"], 8, "cp=2,pp=2,schedule=1f1b"),
     "gpt-cp2-dp2-op": ("gpt", ["--config", "layers=2,hidden=128,heads=4,vocab=256,seq_len=32", "--cluster", "cpu"], 8,
                        "cp=2,dp=2,zero=1,recompute=op"),
+    # HuggingFace decoders: each rank's global positions passed as position_ids (RoPE; GPT-2's learned and tied
+    # embeddings), through pipeline stages too
+    "hf-llama-cp2-pp2": (str(EXAMPLES / "hf_decoder.py"), ["--config", "arch=llama,layers=4,hidden=64,heads=4,"
+                                                           "kv_heads=2,vocab=128,seq_len=32", "--cluster", "cpu"], 8,
+                         "cp=2,pp=2,schedule=1f1b"),
+    "hf-gpt2-cp2-dp2-full": (str(EXAMPLES / "hf_decoder.py"), ["--config", "arch=gpt2,layers=2,hidden=64,heads=4,"
+                                                               "vocab=128,seq_len=32", "--cluster", "cpu"], 8,
+                             "cp=2,dp=2,recompute=full"),
     # zero-bubble schedules: split backward (input and weight steps), a V puts both ends on the first rank
     "llama-pp2-dp2-zbv": ("llama", ZB_LLAMA, 8, "pp=2,dp=2,schedule=zbv"),
     "gpt-tied-pp2-tp2-interleaved-zb-full": ("gpt", DEEP, 8, "pp=2,tp=2,sp=off,schedule=interleaved_zb,v=2,"
@@ -117,8 +125,9 @@ VERIFIED = {
     "hf-config-bert-masked-pp2-dp2": ("hf:" + str(ROOT / "tests" / "fixtures" / "hf_configs" / "bert"),
                                       ["--seq-len", "16", "--cluster", "cpu"], 8, "pp=2,dp=2,schedule=1f1b"),
     # grouped-query attention with fewer K/V heads than tp (8 query, 2 kv, tp=4): query heads split, K/V whole
-    "hf-llama-gqa-tp4": (str(EXAMPLES / "hf_decoder.py"), ["--config", "arch=llama,layers=2,hidden=128,heads=8,"
-                                                           "kv_heads=2,vocab=128,seq_len=32", "--cluster", "cpu"], 8,
+    # (wide enough that splitting attention beats running it whole on every rank)
+    "hf-llama-gqa-tp4": (str(EXAMPLES / "hf_decoder.py"), ["--config", "arch=llama,layers=2,hidden=512,heads=8,"
+                                                           "kv_heads=2,vocab=128,seq_len=64", "--cluster", "cpu"], 8,
                          "tp=4"),
 }
 
@@ -223,6 +232,13 @@ def test_verify_context_parallel_plans(verified, name):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("name", ["hf-llama-cp2-pp2", "hf-gpt2-cp2-dp2-full"])
+def test_verify_huggingface_context_parallel_plans(verified, name):
+    plan, _ = _verified(verified, name)
+    assert plan["layout"]["cp"] == 2 and plan["estimate"]["breakdown"]["cp_comm_s"] > 0
+
+
+@pytest.mark.slow
 def test_verify_huggingface_llama_pp2_tp2(verified):
     plan, out = _verified(verified, "hf-llama-pp2-tp2")
     assert [s["layers"] for s in plan["stages"]] == [[0, 1], [1, 2]]
@@ -283,8 +299,8 @@ def test_verify_a_plan_from_the_unconstrained_search(verified):
 
 
 def test_what_the_runtime_cannot_run_is_refused_before_launch(tmp_path, capsys):
-    # context parallelism slices the model's position tables, which a HuggingFace model does not name
-    cfg = ["--config", "arch=gpt_neox,layers=2,hidden=64,heads=4,vocab=128,seq_len=16", "--cluster", "cpu",
+    # context parallelism hands a HuggingFace model its tokens' positions, which BLOOM (ALiBi) does not take
+    cfg = ["--config", "arch=bloom,layers=2,hidden=64,heads=4,vocab=128,seq_len=16", "--cluster", "cpu",
            "--global-batch", "4"]
     model = str(EXAMPLES / "hf_decoder.py")
     # planned for autopar's runtime: the search emits no layout the runtime refuses
@@ -294,11 +310,22 @@ def test_what_the_runtime_cannot_run_is_refused_before_launch(tmp_path, capsys):
     assert not (tmp_path / "own").exists()
     # planned for another framework: the plan is written, train.py is not, and verify refuses before launch
     assert main(["plan", model, *cfg, "--fix", "cp=2", "--framework", "torchtitan", "-o", str(tmp_path)]) == 0
-    assert "train.py not written: context parallelism needs GPTNeoXForCausalLM" in capsys.readouterr().err
+    assert ("train.py not written: context parallelism hands each rank its tokens' global positions as position_ids "
+            "with an attention_mask; BloomForCausalLM.forward does not take both") in capsys.readouterr().err
     assert not (tmp_path / "train.py").exists()
     code = main(["verify", str(tmp_path / "plan.json")])
     err = capsys.readouterr().err
-    assert code == 2 and err.count("\n") == 1 and "cp_sequence_buffers" in err
+    assert code == 2 and err.count("\n") == 1 and "position_ids" in err
+
+
+def test_context_parallelism_refuses_masked_attention_at_plan_time(tmp_path, capsys):
+    # Falcon builds its mask whatever the inputs (for ALiBi): the trace shows it, and the runtime's attention over
+    # the whole sequence, masked by position alone, would drop it
+    cfg = ["--config", "arch=falcon,layers=2,hidden=64,heads=4,vocab=128,seq_len=16", "--cluster", "cpu",
+           "--global-batch", "4"]
+    assert main(["plan", str(EXAMPLES / "hf_decoder.py"), *cfg, "--fix", "cp=2", "-o", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "takes a mask tensor" in err and not (tmp_path / "out").exists()
 
 
 def test_verify_rejects_large_plans(tmp_path, capsys):
@@ -534,8 +561,9 @@ def test_verify_models_built_from_a_config_json(verified, name):
 
 @pytest.mark.slow
 def test_grouped_query_attention_with_fewer_kv_heads_than_tp(verified):
-    """Megatron's layout for GQA under tp > kv heads: each rank keeps every K/V head (their projections
-    replicated), splits the query heads, and slices the repeated K/V heads its queries read."""
+    """Megatron's layout for GQA under tp > kv heads: each rank makes every K/V head (their projections not split
+    by head: whole, or partial sums of a row-parallel product), splits the query heads, and slices the repeated
+    K/V heads its queries read."""
     plan, _ = _verified(verified, "hf-llama-gqa-tp4")
     sdpa = "aten.scaled_dot_product_attention.default"
     attention = [e for e in plan["op_strategies"].values()
@@ -543,4 +571,4 @@ def test_grouped_query_attention_with_fewer_kv_heads_than_tp(verified):
     assert [e["tp"]["inputs"][:3] for e in attention] == [["S(1)", "S(1)", "S(1)"]]
     k_proj = [e for e in plan["op_strategies"].values()
               if e["module"].endswith("layers.0.self_attn.k_proj") and e["op"] == "aten.linear.default"]
-    assert [e["tp"]["outputs"] for e in k_proj] == [["R"]]
+    assert [e["tp"]["outputs"] for e in k_proj] in ([["R"]], [["P"]])

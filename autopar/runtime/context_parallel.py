@@ -15,16 +15,20 @@ What the model must let the runtime see:
   ``TorchFunctionMode`` swaps in the context-parallel attention while forward runs, and activation
   checkpointing enters it again for its recomputation (``recompute_context``: a forward's torch function
   modes are not active when backward recomputes);
-- its position tables as buffers the model slices from the start (``rope_cos[:t]``), named with their
-  sequence dim in the model class's ``cp_sequence_buffers``; the runtime replaces each with this rank's
-  rows, so the model reads the global positions of its tokens;
+- the global positions of its tokens: either its position tables as buffers the model slices from the start
+  (``rope_cos[:t]``), named with their sequence dim in the model class's ``cp_sequence_buffers``, which the
+  runtime replaces with this rank's rows; or, for a HuggingFace model, ``position_ids`` (``takes_positions``),
+  which each micro-batch then carries with an all-ones ``attention_mask``: given positions alone, HuggingFace
+  would read a rank's two chunks as two packed sequences and mask each from the other, where the mask says
+  there is no padding and SDPA runs with ``is_causal`` (``transformers.masking_utils``);
 - the default next-token loss: the labels are shifted on the whole sequence before it is sliced.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+import inspect
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -35,6 +39,7 @@ from torch.overrides import _get_current_function_mode_stack
 from autopar.errors import AutoparError
 from autopar.inputs import ModelInputs
 from autopar.runtime.attention_mode import AttentionMode
+from autopar.runtime.stages import is_huggingface, wrapped_model
 
 IGNORE_INDEX = -100  # cross_entropy's default: the last position has no next token
 
@@ -54,6 +59,16 @@ def gathered_positions(seq_len: int, cp: int) -> torch.Tensor:
     return torch.cat([rank_positions(seq_len, cp, r) for r in range(cp)])
 
 
+def takes_positions(model: nn.Module) -> bool:
+    """Whether ``model`` is a HuggingFace model whose forward takes its tokens' positions (``position_ids``) and
+    a padding mask (``attention_mask``): context parallelism hands it the global positions of a rank's slice."""
+    inner = wrapped_model(model)
+    if not is_huggingface(inner):
+        return False
+    params = inspect.signature(type(inner).forward).parameters
+    return "position_ids" in params and "attention_mask" in params
+
+
 @dataclass(frozen=True)
 class ContextParallel:
     """One rank's place in its context-parallel group, and what it needs to shard a micro-batch."""
@@ -62,13 +77,19 @@ class ContextParallel:
     size: int
     rank: int
     seq_len: int
+    positions_as_input: bool = False  # the model takes position_ids (a HuggingFace model: ``takes_positions``)
+
+    def for_model(self, model: nn.Module) -> ContextParallel:
+        """This context for ``model``: its positions passed as inputs where it takes them."""
+        return replace(self, positions_as_input=takes_positions(model))
 
     def positions(self, device: torch.device) -> torch.Tensor:
         return rank_positions(self.seq_len, self.size, self.rank).to(device)
 
     def shard_inputs(self, inputs: ModelInputs) -> tuple[ModelInputs, torch.Tensor]:
         """This rank's slice of every input with the sequence at dim 1, and the next-token labels of its tokens
-        (taken from the whole sequence of the first input, the token ids)."""
+        (taken from the whole sequence of the first input, the token ids); with ``positions_as_input``, also the
+        tokens' global ``position_ids`` and an all-ones ``attention_mask`` (module docstring)."""
         ids = inputs.first
         if ids.dim() < 2 or ids.shape[1] != self.seq_len:
             raise AutoparError(f"context parallelism needs token ids [batch, {self.seq_len}] as the first input, "
@@ -77,6 +98,10 @@ class ContextParallel:
         labels[:, :-1] = ids[:, 1:]
         pos = self.positions(ids.device)
         local = inputs.map(lambda x: x.index_select(1, pos) if x.dim() >= 2 and x.shape[1] == self.seq_len else x)
+        if self.positions_as_input:
+            position_ids = pos.unsqueeze(0).expand(ids.shape[0], -1)  # a row per sample: micro-batches split it
+            local = ModelInputs(local.args, {**local.kwargs, "position_ids": position_ids,
+                                             "attention_mask": torch.ones_like(position_ids)})
         return local, labels.index_select(1, pos)
 
     def loss(self, output: Any, labels: torch.Tensor) -> torch.Tensor:
@@ -192,8 +217,11 @@ def recompute_context() -> RecomputeContext:
 
 
 def shard_sequence_buffers(part: nn.Module, cp: ContextParallel) -> None:
-    """Replace the position tables the model names in ``cp_sequence_buffers`` by this rank's rows."""
+    """Replace the position tables the model names in ``cp_sequence_buffers`` by this rank's rows (a model that
+    takes its positions as an input, ``takes_positions``, holds none)."""
     tables = getattr(part, "cp_sequence_buffers", None)
+    if tables is None and takes_positions(part):
+        return
     if tables is None:
         raise AutoparError(f"context parallelism needs {type(part).__name__}.cp_sequence_buffers (its position "
                            "tables and their sequence dim, {} if it has none): the runtime slices them per rank")
@@ -209,4 +237,4 @@ def shard_sequence_buffers(part: nn.Module, cp: ContextParallel) -> None:
 
 
 __all__ = ["ContextParallel", "ContextParallelAttention", "gathered_positions", "rank_positions",
-           "recompute_context", "shard_sequence_buffers"]
+           "recompute_context", "shard_sequence_buffers", "takes_positions"]

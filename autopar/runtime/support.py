@@ -11,6 +11,7 @@ from autopar import modelfile
 from autopar.errors import AutoparError
 from autopar.inter_op.expert_parallel import expert_parallel_refuses
 from autopar.plan_file import Plan
+from autopar.runtime.context_parallel import takes_positions
 from autopar.runtime.expert_parallel import planned_experts
 from autopar.runtime.stages import is_huggingface, wrapped_model
 from autopar.runtime.tensor_parallel import StyleSpec, tp_style_specs
@@ -145,6 +146,23 @@ def check_compiled_recompute(recompute: str, compiled: bool) -> None:
                            "runtime: plan with --no-compile, or another --fix recompute")
 
 
+def check_huggingface_context_parallel(model: nn.Module) -> None:
+    """What context parallelism needs of a HuggingFace model: its forward takes the tokens' positions
+    (``autopar.runtime.context_parallel.takes_positions``), and its attention runs through SDPA, which the
+    runtime swaps for attention over the whole sequence (an eager attention's own products would see this rank's
+    keys alone).  Whether SDPA then gets a mask (ALiBi, a window shorter than the sequence) the trace shows: the
+    planner refuses those (``autopar.runnable``), the runtime's attention too."""
+    inner = wrapped_model(model)
+    name = type(inner).__name__
+    if not takes_positions(inner):
+        raise AutoparError(f"context parallelism hands each rank its tokens' global positions as position_ids with an "
+                           f"attention_mask; {name}.forward does not take both: plan with --fix cp=1")
+    implementation = getattr(getattr(inner, "config", None), "_attn_implementation", None)
+    if implementation != "sdpa":
+        raise AutoparError(f"context parallelism runs a HuggingFace model's attention through SDPA; {name} runs "
+                           f"{implementation!r} attention: plan with --fix cp=1")
+
+
 def check_context_parallel(plan: Plan, model: nn.Module) -> None:
     """What ``autopar.runtime.context_parallel`` needs of a model: token ids as its only input (attention masked
     by position, not by a padding mask), its position tables named, and the default next-token loss (the labels
@@ -159,7 +177,9 @@ def check_context_parallel(plan: Plan, model: nn.Module) -> None:
         raise AutoparError(f"context parallelism runs on token ids alone, its attention masked by position; this "
                            f"model also takes {others[0]} (a padding mask, say), which a rank's slice of the "
                            "sequence cannot apply to the other ranks' keys: plan with --fix cp=1")
-    if getattr(model, "cp_sequence_buffers", None) is None:
+    if is_huggingface(wrapped_model(model)):
+        check_huggingface_context_parallel(model)
+    elif getattr(model, "cp_sequence_buffers", None) is None:
         raise AutoparError(f"context parallelism needs {type(model).__name__}.cp_sequence_buffers (its position "
                            "tables and their sequence dim, {} if it has none); plan with --fix cp=1")
     if modelfile.loss_fn_of(module) is not default_loss_fn:

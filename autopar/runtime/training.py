@@ -191,7 +191,8 @@ class Trainer:
         self.parts, self.mesh, self.config, self.device = parts, mesh, config, device
         self.tied = tied  # (FQN, alias) of each tied weight: a pipeline holds one copy per end
         self.loss_fn = fp32_loss(loss_fn, device, config.precision)
-        self.context = context  # context parallelism: this rank trains on a slice of every sequence
+        # context parallelism: this rank trains on a slice of every sequence
+        self.context = context.for_model(parts[0]) if context is not None else None
         if context is not None:
             if loss_fn is not default_loss_fn:
                 raise AutoparError("context parallelism runs the default next-token loss only (the labels are "
