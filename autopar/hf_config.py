@@ -102,7 +102,6 @@ def hf_module(ref: str) -> ModuleType:
             if not hasattr(config, key):
                 raise TypeError(f"build_model() got an unexpected keyword argument '{key}'")
             setattr(config, key, value)
-        config.use_cache = False
         build = model_class.from_config if hasattr(model_class, "from_config") else model_class._from_config
         try:
             return build(config, attn_implementation="sdpa")
