@@ -4,9 +4,10 @@ Each case plans a small model with ``--fix`` on a 4- or 8-device ``cpu`` cluster
 CPU ranks (gloo), and compares loss, gradients and parameters with one process over 3 steps (``STEPS`` says
 where fewer).  The cases
 include the sixteen HuggingFace decoders of ``examples/hf_decoder.py`` (global batch 8, sequence 32) at
-dp2 x tp2 and pp2 x dp2, and a LoRA fine-tune (``examples/lora_llama.py``: a frozen base, padded batches).
+dp2 x tp2, pp2 x dp2 and cp2 x dp2, and a LoRA fine-tune (``examples/lora_llama.py``: a frozen base, padded batches).
 Plans of one world size run in one launch (``verify_many``); a launch that fails is rerun plan by plan to tell
-which.  Prints a table and writes ``benchmarks/results/runtime_matrix.json``.
+which.  Prints a table and writes ``benchmarks/results/runtime_matrix.json`` (with ``--only``, the other cases
+keep the results it held).
 
     python benchmarks/runtime_matrix.py [--only SUBSTRING[,SUBSTRING...]]
 """
@@ -74,7 +75,7 @@ STEPS = {"hf t5 pp2 x dp2": 1}
 HF_DECODER = ROOT / "examples" / "hf_decoder.py"
 CASES += [(f"hf {arch} {name}", str(HF_DECODER), f"arch={arch},layers=4,hidden=64,heads=4,vocab=128,seq_len=32", fix, 4)
           for arch in modelfile.load_module(str(HF_DECODER)).ARCHS
-          for name, fix in (("dp2 x tp2", "dp=2,tp=2"), ("pp2 x dp2", "pp=2,dp=2"))]
+          for name, fix in (("dp2 x tp2", "dp=2,tp=2"), ("pp2 x dp2", "pp=2,dp=2"), ("cp2 x dp2", "cp=2,dp=2"))]
 
 
 def plan_case(model: str, config: str, fix: str, devices: int, workdir: Path) -> tuple[dict | None, str]:
@@ -153,6 +154,10 @@ def main() -> None:
     Console().print(table)
     out = ROOT / "benchmarks" / "results" / "runtime_matrix.json"
     out.parent.mkdir(parents=True, exist_ok=True)
+    if wanted and out.exists():  # --only: the other cases keep their last results
+        ran = {r["case"]: r for r in rows}
+        kept = {r["case"]: r for r in json.loads(out.read_text())}
+        rows = [ran.get(name) or kept[name] for name, *_ in CASES if name in ran or name in kept]
     out.write_text(json.dumps(rows, indent=2, sort_keys=True) + "\n")
     print(f"wrote {out}")
 
