@@ -10,7 +10,8 @@ booleans), and a trace of it would price attention over every score, with the ke
 example inputs do not hold: with no padding mask among them, the padding mask is ``None`` in training too; with
 no ``position_ids`` among them, the model makes its own ``arange`` positions, which never read as packed
 sequences.  What depends on values the inputs do hold (a padding mask passed in) is traced as before.  A
-sliding or chunked window that the sequence exceeds still gets its mask, as in the run.
+sliding or chunked window that the sequence exceeds still gets its mask, as in the run.  Grouped-query attention
+keeps its key/value heads repeated, as beside a mask (``repeated_kv_heads``).
 """
 
 from __future__ import annotations
@@ -69,32 +70,44 @@ def masks_as_run(model: nn.Module, inputs: ModelInputs) -> Iterator[None]:
     except ImportError:
         yield
         return
-    try:
-        from transformers.integrations import sdpa_attention
-    except ImportError:
-        sdpa_attention = None
-    names = set(inputs.kwargs)
-    patches = {(masking_utils, "_ignore_causal_mask_sdpa"): _causal_skip,
-               (masking_utils, "_ignore_bidirectional_mask_sdpa"): _bidirectional_skip}
-    if "position_ids" not in names:
-        patches[masking_utils, "find_packed_sequence_indices"] = lambda _original: lambda position_ids: None
-    if sdpa_attention is not None:
-        # Without a mask, the SDPA integration would hand attention fewer key/value heads (enable_gqa); with the
-        # mask it repeated them (repeat_kv), which is the path tensor parallelism runs (the heads split evenly
-        # over tp even where tp exceeds the key/value heads: autopar.runtime.region_graph._attention_as_traced),
-        # and the one the trace keeps.
-        patches[sdpa_attention, "use_gqa_in_sdpa"] = lambda _original: lambda *args, **kwargs: False
-    originals = {key: getattr(*key) for key in patches if hasattr(*key)}
+    patches = {"_ignore_causal_mask_sdpa": _causal_skip, "_ignore_bidirectional_mask_sdpa": _bidirectional_skip}
+    if "position_ids" not in inputs.kwargs:
+        patches["find_packed_sequence_indices"] = lambda _original: lambda position_ids: None
+    originals = {name: getattr(masking_utils, name) for name in patches if hasattr(masking_utils, name)}
     if len(originals) < len(patches):
         yield
         return
     try:
-        for (owner, name), make in patches.items():
-            setattr(owner, name, make(originals[owner, name]))
+        for name, make in patches.items():
+            setattr(masking_utils, name, make(originals[name]))
+        # without a mask, SDPA would get fewer key/value heads (enable_gqa); the trace keeps them repeated
+        with repeated_kv_heads():
+            yield
+    finally:
+        for name, original in originals.items():
+            setattr(masking_utils, name, original)
+
+
+@contextlib.contextmanager
+def repeated_kv_heads() -> Iterator[None]:
+    """HuggingFace's SDPA integration repeats grouped-query attention's key/value heads (``repeat_kv``) as it does
+    beside a mask, instead of handing attention fewer of them (``enable_gqa``).  The planner's trace and the
+    runtime's tensor-parallel attention regions (``autopar.runtime.region_graph``) both take this path: it splits
+    the heads evenly over tp whatever their number, also where tp exceeds the key/value heads."""
+    try:
+        from transformers.integrations import sdpa_attention
+    except ImportError:
+        yield
+        return
+    saved = getattr(sdpa_attention, "use_gqa_in_sdpa", None)
+    if saved is None:
+        yield
+        return
+    sdpa_attention.use_gqa_in_sdpa = lambda *args, **kwargs: False
+    try:
         yield
     finally:
-        for (owner, name), original in originals.items():
-            setattr(owner, name, original)
+        sdpa_attention.use_gqa_in_sdpa = saved
 
 
-__all__ = ["is_transformers_model", "masks_as_run"]
+__all__ = ["is_transformers_model", "masks_as_run", "repeated_kv_heads"]

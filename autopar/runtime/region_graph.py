@@ -35,6 +35,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from autopar.fused_kernels import register_dtensor_rules, traced_as_fused_kernels
+from autopar.hf_masks import repeated_kv_heads
 
 log = logging.getLogger(__name__)
 
@@ -259,20 +260,8 @@ def _attention_as_traced(module: nn.Module):
     if not any(cls.__module__.startswith("transformers.") for cls in type(module).__mro__):
         yield
         return
-    try:
-        from transformers.integrations import sdpa_attention
-    except ImportError:
+    with repeated_kv_heads():
         yield
-        return
-    saved = getattr(sdpa_attention, "use_gqa_in_sdpa", None)
-    if saved is None:
-        yield
-        return
-    sdpa_attention.use_gqa_in_sdpa = lambda *args, **kwargs: False
-    try:
-        yield
-    finally:
-        sdpa_attention.use_gqa_in_sdpa = saved
 
 
 #: Exported region graphs, shared by the identical regions of a layer stack (one export per rank and type).
