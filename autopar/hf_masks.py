@@ -25,10 +25,15 @@ from torch import nn
 from autopar.inputs import ModelInputs
 
 
+def is_transformers_object(obj: object) -> bool:
+    """Whether ``obj`` is an instance of a HuggingFace class (a model, a module, a config) or of a subclass of one,
+    without importing transformers."""
+    return any(cls.__module__.startswith("transformers.") for cls in type(obj).__mro__)
+
+
 def is_transformers_model(model: nn.Module) -> bool:
-    """Whether ``model`` is or holds a HuggingFace module (a PEFT wrapper holds one), without importing
-    transformers."""
-    return any(type(m).__module__.startswith("transformers.") for m in model.modules())
+    """Whether ``model`` is or holds a HuggingFace module (a PEFT wrapper holds one)."""
+    return any(is_transformers_object(m) for m in model.modules())
 
 
 def _causal_skip(original: Any) -> Any:
@@ -110,4 +115,4 @@ def repeated_kv_heads() -> Iterator[None]:
         sdpa_attention.use_gqa_in_sdpa = saved
 
 
-__all__ = ["is_transformers_model", "masks_as_run", "repeated_kv_heads"]
+__all__ = ["is_transformers_model", "is_transformers_object", "masks_as_run", "repeated_kv_heads"]

@@ -40,6 +40,7 @@ from torch import nn
 
 from autopar import hf_config
 from autopar.errors import ModelFileError
+from autopar.hf_masks import is_transformers_object
 from autopar.inputs import ModelInputs
 from autopar.tracing import default_loss_fn
 
@@ -268,8 +269,7 @@ def _train_without_kv_cache(model: nn.Module) -> None:
     HuggingFace's own gradient checkpointing sets ``use_cache=False`` for the same reason."""
     for module in model.modules():
         config = getattr(module, "config", None)
-        if getattr(config, "use_cache", False) is True and any(
-                cls.__module__.startswith("transformers.") for cls in type(config).__mro__):  # a PretrainedConfig
+        if getattr(config, "use_cache", False) is True and is_transformers_object(config):  # a PretrainedConfig
             config.use_cache = False
 
 

@@ -24,6 +24,7 @@ from autopar.inter_op.to_plan import build_plan
 from autopar.intra_op.strategies import Strategy
 from autopar.ir import OpGraph, Ref
 from autopar.passes.context import PassContext
+from autopar.passes.flops import attention_mask
 from autopar.runtime.support import check_runnable, model_on_meta
 from autopar.solvers.pipeline import SPLIT_BACKWARD
 
@@ -80,8 +81,7 @@ def masked_attention_refusal(graph: OpGraph) -> str | None:
     for node in graph.ops():
         if node.op != "aten.scaled_dot_product_attention.default":
             continue
-        mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
-        if isinstance(mask, Ref):
+        if isinstance(attention_mask(node), Ref):
             return (f"context parallelism runs attention masked by position alone; this model's attention "
                     f"({node.name}) takes a mask tensor: plan with --fix cp=1")
     return None

@@ -66,6 +66,11 @@ def is_causal(node: Node) -> bool:
     return bool(flag)
 
 
+def attention_mask(node: Node) -> object:
+    """An SDPA call's ``attn_mask`` argument (a ``Ref`` where it takes a mask tensor, else ``None``)."""
+    return node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+
+
 def tensor_arg(graph: OpGraph, node: Node, i: int) -> TensorInfo | None:
     """The ``i``-th positional argument of ``node`` when it is a tensor, else ``None``."""
     if i >= len(node.args) or not isinstance(node.args[i], Ref):

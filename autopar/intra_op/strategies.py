@@ -51,6 +51,7 @@ from torch.distributed.tensor._ops._einsum_strategy import gen_einsum_strategies
 from autopar.conv_channels import channel_rules
 from autopar.fused_kernels import SELECTIVE_SCAN
 from autopar.ir import BatchScaled, Node, OpGraph, Ref, TensorInfo, tensor_refs
+from autopar.passes.flops import attention_mask, is_causal
 
 log = logging.getLogger(__name__)
 
@@ -191,8 +192,7 @@ def _sdpa_strategies(graph: OpGraph, node: Node, batch: int) -> list[AxisStrateg
     p = _propagator()
     q, k, v = (graph.tensor(node.args[i]) for i in range(3))
     metas = [_candidates(_meta(t, batch)) for t in (q, k, v)]
-    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
-    causal = bool(node.kwargs.get("is_causal", node.args[5] if len(node.args) > 5 else False))
+    mask, causal = attention_mask(node), is_causal(node)
     if isinstance(mask, Ref):
         op = torch.ops.aten._scaled_dot_product_efficient_attention.default
         schema = OpSchema(op, (*metas, None, False, 0.0, causal), {}, schema_info=p.op_to_schema_info.get(op))

@@ -35,7 +35,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from autopar.fused_kernels import register_dtensor_rules, traced_as_fused_kernels
-from autopar.hf_masks import repeated_kv_heads
+from autopar.hf_masks import is_transformers_object, repeated_kv_heads
 
 log = logging.getLogger(__name__)
 
@@ -257,7 +257,7 @@ def _attention_as_traced(module: nn.Module):
     splits them evenly over tp whatever their number.  A region exported alone gets no mask (run eagerly,
     HuggingFace skips it), and the integration would then pass ``enable_gqa`` to attention instead: other ops
     than the plan's.  Both compute the same; this keeps the plan's."""
-    if not any(cls.__module__.startswith("transformers.") for cls in type(module).__mro__):
+    if not is_transformers_object(module):
         yield
         return
     with repeated_kv_heads():

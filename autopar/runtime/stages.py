@@ -34,6 +34,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from autopar.errors import AutoparError
+from autopar.hf_masks import is_transformers_object
 from autopar.plan_file import Plan
 
 
@@ -60,7 +61,7 @@ def stage_layer_ranges(plan: Plan) -> list[tuple[int, int]]:
 
 
 def is_huggingface(model: nn.Module) -> bool:
-    return any(cls.__module__.startswith("transformers.") for cls in type(model).__mro__)
+    return is_transformers_object(model)
 
 
 def wrapped_model(model: nn.Module) -> nn.Module:

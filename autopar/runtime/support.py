@@ -154,7 +154,7 @@ def check_huggingface_context_parallel(model: nn.Module) -> None:
     planner refuses those (``autopar.runnable``), the runtime's attention too."""
     inner = wrapped_model(model)
     name = type(inner).__name__
-    if not takes_positions(inner):
+    if not takes_positions(model):
         raise AutoparError(f"context parallelism hands each rank its tokens' global positions as position_ids with an "
                            f"attention_mask; {name}.forward does not take both: plan with --fix cp=1")
     implementation = getattr(getattr(inner, "config", None), "_attn_implementation", None)
