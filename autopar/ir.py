@@ -250,6 +250,10 @@ class OpGraph:
     #: the other stacks of blocks (module lists of two or more modules of one class, each with parameters), by module
     #: path: an encoder's beside the decoder's layers, a vision tower beside the text layers
     other_stacks: tuple[str, ...] = ()
+    #: grouped-query attention's key/value heads repeated (``repeat_kv``) where the model, run without
+    #: tensor-parallel regions, hands attention the fewer heads (HuggingFace's SDPA integration,
+    #: ``autopar.hf_masks.kv_heads_as_run``)
+    repeats_kv_heads: bool = False
     annotations: dict[str, Any] = field(default_factory=dict)
     _index: dict[str, Node] = field(default_factory=dict, repr=False)
     _compute_itemsize: int = field(default=0, repr=False)

@@ -134,7 +134,7 @@ def trace(
     stacks = ([container] if container else []) + _stacks_beside(model, container)
     # does the loss compare the batch's samples (autopar.gather_batch)?  Fused kernels as one op each
     # (HuggingFace models: their attention masks as a training run builds them, autopar.hf_masks)
-    with gathering_over(None) as gathers, traced_as_fused_kernels(), masks_as_run(model, example_inputs):
+    with gathering_over(None) as gathers, traced_as_fused_kernels(), masks_as_run(model, example_inputs) as repeats:
         if repeat_identical_layers and _identical_blocks(model, container):
             with _truncated_stack(model, container, TRACED_LAYERS), _layer_calls(model, stacks) as calls:
                 ep = _export(model, inputs, loss_fn)
@@ -145,6 +145,7 @@ def trace(
                 ep = _export(model, inputs, loss_fn)
             graph = _to_opgraph(ep, model, sentinel, seq_len)
     graph.loss_gathers_batch = bool(gathers)
+    graph.repeats_kv_heads = repeats
     graph.layer_loop_args = _loop_args(calls.get(container or "", []))
     graph.stack_loop_args = {stack: args for stack in stacks[1:] if (args := _loop_args(calls.get(stack, [])))}
     graph.other_stacks = tuple(stacks[1:] if container else stacks)

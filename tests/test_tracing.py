@@ -236,3 +236,40 @@ def test_a_window_shorter_than_the_sequence_keeps_its_mask(tmp_path):
         (tmp_path / "config.json").write_text(json.dumps({**config, "sliding_window": window}))
         masks[window] = _sdpa_masks(trace_model(f"hf:{tmp_path}", seq_len=32))
     assert masks == {8: [True, True], 64: [False, False]}
+
+
+def test_huggingface_grouped_query_attention_is_priced_on_the_heads_it_runs(examples, tmp_path):
+    # The trace repeats HuggingFace's key/value heads (repeat_kv: the tp attention regions' path), but run without
+    # tp HuggingFace hands SDPA the fewer heads (enable_gqa): what attention saves, and what context parallelism
+    # gathers, is then the zoo Llama's of the same shape, not group-size times more.
+    from autopar.passes import PassContext
+
+    from autopar.cluster import load_cluster
+    from autopar.hf_masks import kv_heads_as_run
+    from autopar.inter_op.search import UnitCostCache
+
+    cluster = load_cluster("h100-80gb")
+    ctx = PassContext(cluster=cluster)
+    shape = {"layers": 2, "hidden": 256, "heads": 8, "kv_heads": 2, "vocab": 128, "seq_len": 64}
+    hf = trace_model(str(examples / "hf_decoder.py"), {"arch": "llama", **shape}, ctx=ctx).graph
+    zoo = trace_model("llama", {**shape, "ffn": 512}, ctx=ctx).graph
+    assert hf.repeats_kv_heads and not zoo.repeats_kv_heads and kv_heads_as_run(zoo) is None
+
+    run = kv_heads_as_run(hf)
+    attention = [n for n in run.ops() if n.op == "aten.scaled_dot_product_attention.default"]
+    assert [(run.tensor(n.args[1]).shape[1], n.kwargs.get("enable_gqa")) for n in attention] == [(2, True)] * 2
+    assert sum(1 for _ in hf.ops()) - sum(1 for _ in run.ops()) == 2 * 2 * 3  # repeat_kv's 3 ops, of K and V
+
+    def kv_bytes(graph, tp):
+        costs, _ = UnitCostCache(graph, cluster, ctx, "cbc", 60.0).get(tp, 1, False, "fast")
+        return max(u.attention_kv_bytes for u in costs.values())
+
+    assert kv_bytes(hf, 1) == kv_bytes(zoo, 1) > 0
+    assert kv_bytes(hf, 2) == 4 * kv_bytes(zoo, 2)  # tp runs the traced repeat: 8 heads over 2 ranks, 4 each
+
+    # beside a mask (a window shorter than the sequence) HuggingFace repeats the heads itself: nothing to undo
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128,
+        "max_position_embeddings": 64, "sliding_window": 8}))
+    assert kv_heads_as_run(trace_model(f"hf:{tmp_path}", seq_len=32).graph) is None

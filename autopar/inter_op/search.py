@@ -41,6 +41,7 @@ from typing import Any
 from autopar.cluster import Cluster, MeshSpec
 from autopar.collector import collector_paused
 from autopar.framework import DEFAULT_FRAMEWORK, Framework, load_framework
+from autopar.hf_masks import kv_heads_as_run
 from autopar.inter_op import techniques
 from autopar.inter_op.bound import UnitTotals, memory_bound_bytes, time_bound_s, unit_totals
 from autopar.inter_op.estimate import Estimate, ModelFlops, SharedWork, estimate_layout
@@ -52,6 +53,7 @@ from autopar.inter_op.units import loop_args, unit_chain
 from autopar.intra_op.problem import IntraOpProblem, IntraOpSolution
 from autopar.intra_op.strategies import R, Strategy, param_tp_placements
 from autopar.ir import OpGraph
+from autopar.passes import run_pipeline
 from autopar.passes.context import PassContext
 from autopar.passes.experts import expert_parallel_count
 from autopar.solvers.ilp import Backend
@@ -124,6 +126,7 @@ class UnitCostCache:
         self.gap = 0.0  # the largest relative optimality gap of a solve a time limit stopped
         self._alternatives: dict[int, dict[str, list[tuple[Strategy, float, float]]]] = {}
         self.progress: Callable[[str], None] | None = None  # told of each intra-op solve as it starts
+        self._untensored: OpGraph | None = None
 
     def serves(self, graph: OpGraph, cluster: Cluster, ctx: PassContext) -> bool:
         """Whether these unit costs hold for ``graph`` on ``cluster`` under ``ctx``: the same graph (by its
@@ -205,11 +208,24 @@ class UnitCostCache:
         return self._shards[key]
 
     def get(self, tp: int, mbs: int, sp: bool, variant: str) -> tuple[dict[str, UnitCost], dict[str, Strategy]]:
+        """Unit costs and the strategies of every op of the graph at ``(tp, mbs, sp, variant)``.  Without tp the
+        costs are read off the graph the model runs then (``untensored_graph``)."""
         key = (tp, mbs, sp, variant if tp > 1 else "fast")
         if key not in self._cache:
             mesh, strategies = self.strategies(tp, mbs, sp, variant)
-            self._cache[key] = (unit_costs(self.graph, strategies, mesh, mbs, self.cluster, self.ctx), strategies)
+            graph, costed = self.graph, strategies
+            if tp == 1 and (graph := self.untensored_graph()) is not self.graph:
+                costed = solve_tp(graph, self.cluster, self.ctx, 1, mbs, sp)[1]
+            self._cache[key] = (unit_costs(graph, costed, mesh, mbs, self.cluster, self.ctx), strategies)
         return self._cache[key]
+
+    def untensored_graph(self) -> OpGraph:
+        """The graph as the model runs without tensor-parallel regions, annotated: HuggingFace's grouped-query
+        attention on the fewer key/value heads (``autopar.hf_masks.kv_heads_as_run``); else the graph itself."""
+        if self._untensored is None:
+            rewritten = kv_heads_as_run(self.graph)
+            self._untensored = self.graph if rewritten is None else run_pipeline(rewritten, self.ctx)
+        return self._untensored
 
 
 def _solve(graph: OpGraph, cluster: Cluster, ctx: PassContext, backend: Backend, time_limit_s: float,
