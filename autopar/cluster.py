@@ -42,7 +42,7 @@ _INTEGERS = ("gpus", "gpus_per_node", "sm_count", "attention_block", "nics_per_n
 #: Keys a cluster file may leave out, and their values then.
 _DEFAULTS = {"nvlink_domain_size": 0, "peak_fp8_flops": 0.0, "fp8_gemm_efficiency": 0.0, "fp8_gemm_k_overhead": 0.0,
              "mamf_fp8_flops": 0.0, "mamf_fp8_shape": (), "inductor_backend": "triton",
-             "node_overhead_w": 0.0}
+             "node_overhead_w": 0.0, "loaded_clock_power_w": 0.0}
 #: Attention kernels (``PassContext.attention``) a cluster's ``attention_kernels`` tables describe.
 FLASH_KERNELS = ("flash1", "flash", "flash3")
 
@@ -147,6 +147,10 @@ class Cluster:
     too (``autopar.power``)."""
     power_cap_w: float
     """Board power limit (TDP)."""
+    loaded_clock_power_w: float = 0.0
+    """The power limit ``loaded_clock_hz`` was observed at (0: ``power_cap_w``).  A device capped lower
+    (``power_cap_w`` overridden: a power-limited fleet) draws what the chip draws at each clock, so it holds a
+    lower one (``autopar.power``); a preset derived from another at a different cap keeps its base's."""
     idle_power_w: float
     """Board power of an idle device."""
     memory_bound_power_w: float
@@ -484,6 +488,8 @@ def load_cluster(spec: str) -> Cluster:
             raise ClusterSpecError(f"{origin}: {key} must be an integer")
     if not isinstance(values["inter_node_fabric"], str):
         raise ClusterSpecError(f"{origin}: inter_node_fabric must be a string")
+    if not values["loaded_clock_power_w"]:  # observed at this spec's own cap; a spec based on it keeps that cap
+        values["loaded_clock_power_w"] = values["power_cap_w"]
     return Cluster(**_parsed_structures(values))
 
 

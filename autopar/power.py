@@ -20,6 +20,11 @@ forward or backward), must stay under the cap.  So the clock depends on what run
   of the intra-node fabric takes the share that drops FP8 products from the boost clock to ``loaded_clock_hz``
   (DeepGEMM#120), one at a fraction of that rate that fraction of it.
 
+Each of these draws is in watts what the chip draws at that clock, observed at the cap the preset's figures come
+from (``loaded_clock_power_w``).  The same chip capped lower (Grand Teton's H100s at 500 W; any ``power_cap_w``
+override) has a smaller budget for the same draws, so it holds a lower clock: 16-bit products at
+``loaded * (budget / observed budget)^(1/3)``, the ``f^3`` rule the GB200 preset's clock is derived by.
+
 With ``S`` seconds of tensor-core kernels at the boost clock drawing ``T`` (seconds times their demand, in units
 of the budget), ``t_m`` seconds of memory-bound kernels drawing ``w_m`` and communication drawing ``w_c``, the
 window's average power is at the cap when the clock is the fraction ``phi`` of the boost clock with::
@@ -59,12 +64,22 @@ def budget_w(cluster: Cluster) -> float:
     return max(1e-9, cluster.power_cap_w - cluster.idle_power_w)
 
 
+def _observed_budget_share(cluster: Cluster) -> float:
+    """The dynamic budget at the cap ``loaded_clock_hz`` was observed at, over this cluster's: 1 at the preset's
+    own cap; above 1 under a lower one (``power_cap_w`` overridden), where a kernel draws the watts it draws at
+    that clock whatever the cap, a larger share of the smaller budget."""
+    observed = (cluster.loaded_clock_power_w or cluster.power_cap_w) - cluster.idle_power_w
+    return max(1e-9, observed) / budget_w(cluster)
+
+
 def product_demand(cluster: Cluster, fp8: bool = False) -> float:
-    """A dense product's draw at the boost clock, as a share of the budget: ``(boost / loaded)^3`` for 16-bit
-    products, which the cap holds at ``loaded_clock_hz``; 1 for FP8 ones, which hold the boost clock."""
+    """A dense product's draw at the boost clock, as a share of the budget: ``(boost / loaded)^3`` of the budget
+    ``loaded_clock_hz`` was observed at for 16-bit products, which that cap holds at ``loaded_clock_hz``; all of it
+    for FP8 ones, which hold the boost clock there."""
+    observed = _observed_budget_share(cluster)
     if fp8:
-        return 1.0
-    return (cluster.boost_clock_hz / cluster.loaded_clock_hz) ** 3
+        return observed
+    return (cluster.boost_clock_hz / cluster.loaded_clock_hz) ** 3 * observed
 
 
 def tensor_demand(cluster: Cluster, peak_share: float) -> float:
@@ -86,7 +101,7 @@ def comm_demand(cluster: Cluster, comm_bytes_per_s: float) -> float:
         return 0.0
     full = cluster.intra_node_bandwidth_bytes_per_s * cluster.intra_node_collective_efficiency
     share = min(1.0, comm_bytes_per_s / full)
-    return share * (1.0 - (cluster.loaded_clock_hz / cluster.boost_clock_hz) ** 3)
+    return share * (1.0 - (cluster.loaded_clock_hz / cluster.boost_clock_hz) ** 3) * _observed_budget_share(cluster)
 
 
 def clock_fraction(cluster: Cluster, mix: PowerMix, comm_bytes_per_s: float = 0.0) -> float:

@@ -9,7 +9,7 @@ import pytest
 
 from autopar.cluster import axis_link, load_cluster
 from autopar.interference import comm_sms, compute_rate, overlapped_s
-from autopar.power import PowerMix, clock_fraction, memory_demand, product_demand, tensor_demand
+from autopar.power import PowerMix, clock_fraction, comm_demand, memory_demand, product_demand, tensor_demand
 
 H100 = load_cluster("h100-80gb").with_overrides(gpus=16)
 A100 = load_cluster("a100-80gb").with_overrides(gpus=16)
@@ -29,6 +29,29 @@ def test_dense_16bit_products_hold_the_loaded_clock_and_fp8_ones_the_boost_clock
     full = H100.intra_node_bandwidth_bytes_per_s * H100.intra_node_collective_efficiency
     assert clock_fraction(H100, _products(fp8=True), full) * H100.boost_clock_hz == pytest.approx(H100.loaded_clock_hz,
                                                                                                   rel=1e-6)
+
+
+def test_a_device_capped_lower_draws_the_same_watts_and_holds_a_lower_clock(tmp_path):
+    # Grand Teton's H100s run at 500 W: the chip draws at each clock what it draws at 700 W, so the smaller budget
+    # holds products at loaded x (430 / 630)^(1/3) (the f^3 rule), FP8 products below the boost clock, and the
+    # watts a collective and memory-bound kernels draw are unchanged
+    capped = H100.with_overrides(power_cap_w=500.0)
+    ratio = (500.0 - H100.idle_power_w) / (700.0 - H100.idle_power_w)
+
+    def clock_hz(cluster, fp8=False, comm=0.0):
+        return clock_fraction(cluster, PowerMix(1.0, product_demand(cluster, fp8), 0.0), comm) * cluster.boost_clock_hz
+
+    assert clock_hz(capped) == pytest.approx(H100.loaded_clock_hz * ratio ** (1 / 3), rel=1e-6)
+    assert clock_hz(capped, fp8=True) == pytest.approx(H100.boost_clock_hz * ratio ** (1 / 3), rel=1e-6)
+    full = H100.intra_node_bandwidth_bytes_per_s * H100.intra_node_collective_efficiency
+    for cluster in (H100, capped):  # the collective's watts: what drops FP8 products to the loaded clock at 700 W
+        watts = comm_demand(cluster, full) * (cluster.power_cap_w - cluster.idle_power_w)
+        assert watts == pytest.approx((1 - (H100.loaded_clock_hz / H100.boost_clock_hz) ** 3) * 630.0)
+    assert memory_demand(capped) * 430.0 == pytest.approx(memory_demand(H100) * 630.0)
+    # a spec file based on the preset at a lower cap is the same device capped: it keeps the observed cap
+    (tmp_path / "capped.toml").write_text('base = "h100-80gb"\nname = "h100-500w"\npower_cap_w = 500\n')
+    from_file = load_cluster(str(tmp_path / "capped.toml"))
+    assert from_file.loaded_clock_power_w == 700 and clock_hz(from_file) == pytest.approx(clock_hz(capped))
 
 
 def test_memory_bound_work_beside_products_lifts_their_clock():
