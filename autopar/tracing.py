@@ -77,17 +77,25 @@ TRACED_LAYERS = 3
 SENTINEL_BATCHES = (1009, 1013, 1019, 1021, 1031)
 
 
+#: ``cross_entropy``'s default ``ignore_index``: the label of the last position, which has no next token.
+IGNORE_INDEX = -100
+
+
 def default_loss_fn(output: Any, *inputs: torch.Tensor, **named: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy of logits ``[b, s, vocab]`` against the token ids, the first input (positional,
-    else keyword).
+    else keyword), averaged over the ``b * (s - 1)`` positions that have a next token.
 
-    ``output`` may be a tensor or a HuggingFace ``ModelOutput`` (its ``logits`` are used).
+    The labels are shifted, not the logits (as Megatron-LM's and torchtitan's data, llm-foundry's rolled labels and
+    HuggingFace's ``ForCausalLMLoss`` do): the loss reads the logits as the head wrote them, where slicing off their
+    last position would copy all of them, forward and backward.  ``output`` may be a tensor or a HuggingFace
+    ``ModelOutput`` (its ``logits`` are used).
     """
     logits = output.logits if hasattr(output, "logits") else output
     if isinstance(logits, (tuple, list)):
         logits = logits[0]
     ids = ModelInputs(inputs, named).first
-    return nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    labels = nn.functional.pad(ids[:, 1:], (0, 1), value=IGNORE_INDEX)
+    return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
 
 
 class LossWrapper(nn.Module):

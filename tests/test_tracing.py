@@ -90,11 +90,26 @@ def test_batch_dimension_is_recovered_through_flattening():
     g = traced.graph
     ce = next(n for n in g.ops() if n.op == "aten.cross_entropy_loss.default")
     logits = g.tensor(ce.args[0])
-    # logits[:, :-1].flatten(0, 1): (b * 15, vocab)
-    assert logits.batch_dim == 0 and logits.shape == (15, 128)
-    assert logits.shape_at(4) == (60, 128)
+    # logits.flatten(0, 1): (b * 16, vocab)
+    assert logits.batch_dim == 0 and logits.shape == (16, 128)
+    assert logits.shape_at(4) == (64, 128)
     view_args = [a for n in g.ops() if n.op == "aten.view.default" for a in n.args[1]]
     assert any(not isinstance(a, (int, Ref)) for a in view_args)  # BatchScaled sizes
+
+
+def test_the_default_loss_shifts_the_labels_and_reads_the_logits_in_place():
+    # the mean next-token loss of slicing the logits, without their copy: the head's output reaches the loss through
+    # views alone, and nothing of the logits' size is made between them
+    torch.manual_seed(0)
+    logits, ids = torch.randn(3, 16, 128), torch.randint(0, 128, (3, 16))
+    sliced = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    assert autopar.tracing.default_loss_fn(logits, ids) == pytest.approx(sliced.item(), rel=1e-6)
+    g = trace_model("gpt", SMALL_GPT).graph
+    ce = next(n for n in g.ops() if n.op == "aten.cross_entropy_loss.default")
+    node = g[ce.args[0].name]
+    while node.alias_of is not None and node.op != "aten.linear.default":
+        node = g[node.args[0].name]
+    assert node.op == "aten.linear.default" and node.out.shape[-1] == 128
 
 
 @pytest.mark.parametrize("name", ["gpt", "llama", "mlp", "moe"])

@@ -40,8 +40,7 @@ from autopar.errors import AutoparError
 from autopar.inputs import ModelInputs
 from autopar.runtime.attention_mode import AttentionMode
 from autopar.runtime.stages import is_huggingface, wrapped_model
-
-IGNORE_INDEX = -100  # cross_entropy's default: the last position has no next token
+from autopar.tracing import IGNORE_INDEX
 
 
 def rank_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
