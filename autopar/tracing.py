@@ -94,7 +94,7 @@ def default_loss_fn(output: Any, *inputs: torch.Tensor, **named: torch.Tensor) -
     if isinstance(logits, (tuple, list)):
         logits = logits[0]
     ids = ModelInputs(inputs, named).first
-    labels = nn.functional.pad(ids[:, 1:], (0, 1), value=IGNORE_INDEX)
+    labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], IGNORE_INDEX)], dim=1)
     return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
 
 

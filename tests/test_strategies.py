@@ -177,3 +177,16 @@ def test_cross_attention_splits_heads_or_batch_and_counts_queries_times_keys(tmp
     full = F.scaled_dot_product_attention(q, k, v)
     heads = [F.scaled_dot_product_attention(q[:, h], k[:, h], v[:, h]) for h in (slice(0, 2), slice(2, 4))]
     torch.testing.assert_close(torch.cat(heads, dim=1), full)
+
+
+def test_every_op_of_the_zoo_decoders_and_their_default_loss_has_a_sharding_rule(caplog, monkeypatch):
+    # an op with no rule runs replicated and `autopar plan` warns of it: the README's own plan must not
+    import autopar.intra_op.strategies as strategies
+
+    monkeypatch.setattr(strategies, "_WARNED", set())
+    for name, config in (("gpt", SMALL), ("llama", {**SMALL, "kv_heads": 2, "ffn": 128})):
+        graph = trace_model(name, config).graph
+        with caplog.at_level("WARNING", logger=strategies.__name__):
+            for node in graph.ops():
+                axis_strategies(graph, node, 2)
+    assert not [r.getMessage() for r in caplog.records if "no sharding rule" in r.getMessage()]
