@@ -30,6 +30,7 @@ from torch import nn
 
 from autopar.inputs import ModelInputs
 from autopar.ir import Node, OpGraph, Ref
+from autopar.passes.flops import attention_mask
 
 
 def is_transformers_object(obj: object) -> bool:
@@ -124,7 +125,6 @@ def repeated_kv_heads() -> Iterator[bool]:
         sdpa_attention.use_gqa_in_sdpa = saved
 
 
-_SDPA = "aten.scaled_dot_product_attention.default"
 #: ``repeat_kv``'s ops, last first: ``x[:, :, None]`` (``unsqueeze``), ``expand`` to ``n_rep`` copies, ``reshape``
 _REPEAT_CHAIN = ("aten.reshape.default", "aten.expand.default", "aten.unsqueeze.default")
 
@@ -176,9 +176,9 @@ def kv_heads_as_run(graph: OpGraph) -> OpGraph | None:
     rewired: dict[str, tuple[Ref, Ref]] = {}
     dropped: set[str] = set()
     for node in graph.ops():
-        if node.op != _SDPA or len(node.args) < 3:
+        if node.op != "aten.scaled_dot_product_attention.default" or len(node.args) < 3:
             continue
-        if (node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")) is not None:
+        if attention_mask(node) is not None:
             continue
         found = [_repeated_source(graph, node.args[i], users) for i in (1, 2)]
         if found[0] is None or found[1] is None:

@@ -213,9 +213,8 @@ class UnitCostCache:
         key = (tp, mbs, sp, variant if tp > 1 else "fast")
         if key not in self._cache:
             mesh, strategies = self.strategies(tp, mbs, sp, variant)
-            graph, costed = self.graph, strategies
-            if tp == 1 and (graph := self.untensored_graph()) is not self.graph:
-                costed = solve_tp(graph, self.cluster, self.ctx, 1, mbs, sp)[1]
+            graph = self.untensored_graph() if tp == 1 else self.graph
+            costed = strategies if graph is self.graph else solve_tp(graph, self.cluster, self.ctx, 1, mbs, sp)[1]
             self._cache[key] = (unit_costs(graph, costed, mesh, mbs, self.cluster, self.ctx), strategies)
         return self._cache[key]
 
