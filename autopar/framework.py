@@ -33,6 +33,8 @@ FRAMEWORKS = ("torch", "torchtitan", "megatron-lm", "megatron-core", "nemo", "de
 ZeroUnit = Literal["block", "module", "parameter"]
 ZERO_UNITS: tuple[ZeroUnit, ...] = ("block", "module", "parameter")
 FP8_SCALINGS = ("none", "torchao", "dynamic", "delayed")
+#: How a framework computes the cross-entropy over the vocabulary (``Framework.cross_entropy``).
+CROSS_ENTROPIES = ("autocast", "vocab_parallel", "fused")
 
 
 class FrameworkSpecError(AutoparError):
@@ -80,9 +82,12 @@ class Framework:
     pp_scatter_gather_grads: bool
     """With ``pp_scatter_gather``, gradients are sent split too (``False``: only activations, as DeepSpeed's
     pipeline engine did before September 2021)."""
-    fused_cross_entropy: bool
-    """The loss is one fused kernel on the 16-bit logits (FlashAttention's ``CrossEntropyLoss``) instead of
-    fp32 ``log_softmax`` passes that materialize fp32 copies of the logits."""
+    cross_entropy: Literal["autocast", "vocab_parallel", "fused"]
+    """The loss's kernels (``autopar.passes.traffic.loss_traffic``): ``autocast``, PyTorch's cross-entropy on an
+    fp32 copy of the logits (``log_softmax`` and ``nll_loss``); ``vocab_parallel``, Megatron-LM's vocab-parallel
+    cross-entropy (an fp32 copy of the logits rewritten in place by a max, an exponential and a division, kept as
+    the softmax backward multiplies in place); ``fused``, one kernel on the 16-bit logits (FlashAttention's
+    ``CrossEntropyLoss``), which writes the gradient into them."""
     selective_recompute: Literal["attention_core", "attention_module"]
     """What ``recompute=selective`` checkpoints: the attention core (Megatron-LM's ``--recompute-granularity
     selective``, Korthikanti et al. 2022) or each block's whole attention module (autopar's runtime)."""
@@ -189,6 +194,9 @@ class Framework:
                                      "attention_module")
         if self.interleaved_groups not in ("rounds", "tunable"):
             raise FrameworkSpecError(f"framework {self.name}: interleaved_groups must be rounds or tunable")
+        if self.cross_entropy not in CROSS_ENTROPIES:
+            raise FrameworkSpecError(f"framework {self.name}: cross_entropy must be one of "
+                                     f"{', '.join(CROSS_ENTROPIES)}")
         if self.fp8_scaling not in FP8_SCALINGS:
             raise FrameworkSpecError(f"framework {self.name}: fp8_scaling must be one of {', '.join(FP8_SCALINGS)}")
         if self.zero3_unit not in ZERO_UNITS:
@@ -238,7 +246,7 @@ TECHNIQUE_KEYS: dict[str, tuple[str, ...]] = {
                  "interleaved_groups"),
     "context_parallelism": ("context_parallel",),
     "recompute": ("recompute_early_stop", "selective_recompute"),
-    "loss": ("fused_cross_entropy",),
+    "loss": ("cross_entropy",),
     "fp8": ("fp8_scaling", "fp8_param_gather"),
     "compile": ("compiles_blocks",),
     "host": ("host_op_s",),
@@ -293,5 +301,5 @@ def load_framework(spec: str) -> Framework:
 
 DEFAULT_FRAMEWORK = "torch"
 
-__all__ = ["DEFAULT_FRAMEWORK", "FP8_SCALINGS", "FRAMEWORKS", "TECHNIQUE_KEYS", "Framework", "FrameworkSpecError",
-           "load_framework"]
+__all__ = ["CROSS_ENTROPIES", "DEFAULT_FRAMEWORK", "FP8_SCALINGS", "FRAMEWORKS", "TECHNIQUE_KEYS", "Framework",
+           "FrameworkSpecError", "load_framework"]

@@ -185,10 +185,11 @@ def saved_tensors(graph: OpGraph, node: Node, ctx: PassContext, unknown: set[str
             per = out.numel_at(1)  # one byte (bool mask) per element
             s.synthetic("mask", BatchLinear(per, 0.0) if out.batch_dim is not None else BatchLinear(0.0, per))
     elif op in LOSS_OPS:
-        # log-softmax of the logits kept in fp32 (autocast runs cross-entropy in fp32) plus the targets; a fused
-        # loss keeps the 16-bit logits (and one fp32 log-sum-exp per row) to rewrite them in backward.
+        # the fp32 log-probabilities (autocast runs cross-entropy in fp32) or softmax (Megatron's vocab-parallel
+        # loss) plus the targets; a fused loss keeps the 16-bit logits (and one fp32 log-sum-exp per row) to
+        # rewrite them in backward.
         (x_ref, x), (t_ref, _) = _arg(graph, node, 0), _arg(graph, node, 1)
-        if ctx.framework.fused_cross_entropy:
+        if ctx.framework.cross_entropy == "fused":
             s.ref(x_ref)  # the logits themselves
         else:
             per = x.numel_at(1) * FP32_BYTES

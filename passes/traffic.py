@@ -115,27 +115,41 @@ def dropout_is_identity(node: Node) -> bool:
 
 
 def loss_traffic(graph: OpGraph, node: Node, ctx: PassContext) -> NodeTraffic:
-    """Bytes per logit of the cross-entropy over ``[tokens, vocab]`` 16-bit logits.
+    """Bytes per logit of the cross-entropy over ``[tokens, vocab]`` 16-bit logits, by ``Framework.cross_entropy``.
 
-    Unfused (PyTorch under autocast, Megatron-LM's vocab-parallel loss): the logits are upcast to fp32 (read
-    2, write 4), ``log_softmax`` reads them twice (max, then sum of exponentials) and writes the
-    log-probabilities (8 + 4); backward writes the fp32 gradient of the log-probabilities (4),
-    ``log_softmax``'s backward reads it and the output and writes its result (8 + 4), which is cast back to
-    16 bits (4 + 2).  Logits the model already upcast (``logits.float()``, priced as its own op) skip both
-    casts.  Fused (FlashAttention's ``CrossEntropyLoss``, ``Framework.fused_cross_entropy``): one
-    online-softmax pass reads the logits; backward rewrites them in place (read and write).
+    ``autocast`` (PyTorch's cross-entropy under autocast): the logits are upcast to fp32 (read 2, write 4),
+    ``log_softmax`` reads them twice (max, then sum of exponentials) and writes the log-probabilities (8 + 4);
+    backward writes the fp32 gradient of the log-probabilities (4), ``log_softmax``'s backward reads it and the
+    output and writes its result (8 + 4), which is cast back to 16 bits (4 + 2).
+
+    ``vocab_parallel`` (Megatron-LM's ``_VocabParallelCrossEntropy``): after the upcast (2 + 4), a max reads the
+    copy (4), then in place a subtraction of it (4 + 4), an exponential (4 + 4), a sum (4) and a division by the
+    sum (4 + 4); backward subtracts one at each target and multiplies by the incoming gradient in place (4 + 4),
+    then the cast back (4 + 2).  Its per-token steps (the target masks, the gather of the target logits, the
+    log) are small kernels of their own.
+
+    Logits the model already upcast (``logits.float()``, priced as its own op) skip both casts.  ``fused``
+    (FlashAttention's ``CrossEntropyLoss``): one online-softmax pass reads the logits; backward rewrites them in
+    place (read and write).
     """
     logits = graph.tensor(node.args[0])
     w = graph.width(logits, ctx.precision.activation_bytes)
     n = logits.numel_at(1)
     scale = (lambda b: BatchLinear(b, 0.0)) if logits.batch_dim is not None else (lambda b: BatchLinear(0.0, b))
-    if ctx.framework.fused_cross_entropy:
+    kind = ctx.framework.cross_entropy
+    if kind == "fused":
         return NodeTraffic(scale(n * w), scale(n * 2 * w), 1, 1)
     upcast, cast_back = (w + FP32_BYTES, FP32_BYTES + w) if w < FP32_BYTES else (0, 0)
+    casts = 1 if upcast else 0  # the casts are kernels of their own
+    if kind == "vocab_parallel":
+        fwd = n * (upcast + FP32_BYTES + 2 * FP32_BYTES + 2 * FP32_BYTES + FP32_BYTES + 2 * FP32_BYTES)
+        bwd = n * (2 * FP32_BYTES + cast_back)
+        # forward: max, subtract, exponential, sum, divide and 12 per-token kernels (the masks, the gather, the
+        # log); backward: the multiply and 6 per-token ones (megatron/core/tensor_parallel/cross_entropy.py)
+        return NodeTraffic(scale(fwd), scale(bwd), 17 + casts, 7 + casts)
     fwd = n * (upcast + 2 * FP32_BYTES + FP32_BYTES)
     bwd = n * (FP32_BYTES + 2 * FP32_BYTES + FP32_BYTES + cast_back)
-    kernels = 3 if upcast else 2  # the casts are kernels of their own
-    return NodeTraffic(scale(fwd), scale(bwd), kernels, kernels)
+    return NodeTraffic(scale(fwd), scale(bwd), 2 + casts, 2 + casts)
 
 
 def fused_traffic(graph: OpGraph, node: Node, fused: FusedIO, ctx: PassContext) -> NodeTraffic:

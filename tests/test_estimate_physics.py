@@ -146,7 +146,7 @@ def test_unfused_loss_holds_fp32_logits_a_fused_one_does_not():
                                   nccl_network_channels=0, comm_hbm_bytes_per_byte=0.0)
     big_vocab = {**GPT, "vocab": 65536}
     unfused = trace_model("gpt", big_vocab, ctx=_ctx(cluster=cluster)).graph
-    fused_fw = TORCH.with_overrides(fused_cross_entropy=True)
+    fused_fw = TORCH.with_overrides(cross_entropy="fused")
     fused = trace_model("gpt", big_vocab, ctx=_ctx(fused_fw, cluster)).graph
     fix = "dp=8,tp=1,pp=1,mbs=4,recompute=full,zero=3"
     a = _estimate(unfused, fix, TORCH, cluster, 32)
@@ -176,6 +176,28 @@ def test_a_loss_on_logits_the_model_upcast_casts_nothing():
         logits = graph.tensor(node.args[0]).numel_at(1)
         traffic = node.annotations["traffic"]
         assert (traffic.fwd_bytes.at(1) / logits, traffic.bwd_bytes.at(1) / logits) == (fwd, bwd)
+
+
+def test_megatrons_vocab_parallel_loss_rewrites_its_fp32_copy_in_place():
+    # per logit, forward: the upcast (2 + 4), a max (4), then in place a subtraction (4 + 4), an exponential
+    # (4 + 4), a sum (4) and a division (4 + 4); backward: the in-place multiply (4 + 4) and the cast back (4 + 2).
+    # Logits the model upcast itself skip the casts.
+    megatron = TORCH.with_overrides(cross_entropy="vocab_parallel")
+    for path, fwd, bwd in ((str(FIXTURES / "fp32_logits.py"), 32, 8), ("gpt", 38, 14)):
+        graph = trace_model(path, {} if path != "gpt" else GPT, ctx=_ctx(megatron, NODE)).graph
+        node = _loss_node(graph)
+        logits = graph.tensor(node.args[0]).numel_at(1)
+        traffic = node.annotations["traffic"]
+        assert (traffic.fwd_bytes.at(1) / logits, traffic.bwd_bytes.at(1) / logits) == (fwd, bwd)
+    # beside the fp32 softmax it saves (as autocast saves its fp32 log-probabilities), only the 16-bit logits or
+    # their gradient: 2 bytes per logit against autocast's 8
+    cluster = A100.with_overrides(gpus=8)
+    fix = "dp=8,tp=1,pp=1,mbs=4,recompute=full,zero=3"
+    peaks = {}
+    for fw in (TORCH, megatron):
+        graph = trace_model("gpt", {**GPT, "vocab": 65536}, ctx=_ctx(fw, cluster)).graph
+        peaks[fw.cross_entropy] = _estimate(graph, fix, fw, cluster, 32).peak_memory_bytes
+    assert peaks["autocast"] - peaks["vocab_parallel"] == pytest.approx(4 * 1024 * 65536 * (8 - 2), rel=0.02)
 
 
 def test_a_sharded_loss_streams_its_share_of_the_logits():

@@ -229,11 +229,17 @@ def _produced(producer: Strategy, ref: Ref) -> tuple:
     return tuple(ax.outputs[ref.index] if ref.index < len(ax.outputs) else R for ax in producer)
 
 
-#: Under bf16 autocast the loss runs in fp32 (``log_softmax`` is on autocast's fp32 list): beyond the fp32
-#: log-probabilities it saves, the fp32 copy of the logits in forward and the fp32 gradient of the
-#: log-probabilities in backward are alive while the loss runs: 8 bytes per logit (none for a fused loss,
-#: which rewrites the 16-bit logits in place).
-LOSS_TRANSIENT_BYTES_PER_LOGIT = 2 * FP32_BYTES
+def loss_transient_bytes_per_logit(ctx: PassContext) -> float:
+    """What the loss holds per logit while it runs, beyond what it saves (``Framework.cross_entropy``).  Under bf16
+    autocast the loss runs in fp32 (``log_softmax`` is on autocast's fp32 list): beside the fp32 log-probabilities
+    it saves, the fp32 copy of the logits in forward and the fp32 gradient of the log-probabilities in backward,
+    8 bytes.  Megatron's vocab-parallel loss rewrites its fp32 copy in place (the softmax it saves): beside it, the
+    16-bit logits it was cast from in forward and the 16-bit gradient it is cast back to in backward.  A fused loss
+    rewrites the 16-bit logits in place: nothing."""
+    kind = ctx.framework.cross_entropy
+    if kind == "fused":
+        return 0.0
+    return ctx.precision.activation_bytes if kind == "vocab_parallel" else 2 * FP32_BYTES
 
 
 def _op_checkpoint_saves(node_op: str, product_index: int) -> bool:
@@ -420,9 +426,9 @@ def _unit_cost(graph: OpGraph, names: list[str], strategies: dict[str, Strategy]
             op_recompute_flops += flops
         refs = tensor_refs(node)
         produced_of: dict[str, tuple] | None = {} if ctx.framework.sp_saves_sharded_input else None
-        if node.op in LOSS_OPS and not ctx.framework.fused_cross_entropy:
+        if node.op in LOSS_OPS:
             logits = graph.tensor(refs[0])
-            transient += (logits.numel_at(mbs) * LOSS_TRANSIENT_BYTES_PER_LOGIT
+            transient += (logits.numel_at(mbs) * loss_transient_bytes_per_logit(ctx)
                           / shard_factor(tuple(ax.inputs[0] for ax in strat), mesh))
         for k, r in enumerate(refs):
             src = graph[r.name]
