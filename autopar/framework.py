@@ -34,7 +34,7 @@ ZeroUnit = Literal["block", "module", "parameter"]
 ZERO_UNITS: tuple[ZeroUnit, ...] = ("block", "module", "parameter")
 FP8_SCALINGS = ("none", "torchao", "dynamic", "delayed")
 #: How a framework computes the cross-entropy over the vocabulary (``Framework.cross_entropy``).
-CROSS_ENTROPIES = ("autocast", "vocab_parallel", "fused")
+CROSS_ENTROPIES = ("autocast", "vocab_parallel", "vocab_parallel_fused", "fused")
 
 
 class FrameworkSpecError(AutoparError):
@@ -82,12 +82,14 @@ class Framework:
     pp_scatter_gather_grads: bool
     """With ``pp_scatter_gather``, gradients are sent split too (``False``: only activations, as DeepSpeed's
     pipeline engine did before September 2021)."""
-    cross_entropy: Literal["autocast", "vocab_parallel", "fused"]
+    cross_entropy: Literal["autocast", "vocab_parallel", "vocab_parallel_fused", "fused"]
     """The loss's kernels (``autopar.passes.traffic.loss_traffic``): ``autocast``, PyTorch's cross-entropy on an
     fp32 copy of the logits (``log_softmax`` and ``nll_loss``); ``vocab_parallel``, Megatron-LM's vocab-parallel
     cross-entropy (an fp32 copy of the logits rewritten in place by a max, an exponential and a division, kept as
-    the softmax backward multiplies in place); ``fused``, one kernel on the 16-bit logits (FlashAttention's
-    ``CrossEntropyLoss``), which writes the gradient into them."""
+    the softmax backward multiplies in place); ``vocab_parallel_fused``, the same steps as Megatron-Core's
+    ``--cross-entropy-loss-fusion`` compiles them (four ``torch.compile``d functions); ``fused``, one kernel on
+    the 16-bit logits (FlashAttention's ``CrossEntropyLoss``, Transformer Engine's), which writes the gradient
+    into them."""
     selective_recompute: Literal["attention_core", "attention_module"]
     """What ``recompute=selective`` checkpoints: the attention core (Megatron-LM's ``--recompute-granularity
     selective``, Korthikanti et al. 2022) or each block's whole attention module (autopar's runtime)."""

@@ -126,7 +126,10 @@ def loss_traffic(graph: OpGraph, node: Node, ctx: PassContext) -> NodeTraffic:
     copy (4), then in place a subtraction of it (4 + 4), an exponential (4 + 4), a sum (4) and a division by the
     sum (4 + 4); backward subtracts one at each target and multiplies by the incoming gradient in place (4 + 4),
     then the cast back (4 + 2).  Its per-token steps (the target masks, the gather of the target logits, the
-    log) are small kernels of their own.
+    log) are small kernels of their own.  ``vocab_parallel_fused`` (Megatron-Core's ``--cross-entropy-loss-fusion``,
+    ``megatron/core/fusions/fused_cross_entropy.py``: each step a function under ``jit_fuser``, ``torch.compile``
+    since torch 2.2): the upcast writes the copy as the max reads the logits (2 + 4), the subtraction, exponential
+    and sum are one pass (4 + 4), the division another (4 + 4); backward multiplies and casts back in one (4 + 2).
 
     Logits the model already upcast (``logits.float()``, priced as its own op) skip both casts.  ``fused``
     (FlashAttention's ``CrossEntropyLoss``): one online-softmax pass reads the logits; backward rewrites them in
@@ -147,6 +150,13 @@ def loss_traffic(graph: OpGraph, node: Node, ctx: PassContext) -> NodeTraffic:
         # forward: max, subtract, exponential, sum, divide and 12 per-token kernels (the masks, the gather, the
         # log); backward: the multiply and 6 per-token ones (megatron/core/tensor_parallel/cross_entropy.py)
         return NodeTraffic(scale(fwd), scale(bwd), 17 + casts, 7 + casts)
+    if kind == "vocab_parallel_fused":
+        fwd = n * (upcast + 2 * FP32_BYTES + 2 * FP32_BYTES)  # the max rides on the upcast's (or a read's) pass
+        fwd += n * (0 if upcast else FP32_BYTES)
+        bwd = n * (FP32_BYTES + w if upcast else 2 * FP32_BYTES)
+        # forward: the max (with the upcast), the exponential pass, the division and 5 per-token kernels;
+        # backward: the multiply (with the cast back) and the scatter at the targets
+        return NodeTraffic(scale(fwd), scale(bwd), 8, 2)
     fwd = n * (upcast + 2 * FP32_BYTES + FP32_BYTES)
     bwd = n * (FP32_BYTES + 2 * FP32_BYTES + FP32_BYTES + cast_back)
     return NodeTraffic(scale(fwd), scale(bwd), 2 + casts, 2 + casts)

@@ -182,9 +182,14 @@ def test_megatrons_vocab_parallel_loss_rewrites_its_fp32_copy_in_place():
     # per logit, forward: the upcast (2 + 4), a max (4), then in place a subtraction (4 + 4), an exponential
     # (4 + 4), a sum (4) and a division (4 + 4); backward: the in-place multiply (4 + 4) and the cast back (4 + 2).
     # Logits the model upcast itself skip the casts.
+    # Compiled (--cross-entropy-loss-fusion), the upcast writes the copy as the max reads, subtraction, exponential
+    # and sum are one pass, the division another; backward multiplies and casts back in one.
     megatron = TORCH.with_overrides(cross_entropy="vocab_parallel")
-    for path, fwd, bwd in ((str(FIXTURES / "fp32_logits.py"), 32, 8), ("gpt", 38, 14)):
-        graph = trace_model(path, {} if path != "gpt" else GPT, ctx=_ctx(megatron, NODE)).graph
+    compiled = TORCH.with_overrides(cross_entropy="vocab_parallel_fused")
+    upcast = str(FIXTURES / "fp32_logits.py")
+    for fw, path, fwd, bwd in ((megatron, upcast, 32, 8), (megatron, "gpt", 38, 14), (compiled, upcast, 20, 8),
+                               (compiled, "gpt", 22, 6)):
+        graph = trace_model(path, {} if path != "gpt" else GPT, ctx=_ctx(fw, NODE)).graph
         node = _loss_node(graph)
         logits = graph.tensor(node.args[0]).numel_at(1)
         traffic = node.annotations["traffic"]

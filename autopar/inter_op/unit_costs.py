@@ -233,13 +233,13 @@ def loss_transient_bytes_per_logit(ctx: PassContext) -> float:
     """What the loss holds per logit while it runs, beyond what it saves (``Framework.cross_entropy``).  Under bf16
     autocast the loss runs in fp32 (``log_softmax`` is on autocast's fp32 list): beside the fp32 log-probabilities
     it saves, the fp32 copy of the logits in forward and the fp32 gradient of the log-probabilities in backward,
-    8 bytes.  Megatron's vocab-parallel loss rewrites its fp32 copy in place (the softmax it saves): beside it, the
-    16-bit logits it was cast from in forward and the 16-bit gradient it is cast back to in backward.  A fused loss
-    rewrites the 16-bit logits in place: nothing."""
+    8 bytes.  Megatron's vocab-parallel loss (fused or not) rewrites its fp32 copy in place (the softmax it saves):
+    beside it, the 16-bit logits it was cast from in forward and the 16-bit gradient it is cast back to in
+    backward.  A fused loss rewrites the 16-bit logits in place: nothing."""
     kind = ctx.framework.cross_entropy
     if kind == "fused":
         return 0.0
-    return ctx.precision.activation_bytes if kind == "vocab_parallel" else 2 * FP32_BYTES
+    return ctx.precision.activation_bytes if kind.startswith("vocab_parallel") else 2 * FP32_BYTES
 
 
 def _op_checkpoint_saves(node_op: str, product_index: int) -> bool:
