@@ -79,6 +79,11 @@ class Framework:
     """Pipeline sends and receives run under compute; ``False``: they wait on the critical path."""
     pp_scatter_gather: bool
     """A pipeline boundary tensor crosses nodes split over the tp ranks and is re-gathered over NVLink."""
+    pp_p2p_batched: bool
+    """A stage's sends and receives of one schedule step go as one batched exchange, both directions at once
+    (Megatron's ``_communicate``, torch's ``_batch_p2p``); ``False``: each is a blocking call of its own, one after
+    the other (the send/receive instructions of DeepSpeed's pipeline engine), so a stage waits through every
+    transfer it takes part in."""
     pp_scatter_gather_grads: bool
     """With ``pp_scatter_gather``, gradients are sent split too (``False``: only activations, as DeepSpeed's
     pipeline engine did before September 2021)."""
@@ -244,8 +249,8 @@ TECHNIQUE_KEYS: dict[str, tuple[str, ...]] = {
               "list_collectives"),
     "tensor_parallel": ("tp_layout", "tp_splits_batch", "tp_comm_overlap", "tp_overlap_comm_sms",
                         "sequence_parallel", "sp_saves_sharded_input"),
-    "pipeline": ("schedules", "pipeline_split", "pp_p2p_overlap", "pp_scatter_gather", "pp_scatter_gather_grads",
-                 "interleaved_groups"),
+    "pipeline": ("schedules", "pipeline_split", "pp_p2p_overlap", "pp_p2p_batched", "pp_scatter_gather",
+                 "pp_scatter_gather_grads", "interleaved_groups"),
     "context_parallelism": ("context_parallel",),
     "recompute": ("recompute_early_stop", "selective_recompute"),
     "loss": ("cross_entropy",),

@@ -127,6 +127,12 @@ def test_pipeline_p2p_overlap_and_scatter_gather():
     middle = [e.stages[1].parts_s["p2p_s"] for e in (split, blocking, acts)]  # the same stage in each
     assert middle[2] == pytest.approx((middle[0] + middle[1]) / 2, rel=1e-6)
     assert hidden.breakdown["pp_p2p_s"] < 0.2 * blocking.breakdown["pp_p2p_s"]
+    # DeepSpeed's instructions: each send and receive blocks on its own, so every stage waits through both transfers
+    # of each of its links (batched, a step's send and receive share one transfer's time)
+    apart = _estimate(g, fix, TORCH.with_overrides(pp_p2p_batched=False), cluster, 32)
+    for k in range(4):
+        assert apart.stages[k].parts_s["p2p_s"] == pytest.approx(2 * blocking.stages[k].parts_s["p2p_s"], rel=1e-9)
+    assert apart.iteration_time_s > blocking.iteration_time_s
 
 
 def test_op_checkpointing_sits_between_none_and_full(gpt):

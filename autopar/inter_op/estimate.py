@@ -422,8 +422,11 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
         neighbours = (1 if k > 0 else 0) + (1 if k < p - 1 else 0)
         boundary = max(costs[keys[a]].input_bytes if k > 0 else 0.0,
                        costs[keys[b]].input_bytes if b < len(keys) else 0.0) + carried
-        # one transfer each way per neighbour and micro-batch, for every chunk with interleaving
-        p2p = neighbours * p2p_s(boundary, layout, pp_link, tp_link, ctx) * v if p > 1 else 0.0
+        # per micro-batch and chunk, an activation and a gradient cross each neighbour's link, one each way: batched,
+        # a step's send and receive share the time of one transfer; one blocking call after the other, the stage
+        # waits through both (``Framework.pp_p2p_batched``)
+        calls = 1 if fw.pp_p2p_batched else 2
+        p2p = calls * neighbours * p2p_s(boundary, layout, pp_link, tp_link, ctx) * v if p > 1 else 0.0
         busy, mix = span.compute_s, span.power
         p2p_cost = p2p
         if fw.pp_p2p_overlap and p2p > 0:  # sent under the next micro-batch's compute, which it slows
