@@ -42,7 +42,7 @@ _INTEGERS = ("gpus", "gpus_per_node", "sm_count", "attention_block", "nics_per_n
 #: Keys a cluster file may leave out, and their values then.
 _DEFAULTS = {"nvlink_domain_size": 0, "peak_fp8_flops": 0.0, "fp8_gemm_efficiency": 0.0, "fp8_gemm_k_overhead": 0.0,
              "mamf_fp8_flops": 0.0, "mamf_fp8_shape": (), "inductor_backend": "triton",
-             "node_overhead_w": 0.0, "loaded_clock_power_w": 0.0}
+             "node_overhead_w": 0.0, "loaded_clock_power_w": 0.0, "gemm_stores_after_main_loop": False}
 #: Attention kernels (``PassContext.attention``) a cluster's ``attention_kernels`` tables describe.
 FLASH_KERNELS = ("flash1", "flash", "flash3")
 
@@ -208,6 +208,11 @@ class Cluster:
     ``peak_fp8_flops``."""
     fp8_gemm_k_overhead: float = 0.0
     """``gemm_k_overhead`` of FP8 products, in elements of the reduction dimension."""
+    gemm_stores_after_main_loop: bool = False
+    """Whether a product's kernels write their results to HBM after their main loop instead of beside the next
+    tile's (Ampere's multistage kernels run one tile per thread block: main loop, then epilogue; Hopper's and
+    Blackwell's persistent warp-specialized kernels store a tile with TMA while the next tile's main loop runs).
+    Then storing the result adds its bytes at HBM bandwidth to the product's time (``autopar.kernels``)."""
     mamf_fp8_flops: float = 0.0
     """``mamf_flops`` for FP8 (``torch._scaled_mm``); 0: not measured."""
     mamf_fp8_shape: tuple[int, ...] = ()
@@ -228,6 +233,10 @@ class Cluster:
         for f in fields(self):
             value = getattr(self, f.name)
             if f.name in ("name", "device", "inter_node_fabric", "inductor_backend"):
+                continue
+            if f.name == "gemm_stores_after_main_loop":
+                if not isinstance(value, bool):
+                    raise ClusterSpecError(f"cluster {self.name}: {f.name} must be true or false")
                 continue
             if f.name in _TRIPLES:
                 _check_numbers(self.name, f.name, value, 3)

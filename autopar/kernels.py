@@ -12,7 +12,11 @@ product runs at::
 where ``useful / launched`` is ``m * n`` over the area of all waves of that tile.  When one wave is not
 filled, cuBLAS splits the reduction (split-K) across more blocks; that is one of the choices.  Small and
 skinny products (tensor-parallel slices of small models, attention's ``k = head_dim`` products) come out
-well below the large-GEMM efficiency, as measured products do.
+well below the large-GEMM efficiency, as measured products do.  Where the device's kernels write a tile's
+result after its main loop (Ampere's multistage kernels), storing the result adds its bytes at HBM bandwidth
+(``gemm_store_s``): a product with a short reduction writes as many bytes per FLOP as it reads, and that store
+is not hidden (Megatron's unfused attention on A100, ``tests/test_kernels.py``); Hopper's and Blackwell's
+persistent kernels store beside the next tile's main loop.
 
 **Attention** with flash kernels runs at the throughput its published benchmarks measured on the device
 (``Cluster.attention_kernels``): forward and backward apart, by head dimension and sequence length, causal
@@ -91,6 +95,15 @@ def gemm_s(cluster: Cluster, m: float, n: float, k: float, batch: float = 1, fp8
     return 2.0 * batch * m * n * k / (peak * gemm_efficiency(cluster, m, n, k, batch, fp8))
 
 
+def gemm_store_s(cluster: Cluster, m: float, n: float, batch: float = 1, width: float = 2) -> float:
+    """The time storing a ``batch x m x n`` product result of ``width``-byte elements adds beyond the product's main
+    loop: its bytes at HBM bandwidth on a device whose kernels store after their main loop
+    (``Cluster.gemm_stores_after_main_loop``), nothing where the store runs beside the next tile's main loop."""
+    if not cluster.gemm_stores_after_main_loop or min(m, n, batch) <= 0:
+        return 0.0
+    return memory_s(cluster, batch * m * n * width)
+
+
 def attention_tflops(cluster: Cluster, version: int, direction: str, head_dim: float, seq_len: float,
                      causal: bool) -> float:
     """Throughput (TFLOP/s, the FlashAttention papers' FLOP count) of FlashAttention ``version``'s ``direction``
@@ -146,4 +159,4 @@ def memory_s(cluster: Cluster, nbytes: float) -> float:
 
 
 __all__ = ["FLASH_BACKWARD_FLOPS", "FLASH_VERSIONS", "attention_tflops", "flash_attention_s", "gemm_efficiency",
-           "gemm_s", "memory_s"]
+           "gemm_s", "gemm_store_s", "memory_s"]

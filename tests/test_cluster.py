@@ -79,6 +79,13 @@ def test_per_protocol_keys_and_fabric_are_validated(tmp_path):
     p.write_text('base = "a100-80gb"\npod_oversubscription = 0.5\n')
     with pytest.raises(ClusterSpecError, match="pod_oversubscription must be >= 1"):
         load_cluster(str(p))
+    p.write_text('base = "a100-80gb"\ngemm_stores_after_main_loop = 1\n')
+    with pytest.raises(ClusterSpecError, match="gemm_stores_after_main_loop must be true or false"):
+        load_cluster(str(p))
+    # the flag is the device's: a spec based on a preset keeps it, and Hopper's presets store beside the main loop
+    p.write_text('base = "a100-80gb"\nname = "ours"\n')
+    assert load_cluster(str(p)).gemm_stores_after_main_loop
+    assert not load_cluster("h100-80gb").gemm_stores_after_main_loop
 
 
 def test_a_plan_cluster_round_trips():

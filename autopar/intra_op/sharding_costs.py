@@ -35,7 +35,7 @@ from autopar.collectives import all_reduce_s, bucket_share_s, collective_s
 from autopar.intra_op.fp8 import cast_cost, cast_kind, fp8_eligible, layer_linear_weight
 from autopar.intra_op.strategies import PARTIAL, R, Strategy, shard_dim, tensor_refs
 from autopar.ir import Node, OpGraph, TensorInfo
-from autopar.kernels import FLASH_BACKWARD_FLOPS, flash_attention_s, gemm_s, memory_s
+from autopar.kernels import FLASH_BACKWARD_FLOPS, flash_attention_s, gemm_s, gemm_store_s, memory_s
 from autopar.passes.activations import SavedTensor, storage_key
 from autopar.passes.context import PassContext
 from autopar.passes.flops import NodeFlops, is_causal
@@ -285,10 +285,13 @@ class Gemm:
     k: float
 
     def s(self, cluster: Cluster, width: int) -> float:
-        """Roofline of the product: its compute time, or streaming its operands and result if longer, and the
+        """Roofline of the product: its compute time, or streaming its operands and result if longer (its result's
+        store after it where the device's kernels store after their main loop, ``kernels.gemm_store_s``), and the
         fixed time of its kernel beyond the gap every kernel pays (``Cluster.gemm_latency_s``)."""
-        io = width * self.batch * (self.m * self.k + self.k * self.n + self.m * self.n)
-        return (max(gemm_s(cluster, self.m, self.n, self.k, self.batch), memory_s(cluster, io))
+        reads = width * self.batch * (self.m * self.k + self.k * self.n)
+        store = gemm_store_s(cluster, self.m, self.n, self.batch, width)
+        io = reads if store else reads + width * self.batch * self.m * self.n
+        return (max(gemm_s(cluster, self.m, self.n, self.k, self.batch), memory_s(cluster, io)) + store
                 + cluster.gemm_latency_s - cluster.kernel_gap_s)
 
 
@@ -400,7 +403,9 @@ def weight_grad_s(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec
     if b.requires_grad and graph[refs[1].name].kind == "param":
         weights.append(bwd[0])
     fp8 = fp8_linear(node, graph, strategy, mesh, batch, ctx)
-    return sum(gemm_s(cluster, g.m, g.n, g.k, g.batch, fp8) for g in weights)
+    e = ctx.precision.activation_bytes
+    return sum(gemm_s(cluster, g.m, g.n, g.k, g.batch, fp8) + gemm_store_s(cluster, g.m, g.n, g.batch, e)
+               for g in weights)
 
 
 def _fp8_forward(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec, batch: int,
@@ -550,8 +555,15 @@ def op_timing(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec, ba
     if gemms is not None:  # a product kernel's fixed time, beyond the gap every kernel pays
         launch_f += len(gemms[0]) * (cluster.gemm_latency_s - cluster.kernel_gap_s)
         launch_b += len(gemms[1]) * (cluster.gemm_latency_s - cluster.kernel_gap_s)
-    fwd = max(fwd_c, mem_f) + launch_f
-    bwd = max(bwd_c, mem_b) + launch_b
+    store_f = store_b = 0.0
+    if gemms is not None and cluster.gemm_stores_after_main_loop:
+        # each product's result is written after its main loop (``kernels.gemm_store_s``), not under it
+        e = ctx.precision.activation_bytes
+        store_f = sum(gemm_store_s(cluster, g.m, g.n, g.batch, e) for g in gemms[0])
+        store_b = sum(gemm_store_s(cluster, g.m, g.n, g.batch, e) for g in gemms[1])
+        mem_f, mem_b = max(0.0, mem_f - store_f), max(0.0, mem_b - store_b)
+    fwd = max(fwd_c, mem_f) + launch_f + store_f
+    bwd = max(bwd_c, mem_b) + launch_b + store_b
     tensor_f = fwd_c if flops.fwd > 0 and fwd_c >= mem_f else 0.0
     tensor_b = bwd_c if flops.fwd > 0 and bwd_c >= mem_b else 0.0
     if fp8_g is not None:
