@@ -7,7 +7,9 @@ at a time, and the per-GPU median signed errors are printed and written to ``res
 - ``interference``: collectives take no SMs and no HBM bandwidth from the compute beside them
   (``autopar.interference``; the clock they cost stays with ``power``);
 - ``host``: launching costs the host nothing (no host-bound passes);
-- ``kernel_latency``: a product kernel has no fixed time beyond the gap every kernel pays.
+- ``kernel_latency``: a product kernel has no fixed time beyond the gap every kernel pays;
+- ``gemm_store``: products store their results beside their main loop on every device (Ampere's store after it,
+  ``Cluster.gemm_stores_after_main_loop``).
 
     python benchmarks/term_ablation.py [--tables calibration,nvidia_h100_tables]
 """
@@ -44,6 +46,8 @@ def _without(term: str, run: reference_runs.ReferenceRun) -> reference_runs.Refe
         fw["host_op_s"] = 0.0
     elif term == "kernel_latency":
         c = dataclasses.replace(c, gemm_latency_s=c.kernel_gap_s)
+    elif term == "gemm_store":
+        c = dataclasses.replace(c, gemm_stores_after_main_loop=False)
     return dataclasses.replace(run, cluster=c, framework_overrides=fw)
 
 
@@ -77,7 +81,7 @@ def main() -> None:
     t0 = time.perf_counter()
     for stem in args.tables.split(","):
         out[stem] = {}
-        for term in (None, "power", "interference", "host", "kernel_latency"):
+        for term in (None, "power", "interference", "host", "kernel_latency", "gemm_store"):
             out[stem][term or "full model"] = summary(estimate_table(stem, term))
         full = out[stem]["full model"]
         print(f"{stem}: median signed error by GPU, full model and with each term off")
