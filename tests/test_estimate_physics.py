@@ -20,6 +20,7 @@ from autopar.inter_op.to_plan import interleaved_chunks
 from autopar.inter_op.unit_costs import solve_tp
 from autopar.intra_op.sharding_costs import compute_s
 from autopar.intra_op.strategies import R
+from autopar.ir import tensor_refs
 
 FIXTURES = Path(__file__).parent / "fixtures"
 GPT = {"layers": 8, "hidden": 1024, "heads": 16, "vocab": 8192, "seq_len": 1024}
@@ -222,6 +223,34 @@ def test_a_sharded_loss_streams_its_share_of_the_logits():
     launches = (node.annotations["traffic"].fwd_kernels + node.annotations["traffic"].bwd_kernels) \
         * NODE.kernel_gap_s
     assert times[2] - launches == pytest.approx((times[1] - launches) / 2, rel=1e-6)
+
+
+def test_ampere_stores_a_products_result_after_its_main_loop_and_megatron_accumulates_weight_gradients_there():
+    # A Linear of the stack at tp = 1: on an A100 each product's result costs its bytes at HBM bandwidth on top of
+    # its main loop; Megatron's fused weight-gradient product reads and writes the fp32 main gradient instead of
+    # writing a 16-bit gradient; on Hopper the store runs beside the next tile's main loop and costs nothing.
+    megatron = load_framework("megatron-core")  # grad_accumulation_fused, main_grad_bytes = 4
+    assert megatron.grad_accumulation_fused and megatron.main_grad_bytes == 4
+    h100 = load_cluster("h100-80gb").with_overrides(gpus=8)
+    times = {}
+    for cluster in (NODE, NODE.with_overrides(gemm_stores_after_main_loop=False), h100):
+        for fw in (TORCH, megatron):
+            ctx = _ctx(fw, cluster)
+            graph = trace_model("gpt", GPT, ctx=ctx).graph
+            node = next(n for n in graph.ops() if n.op == "aten.linear.default" and n.layer == 0)
+            mesh, strategies, _ = solve_tp(graph, cluster, ctx, 1, 4, False)
+            times[cluster.name, cluster.gemm_stores_after_main_loop, fw.name] = compute_s(
+                node, graph, strategies[node.name], mesh, 4, cluster, ctx)
+    w = graph.tensor(tensor_refs(node)[1]).numel_at(1)  # the weight: the weight-gradient product's result
+    y = node.out.numel_at(4)  # the forward product's result; the input gradient's is the input's
+    x = graph.tensor(tensor_refs(node)[0]).numel_at(4)
+    stream = NODE.hbm_bandwidth_bytes_per_s * NODE.memory_efficiency
+    stored, hidden = times["a100-80gb", True, "torch"], times["a100-80gb", False, "torch"]
+    assert stored[0] - hidden[0] == pytest.approx(2 * y / stream, rel=0.02)
+    assert stored[1] - hidden[1] == pytest.approx(2 * (x + w) / stream, rel=0.02)
+    fused = times["a100-80gb", True, "megatron-core"]
+    assert fused[1] - stored[1] == pytest.approx((8 - 2) * w / stream, rel=0.02)
+    assert times["h100-80gb", False, "megatron-core"] == times["h100-80gb", False, "torch"]
 
 
 def test_fragmentation_and_reserve_shrink_the_usable_memory():

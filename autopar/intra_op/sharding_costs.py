@@ -392,20 +392,32 @@ def weight_grad_s(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec
     gemms = product_gemms(node, graph, strategy, mesh, batch)
     if gemms is None:
         return 0.0
+    fp8 = fp8_linear(node, graph, strategy, mesh, batch, ctx)
+    width = weight_grad_store_bytes(ctx)
+    return sum(gemm_s(cluster, g.m, g.n, g.k, g.batch, fp8) + gemm_store_s(cluster, g.m, g.n, g.batch, width)
+               for i, g in enumerate(gemms[1]) if i in _weight_gemms(node, graph))
+
+
+def _weight_gemms(node: Node, graph: OpGraph) -> tuple[int, ...]:
+    """The positions in ``product_gemms``' backward list of the products that make a parameter's gradient."""
     refs = tensor_refs(node)
     a, b = graph.tensor(refs[0]), graph.tensor(refs[1])
-    bwd = list(gemms[1])
-    weights = []
+    out, i = [], 0
     if a.requires_grad:
-        g = bwd.pop(0)
         if graph[refs[0].name].kind == "param":
-            weights.append(g)
+            out.append(i)
+        i += 1
     if b.requires_grad and graph[refs[1].name].kind == "param":
-        weights.append(bwd[0])
-    fp8 = fp8_linear(node, graph, strategy, mesh, batch, ctx)
-    e = ctx.precision.activation_bytes
-    return sum(gemm_s(cluster, g.m, g.n, g.k, g.batch, fp8) + gemm_store_s(cluster, g.m, g.n, g.batch, e)
-               for g in weights)
+        out.append(i)
+    return tuple(out)
+
+
+def weight_grad_store_bytes(ctx: PassContext) -> float:
+    """Bytes a weight-gradient product moves per element of its result: the gradient it writes, or, where the
+    framework fuses accumulation into it (``Framework.grad_accumulation_fused``: Megatron's
+    ``wgrad_gemm_accum_fp32``, beta = 1), the main gradient it reads and writes again."""
+    fw = ctx.framework
+    return 2 * fw.main_grad_bytes if fw.grad_accumulation_fused else ctx.precision.activation_bytes
 
 
 def _fp8_forward(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec, batch: int,
@@ -558,9 +570,10 @@ def op_timing(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec, ba
     store_f = store_b = 0.0
     if gemms is not None and cluster.gemm_stores_after_main_loop:
         # each product's result is written after its main loop (``kernels.gemm_store_s``), not under it
-        e = ctx.precision.activation_bytes
+        e, weights = ctx.precision.activation_bytes, _weight_gemms(node, graph)
         store_f = sum(gemm_store_s(cluster, g.m, g.n, g.batch, e) for g in gemms[0])
-        store_b = sum(gemm_store_s(cluster, g.m, g.n, g.batch, e) for g in gemms[1])
+        store_b = sum(gemm_store_s(cluster, g.m, g.n, g.batch, weight_grad_store_bytes(ctx) if i in weights else e)
+                      for i, g in enumerate(gemms[1]))
         mem_f, mem_b = max(0.0, mem_f - store_f), max(0.0, mem_b - store_b)
     fwd = max(fwd_c, mem_f) + launch_f + store_f
     bwd = max(bwd_c, mem_b) + launch_b + store_b
