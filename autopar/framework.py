@@ -140,6 +140,10 @@ class Framework:
     """ZeRO levels it implements without pipeline parallelism."""
     zero_levels_with_pp: tuple[int, ...]
     """... and with it."""
+    optimizer_bytes_per_param: float = 28.0
+    """HBM bytes the optimizer step moves per parameter it updates: Adam's own (read the fp32 master weight, both
+    moments and the gradient, write the three back and the 16-bit weight: 28) and the framework's passes around it
+    (gradient copies and unscaling, the clipping norm, the master-to-model copy)."""
     host_op_s: float = 0.0
     """CPU time the runtime spends issuing one traced op (Python, the dispatcher, autograd's bookkeeping), besides
     the driver's launch of its kernels: the host timeline that a stage's GPU time must outlast
@@ -178,6 +182,9 @@ class Framework:
                                      "main_grad_bytes 2 or 4")
         if self.host_op_s < 0 or self.tp_overlap_comm_sms < 0:
             raise FrameworkSpecError(f"framework {self.name}: host_op_s and tp_overlap_comm_sms must be >= 0")
+        if self.optimizer_bytes_per_param < 28:
+            raise FrameworkSpecError(f"framework {self.name}: optimizer_bytes_per_param must be >= 28 (Adam's own "
+                                     "reads and writes)")
         if self.grad_bucket_bytes <= 0:
             raise FrameworkSpecError(f"framework {self.name}: grad_bucket_bytes must be positive")
         if not self.schedules or any(s not in SCHEDULES for s in self.schedules):
@@ -244,7 +251,7 @@ _FIELDS = {f.name for f in fields(Framework)} - {"options"}
 TECHNIQUE_KEYS: dict[str, tuple[str, ...]] = {
     "data_parallel": ("grad_reduce_bytes", "grad_bucket_bytes", "sharded_grad_reduce", "overlap_grad_reduce",
                       "overlap_param_gather", "main_grad_bytes", "state_layout", "zero_levels", "zero_levels_with_pp",
-                      "grad_accumulation_fused"),
+                      "grad_accumulation_fused", "optimizer_bytes_per_param"),
     "zero3": ("zero3_unit", "zero3_prefetch", "zero3_reshard_after_forward", "zero3_copy_bytes_per_param",
               "list_collectives"),
     "tensor_parallel": ("tp_layout", "tp_splits_batch", "tp_comm_overlap", "tp_overlap_comm_sms",

@@ -144,6 +144,7 @@ def framework_overrides_of(case: dict[str, Any]) -> dict[str, Any]:
     if "bf16" in precision and framework_of(case) == "megatron-lm":
         out["grad_reduce_bytes"] = 4  # bf16 forces fp32 gradient accumulation and all-reduce
         out["main_grad_bytes"] = 4
+        out["optimizer_bytes_per_param"] = 42  # the fp32 main gradient needs no copy and no unscaling
     return out
 
 

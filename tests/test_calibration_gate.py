@@ -129,7 +129,6 @@ def test_target_every_row_within_15_percent(results):
     assert max(_errors(rows).values()) <= TARGET_MAX_ABS_ERROR
 
 
-@pytest.mark.xfail(strict=True, reason="issue 29 target not reached: the median row estimates ~7 % fast")
 def test_target_median_within_6_percent(results):
     rows, _ = results
     assert statistics.median(_errors(rows).values()) <= TARGET_MEDIAN_ABS_ERROR

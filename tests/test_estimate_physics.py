@@ -253,6 +253,22 @@ def test_ampere_stores_a_products_result_after_its_main_loop_and_megatron_accumu
     assert times["h100-80gb", False, "megatron-core"] == times["h100-80gb", False, "torch"]
 
 
+def test_the_optimizer_step_streams_the_frameworks_bytes_per_parameter(gpt):
+    # ZeRO-0 updates every local parameter, ZeRO-1 its 1/dp share; a framework's passes around Adam (Megatron's
+    # fp16 copies and unscaling, Composer's op-by-op Adam) cost their bytes at HBM bandwidth
+    cluster = A100.with_overrides(gpus=16)
+    stream = cluster.hbm_bandwidth_bytes_per_s * cluster.memory_efficiency
+    params = sum({n.target: n.out.numel_at(1) for n in gpt.nodes if n.kind == "param"}.values())
+    for zero, share in ((0, 1), (1, 16)):
+        fix = f"dp=16,tp=1,pp=1,mbs=4,recompute=none,zero={zero}"
+        lean, heavy = (_estimate(gpt, fix, TORCH.with_overrides(optimizer_bytes_per_param=b), cluster, 64)
+                       for b in (28, 100))
+        moved = heavy.breakdown["compute_s"] - lean.breakdown["compute_s"]
+        assert moved == pytest.approx(params / share * (100 - 28) / stream, rel=0.01)
+    with pytest.raises(FrameworkSpecError, match="optimizer_bytes_per_param must be >= 28"):
+        TORCH.with_overrides(optimizer_bytes_per_param=20)
+
+
 def test_fragmentation_and_reserve_shrink_the_usable_memory():
     c = load_cluster("a100-80gb")
     assert c.usable_memory_bytes == pytest.approx(77 * 2**30 / 1.05)  # (80 GiB - 3 GiB reserved) / (1 + 5 %)

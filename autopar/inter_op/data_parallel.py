@@ -35,8 +35,6 @@ def zero_options(dp: int, pp: int, fw: Framework) -> list[int]:
     return [z for z in (0, 1, 2, 3) if fw.zero_allowed(z, pp)] if dp > 1 else [0]
 
 
-ADAM_BYTES_PER_PARAM = 28  # read master, m, v (4 each), grad (2); write master, m, v (4 each), weights (2)
-
 
 def zero3_collectives(u: UnitCost, ctx: PassContext) -> tuple[int, float]:
     """How many all-gathers (and reduce-scatters) ZeRO-3 issues per pass over the unit, and the elements
@@ -171,7 +169,7 @@ def iteration_floor_s(dense_params: float, expert_params: float, layout: Layout,
     holding ``dense_params`` and ``expert_params`` local parameters (the mean stage's: each grows with them)."""
     updated = (dense_params / layout.replicas + expert_params / layout.expert_replicas if layout.zero >= 1
                else dense_params + expert_params)  # ``optimizer_params``, without rounding dense + experts - experts
-    return (memory_s(cluster, updated * ADAM_BYTES_PER_PARAM)
+    return (memory_s(cluster, updated * ctx.framework.optimizer_bytes_per_param)
             + grad_accumulation_s(dense_params, layout, cluster, ctx, layout.replicas)
             + grad_accumulation_s(expert_params, layout, cluster, ctx, layout.expert_replicas)
             + dp_sync_floor_s(dense_params, expert_params, layout, links, ctx))
@@ -252,9 +250,10 @@ def _unit_step(d: UnitLoadDraft) -> None:
 
 
 def _time_bound_s(t: UnitTotals, layout: Layout, links: Links, cluster: Cluster, ctx: PassContext) -> float:
-    p = layout.pp  # at the mean stage's trainable parameters
-    return iteration_floor_s((t.dense_params - t.dense_frozen) / p, (t.expert_params - t.expert_frozen) / p, layout,
-                             links, cluster, ctx)
+    p = layout.pp  # at the mean stage's trainable parameters (one stage updates tied ones once)
+    once = t.tied_params - t.tied_frozen if p == 1 else 0.0
+    return iteration_floor_s((t.dense_params - t.dense_frozen - once) / p, (t.expert_params - t.expert_frozen) / p,
+                             layout, links, cluster, ctx)
 
 
 def _bound_reads(layout: Layout) -> tuple:
@@ -281,7 +280,6 @@ TECHNIQUE = Technique("data_parallel", (Knob("zero", low=0, high=3),), expand=_e
                       time_bound_s=_time_bound_s, memory_bound_bytes=_memory_bound_bytes, bound_reads=_bound_reads)
 
 __all__ = [
-    "ADAM_BYTES_PER_PARAM",
     "MAX_MBS",
     "MICRO_BATCHES",
     "TECHNIQUE",

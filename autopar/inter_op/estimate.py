@@ -41,7 +41,8 @@ which only a framework with TP comm overlap (``Framework.tp_comm_overlap``) hide
   clock its power costs (``autopar.interference``).
 - **host**: each pass of a unit costs the longer of its GPU time and the CPU time of issuing its ops
   (``UnitCost.fwd_host_s``): small layers in an eager runtime are host-bound.
-- **optimizer step**: Adam reads and writes 28 bytes per local parameter, memory-bound.
+- **optimizer step**: memory-bound, the framework's bytes per parameter it updates (Adam's 28 and the passes
+  around it, ``Framework.optimizer_bytes_per_param``).
 
 The iteration time is ``m * t_max + bubble + exposed dp communication + optimizer step``, and the
 breakdown adds up to it.
@@ -63,7 +64,6 @@ from typing import Any
 from autopar.cluster import Cluster
 from autopar.inter_op import techniques
 from autopar.inter_op.data_parallel import (
-    ADAM_BYTES_PER_PARAM,
     dp_groups,
     dp_sync_exposed,
     grad_accumulation_s,
@@ -434,21 +434,23 @@ def estimate_layout(graph: OpGraph, costs: dict[str, UnitCost], layout: Layout, 
         member_key = (id(costs), a, b, v_shaped and k == 0, v_shaped and k == p - 1, layout.ep > 1)
         local, expert_local, frozen, frozen_expert, tp_sync = shared.member_sums(costs, members[k], member_key,
                                                                                 layout.ep)
-        trained = local - expert_local - (frozen - frozen_expert)  # frozen ones: no gradient, no update
+        # the one stage holding both ends of a tie accumulates, reduces and updates the shared weights once
+        dense, dense_frozen = local - expert_local - tied, frozen - frozen_expert - tied_frozen
+        trained = dense - dense_frozen  # frozen ones: no gradient, no update
         trained_expert = expert_local - frozen_expert
         accumulate = grad_accumulation_s(trained, layout, cluster, ctx, layout.replicas) \
             + grad_accumulation_s(trained_expert, layout, cluster, ctx, layout.expert_replicas)
         stage = StageCost(span, p2p_cost, accumulate, tp_sync, local, expert_local, frozen, frozen_expert)
         stage_times.append(stage.time_s)
-        groups = dp_groups(local - expert_local, expert_local, frozen - frozen_expert, frozen_expert, links, ctx)
+        groups = dp_groups(dense, expert_local, dense_frozen, frozen_expert, links, ctx)
         dp_exposed = max(dp_exposed, dp_sync_exposed(groups, span.bwd_s, span.fwd_s, layout, cluster, ctx, mix))
         per_stage.append(stage)
     bottleneck = max(range(p), key=lambda k: stage_times[k])
     bn = per_stage[bottleneck].span
     accumulation_s = max(s.accumulate_s for s in per_stage)
-    local_opt = max(optimizer_params(s.local_params - s.frozen_params, s.expert_params - s.frozen_expert_params,
-                                     layout) for s in per_stage)
-    optimizer_s = memory_s(cluster, local_opt * ADAM_BYTES_PER_PARAM)
+    local_opt = max(optimizer_params(s.local_params - s.frozen_params - (tied - tied_frozen),
+                                     s.expert_params - s.frozen_expert_params, layout) for s in per_stage)
+    optimizer_s = memory_s(cluster, local_opt * fw.optimizer_bytes_per_param)
     breakdown = {
         "compute_s": m * bn.compute_s + optimizer_s + accumulation_s,
         "tp_comm_s": m * bn.tp_s + max(s.tp_sync_s for s in per_stage),
