@@ -133,8 +133,11 @@ def test_the_h100_gemm_model_matches_openxla_measurements_at_training_sizes():
 
 #: Megatron-LM's unfused attention on one A100 40GB (FlashAttention paper, Dao et al. 2022, arXiv 2205.14135,
 #: Appendix E: 8 heads of dimension 64, batch 16, fp16, the mean of 100 calls): 2048 tokens, milliseconds
-#: (dropout_p, forward, backward) without a mask, Tables 18-19 (no dropout) and 15-16 (dropout 0.1).
+#: (dropout_p, forward, backward) without a mask, Tables 18-19 (no dropout) and 15-16 (dropout 0.1).  With a padding
+#: mask and no dropout (Tables 12-13) the backward measures 6.49 ms, below the unmasked 8.86: the tables' backward
+#: spreads more than the model's and the mask's reads can explain.
 MEGATRON_ATTENTION_A100_40GB_2048 = ((0.0, 4.28, 8.86), (0.1, 6.56, 10.80))
+MEGATRON_MASKED_BACKWARD_MS = 6.49
 
 
 def _megatron_attention_ms(cluster, dropout: float) -> tuple[float, float]:
@@ -152,12 +155,14 @@ def _megatron_attention_ms(cluster, dropout: float) -> tuple[float, float]:
 def test_megatrons_unfused_attention_on_a100_is_timed_as_measured():
     """Kernel time against kernel time, as for OpenXLA's products: its products with k = 64 write as many bytes as
     the softmax passes stream, and an A100 writes a product's result after its main loop, not under it.  With the
-    store hidden, the forward comes out 17 % fast.  The backward stays 15-20 % fast (the bounds say so)."""
+    store hidden, the forward comes out 17 % fast.  The backward falls between the masked and unmasked
+    measurements (15-20 % under the unmasked ones, the bounds say so)."""
     a100 = load_cluster("a100-40gb")
     for dropout, fwd, bwd in MEGATRON_ATTENTION_A100_40GB_2048:
         f, b = _megatron_attention_ms(a100, dropout)
         assert 0.93 <= f / fwd <= 1.07, (dropout, f, fwd)
         assert 0.75 <= b / bwd <= 1.0, (dropout, b, bwd)
+        assert b >= MEGATRON_MASKED_BACKWARD_MS
     hidden_store = a100.with_overrides(gemm_stores_after_main_loop=False)
     f, _ = _megatron_attention_ms(hidden_store, 0.0)
     assert f / MEGATRON_ATTENTION_A100_40GB_2048[0][1] < 0.9
