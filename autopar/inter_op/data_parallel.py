@@ -35,7 +35,6 @@ def zero_options(dp: int, pp: int, fw: Framework) -> list[int]:
     return [z for z in (0, 1, 2, 3) if fw.zero_allowed(z, pp)] if dp > 1 else [0]
 
 
-
 def zero3_collectives(u: UnitCost, ctx: PassContext) -> tuple[int, float]:
     """How many all-gathers (and reduce-scatters) ZeRO-3 issues per pass over the unit, and the elements
     one device holds gathered at once (the whole unit for a block, else its largest module)."""
