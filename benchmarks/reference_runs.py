@@ -136,9 +136,8 @@ def framework_overrides_of(case: dict[str, Any]) -> dict[str, Any]:
             out["zero3_copy_bytes_per_param"] = 0  # ... so nothing is cast (and FSDP1 copies nothing)
     if _lower(lay.get("fp8_recipe")) == "current":
         out["fp8_scaling"] = "dynamic"  # per-tensor current scaling (TE's Float8CurrentScaling): an amax pass, a cast
-    if _before_sequence_parallelism(case) and framework_of(case) == "megatron-lm":
-        # --gradient-accumulation-fusion came to Megatron-LM in February 2022 (commit 83b1e42f30); the 2021 runs'
-        # DDP added each micro-batch's .grad into the main gradient (model/distributed.py: main_grad.add_)
+    if _before_gradient_accumulation_fusion(case) and framework_of(case) == "megatron-lm":
+        # the 2021 runs' DDP added each micro-batch's .grad into the main gradient (model/distributed.py)
         out["grad_accumulation_fused"] = False
     precision = _lower(lay.get("precision"))
     if "bf16" in precision and framework_of(case) == "megatron-lm":
@@ -176,6 +175,12 @@ def attention_of(case: dict[str, Any]) -> str:
 
 def _before_sequence_parallelism(case: dict[str, Any]) -> bool:
     """Rows from before sequence parallelism (Korthikanti et al. 2022 introduced it): Narayanan et al. 2021."""
+    return "narayanan" in _lower(case.get("source"), case.get("case_id"))
+
+
+def _before_gradient_accumulation_fusion(case: dict[str, Any]) -> bool:
+    """Rows from before Megatron-LM's --gradient-accumulation-fusion (commit 83b1e42f30, February 2022): Narayanan
+    et al. 2021."""
     return "narayanan" in _lower(case.get("source"), case.get("case_id"))
 
 
