@@ -151,8 +151,8 @@ def loss_traffic(graph: OpGraph, node: Node, ctx: PassContext) -> NodeTraffic:
         # log); backward: the multiply and 6 per-token ones (megatron/core/tensor_parallel/cross_entropy.py)
         return NodeTraffic(scale(fwd), scale(bwd), 17 + casts, 7 + casts)
     if kind == "vocab_parallel_fused":
-        fwd = n * (upcast + 2 * FP32_BYTES + 2 * FP32_BYTES)  # the max rides on the upcast's (or a read's) pass
-        fwd += n * (0 if upcast else FP32_BYTES)
+        max_pass = upcast or FP32_BYTES  # the max rides on the upcast's pass, else reads the fp32 logits once
+        fwd = n * (max_pass + 2 * FP32_BYTES + 2 * FP32_BYTES)
         bwd = n * (FP32_BYTES + w if upcast else 2 * FP32_BYTES)
         # forward: the max (with the upcast), the exponential pass, the division and 5 per-token kernels;
         # backward: the multiply (with the cast back) and the scatter at the targets

@@ -393,9 +393,9 @@ def weight_grad_s(node: Node, graph: OpGraph, strategy: Strategy, mesh: MeshSpec
     if gemms is None:
         return 0.0
     fp8 = fp8_linear(node, graph, strategy, mesh, batch, ctx)
-    width = weight_grad_store_bytes(ctx)
+    width, weights = weight_grad_store_bytes(ctx), _weight_gemms(node, graph)
     return sum(gemm_s(cluster, g.m, g.n, g.k, g.batch, fp8) + gemm_store_s(cluster, g.m, g.n, g.batch, width)
-               for i, g in enumerate(gemms[1]) if i in _weight_gemms(node, graph))
+               for i, g in enumerate(gemms[1]) if i in weights)
 
 
 def _weight_gemms(node: Node, graph: OpGraph) -> tuple[int, ...]:
