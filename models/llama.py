@@ -75,9 +75,10 @@ def rope_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fp32: bool = False) -> torch.Tensor:
-    """Rotate pairs (x[..., :d/2], x[..., d/2:]) of ``x`` [b, heads, t, head_dim]; ``fp32``: on an fp32 copy,
+    """Rotate pairs (x[..., :d/2], x[..., d/2:]) of ``x`` [b, t, heads, head_dim]; ``fp32``: on an fp32 copy,
     cast back after (the precision of Meta's reference rotary embedding)."""
     y = x.float() if fp32 else x
+    cos, sin = cos[:, None], sin[:, None]  # [t, 1, head_dim // 2]: one angle per position, for every head
     if fp32:
         cos, sin = cos.float(), sin.float()
     x1, x2 = y.chunk(2, dim=-1)
@@ -97,11 +98,13 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.q(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # [b, heads, t, head_dim]
-        k = self.k(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # [b, kv_heads, t, head_dim]
-        v = self.v(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin, self.rope_fp32), apply_rope(k, cos, sin, self.rope_fp32)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.group > 1)
+        # rotated in [b, t, heads, head_dim], as torchtitan and Meta's reference model do: the attention kernel's
+        # output then has the query's (b, t, heads, head_dim) layout, and the heads go back together as a view
+        q = apply_rope(self.q(x).view(b, t, -1, self.head_dim), cos, sin, self.rope_fp32)
+        k = apply_rope(self.k(x).view(b, t, -1, self.head_dim), cos, sin, self.rope_fp32)
+        v = self.v(x).view(b, t, -1, self.head_dim)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                           enable_gqa=self.group > 1)  # [b, heads, t, head_dim]
         return self.o(y.transpose(1, 2).reshape(b, t, -1))
 
 

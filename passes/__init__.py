@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from autopar.passes.activations import annotate_activations_pass
+from autopar.passes.attention_layout import attention_output_layout_pass
 from autopar.passes.context import PassContext, PrecisionPolicy
 from autopar.passes.flops import annotate_flops_pass
 from autopar.passes.fusion import annotate_fusion_pass
@@ -25,6 +26,7 @@ log = logging.getLogger(__name__)
 Pass = Callable[[OpGraph, PassContext], OpGraph]
 
 DEFAULT_PIPELINE: tuple[Pass, ...] = (
+    attention_output_layout_pass,  # which views of the attention's output copy it: before every pass that reads views
     annotate_flops_pass,  # needs only the traced shapes
     annotate_fusion_pass,  # what compiled blocks fuse: needs the FLOPs (products and attention are not fused)
     annotate_traffic_pass,  # needs the traced shapes, view aliasing and the fusion

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from autopar.passes import PassContext
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import autopar
@@ -83,6 +84,26 @@ def test_view_ops_alias_their_input(gpt_graph):
     assert views and all(n.alias_of for n in views)
     linear = next(n for n in gpt_graph.ops() if n.op == "aten.linear.default")
     assert linear.alias_of is None
+
+
+@pytest.mark.parametrize("ref,config", [("gpt", SMALL_GPT), ("llama", {**SMALL_GPT, "kv_heads": 2})])
+def test_putting_the_heads_back_copies_only_an_unfused_attentions_output(ref, config):
+    """A flash kernel returns its output in the query's (b, s, heads, head_dim) layout, so the model's
+    ``transpose(1, 2).reshape(b, s, hidden)`` is a view; unfused attention's ``probs @ v`` is (b, heads, s,
+    head_dim), so the same reshape copies it, forward and backward."""
+    def heads_joined(attention: str):
+        g = trace_model(ref, config, ctx=PassContext(attention=attention)).graph
+        out = next(n for n in g.ops() if n.op == "aten.linear.default" and n.module.endswith("attn.o"))
+        return g[out.args[0].name]
+
+    joined = heads_joined("flash")
+    assert joined.op == "aten.reshape.default" and joined.alias_of is not None
+    assert joined.annotations["traffic"].fwd_bytes.at(1) == 0
+    joined = heads_joined("math")
+    assert joined.alias_of is None
+    out_bytes = joined.out.numel_at(1) * 2
+    assert joined.annotations["traffic"].fwd_bytes.at(1) == 2 * out_bytes  # read and write, 16-bit
+    assert joined.annotations["traffic"].bwd_bytes.at(1) >= 2 * out_bytes
 
 
 def test_batch_dimension_is_recovered_through_flattening():
