@@ -94,6 +94,8 @@ def test_decorator_takes_keyword_config_and_classes_or_factories():
 
 
 def _torchrun(cwd: Path) -> subprocess.CompletedProcess:
+    """docs/planning.md's ``torchrun --nproc-per-node 4 examples/decorated.py --steps 2`` (tests/test_docs.py
+    leaves it to this test)."""
     return torchrun(EXAMPLE, 4, "--steps", "2", cwd=cwd, timeout=600)
 
 
@@ -109,13 +111,26 @@ def test_under_torchrun_it_plans_once_then_reuses_the_plan(tmp_path):
     assert "autopar: using decorated_plan.json (fingerprint " in second.stderr
     assert second.stdout == first.stdout  # the same plan and seeds train the same losses
     assert (tmp_path / "decorated_plan.json").read_bytes() == saved
-    # a plan of another model in its place is refused, not trained
+
+
+def test_a_plan_of_another_model_in_its_place_is_refused_not_trained(example, tmp_path, monkeypatch, capsys):
+    """Rank 0 of a 4-rank run (a fake process group) finds another model's plan in the plan file: every rank
+    raises the error it broadcasts, and the file is left as it was."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
     other = tmp_path / "other"
     assert autopar.cli.main(["plan", "gpt", "--config", ",".join(f"{k}={v}" for k, v in SMALL.items()),
                              "--cluster", "cpu", "--gpus", "4", "--global-batch", "8", "-o", str(other),
                              "--json"]) == 0
+    capsys.readouterr()
     shutil.copy(other / "plan.json", tmp_path / "decorated_plan.json")
-    third = _torchrun(tmp_path)
-    assert third.returncode != 0
-    assert "decorated_plan.json is not this run's plan: it is for another model" in third.stderr
-    assert "replan=True" in third.stderr
+    monkeypatch.chdir(tmp_path)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        with pytest.raises(AutoparError, match="decorated_plan.json is not this run's plan: it is for another model"
+                                               r".*replan=True"):
+            example.TinyGPT(**example.CONFIG)
+    finally:
+        dist.destroy_process_group()
+    assert (tmp_path / "decorated_plan.json").read_bytes() == (other / "plan.json").read_bytes()
