@@ -61,6 +61,9 @@ VIEW_OPS = frozenset({
     "aten.movedim.int", "aten.swapaxes.default", "aten.tensor_split.sections", "aten.numpy_T.default",
     "aten.mT.default",
 })
+#: Views that move dimensions.
+PERMUTING_VIEW_OPS = frozenset({"aten.transpose.int", "aten.permute.default", "aten.movedim.int",
+                                "aten.swapaxes.default"})
 #: Ops that return a view when their input is contiguous and a copy otherwise.
 VIEW_IF_CONTIGUOUS_OPS = frozenset({
     "aten.reshape.default", "aten.flatten.using_ints", "aten.contiguous.default", "aten.view_as.default",
@@ -472,13 +475,33 @@ def _alias_source(fx_node: torch.fx.Node) -> str | None:
     if op in VIEW_OPS:
         return src.name
     val = src.meta.get("val")
-    if op in VIEW_IF_CONTIGUOUS_OPS and isinstance(val, torch.Tensor) and val.is_contiguous():
+    if op in VIEW_IF_CONTIGUOUS_OPS and isinstance(val, torch.Tensor) and (val.is_contiguous()
+                                                                          or _fused_attention_view(src)):
         return src.name
     out = fx_node.meta.get("val")
     if (op in CONVERSION_OPS and isinstance(val, torch.Tensor) and isinstance(out, torch.Tensor)
             and out.dtype == val.dtype and out.shape == val.shape and out.device == val.device):
         return src.name  # a conversion to the dtype it already has returns its input
     return None
+
+
+def _fused_attention_view(fx_node: torch.fx.Node) -> bool:
+    """Whether ``fx_node`` permutes an attention output that a fused kernel lays out so the permutation is
+    contiguous.  PyTorch's flash and cuDNN kernels allocate the output like the query (``torch.empty_like(query)``,
+    ``alloc_with_matching_layout``): a query handed in as a ``transpose(1, 2)`` of (batch, seq, heads, head_dim)
+    gives an output whose ``transpose(1, 2)`` is contiguous.  The fake kernel the trace ran may be another (the CPU's
+    math kernel under dropout returns a contiguous output), so the query decides.  Unfused attention, whose output
+    is contiguous whatever the query, is ``autopar.passes.attention_layout``'s to undo."""
+    permuted = False
+    while str(fx_node.target) in VIEW_OPS:
+        permuted = permuted or str(fx_node.target) in PERMUTING_VIEW_OPS
+        fx_node = next((a for a in fx_node.args if isinstance(a, torch.fx.Node)), None)
+        if fx_node is None:
+            return False
+    if not permuted or str(fx_node.target) != "aten.scaled_dot_product_attention.default":
+        return False
+    query = fx_node.args[0].meta.get("val") if isinstance(fx_node.args[0], torch.fx.Node) else None
+    return isinstance(query, torch.Tensor) and query.dim() == 4 and query.transpose(1, 2).is_contiguous()
 
 
 def _param_table(nodes: list[Node], aliases: dict[str, str], container: str | None) -> dict[str, ParamInfo]:

@@ -86,11 +86,13 @@ def test_view_ops_alias_their_input(gpt_graph):
     assert linear.alias_of is None
 
 
-@pytest.mark.parametrize("ref,config", [("gpt", SMALL_GPT), ("llama", {**SMALL_GPT, "kv_heads": 2})])
+@pytest.mark.parametrize("ref,config", [("gpt", SMALL_GPT), ("gpt", {**SMALL_GPT, "dropout": 0.1}),
+                                        ("llama", {**SMALL_GPT, "kv_heads": 2})], ids=["gpt", "gpt-dropout", "llama"])
 def test_putting_the_heads_back_copies_only_an_unfused_attentions_output(ref, config):
     """A flash kernel returns its output in the query's (b, s, heads, head_dim) layout, so the model's
-    ``transpose(1, 2).reshape(b, s, hidden)`` is a view; unfused attention's ``probs @ v`` is (b, heads, s,
-    head_dim), so the same reshape copies it, forward and backward."""
+    ``transpose(1, 2).reshape(b, s, hidden)`` is a view, also where the CPU's fake attention ran its math kernel
+    (under dropout); unfused attention's ``probs @ v`` is (b, heads, s, head_dim), so the same reshape copies it,
+    forward and backward."""
     def heads_joined(attention: str):
         g = trace_model(ref, config, ctx=PassContext(attention=attention)).graph
         out = next(n for n in g.ops() if n.op == "aten.linear.default" and n.module.endswith("attn.o"))
