@@ -29,6 +29,25 @@ DTYPE_BYTES: dict[str, int] = {
 }
 
 
+#: Ops whose output is always a view of their first tensor input (``Node.alias_of``).
+VIEW_OPS = frozenset({
+    "aten.view.default", "aten.transpose.int", "aten.permute.default", "aten.t.default", "aten.expand.default",
+    "aten.unsqueeze.default", "aten.squeeze.dim", "aten.squeeze.default", "aten.squeeze.dims", "aten.slice.Tensor",
+    "aten.select.int", "aten.alias.default", "aten.split.Tensor", "aten.split_with_sizes.default",
+    "aten.chunk.default", "aten.unflatten.int", "aten.narrow.default", "aten.unbind.int", "aten.view_as.default",
+    "aten.expand_as.default", "aten.detach.default", "aten.as_strided.default", "aten.diagonal.default",
+    "aten.movedim.int", "aten.swapaxes.default", "aten.tensor_split.sections", "aten.numpy_T.default",
+    "aten.mT.default",
+})
+#: Views that move dimensions: after one, a contiguous tensor is no longer contiguous.
+PERMUTING_VIEW_OPS = frozenset({"aten.transpose.int", "aten.permute.default", "aten.movedim.int",
+                                "aten.swapaxes.default"})
+#: Ops that return a view when their input is contiguous and a copy otherwise.
+VIEW_IF_CONTIGUOUS_OPS = frozenset({
+    "aten.reshape.default", "aten.flatten.using_ints", "aten.contiguous.default", "aten.view_as.default",
+})
+
+
 def is_floating(dtype: str) -> bool:
     return dtype.startswith(("float", "bfloat", "complex"))
 

@@ -47,27 +47,22 @@ from autopar.errors import TraceError
 from autopar.fused_kernels import traced_as_fused_kernels
 from autopar.hf_masks import masks_as_run
 from autopar.inputs import ModelInputs
-from autopar.ir import BatchScaled, LayerInfo, Node, OpGraph, ParamInfo, Ref, TensorInfo, iter_refs, structural_hash
+from autopar.ir import (
+    PERMUTING_VIEW_OPS,
+    VIEW_IF_CONTIGUOUS_OPS,
+    VIEW_OPS,
+    BatchScaled,
+    LayerInfo,
+    Node,
+    OpGraph,
+    ParamInfo,
+    Ref,
+    TensorInfo,
+    iter_refs,
+    structural_hash,
+)
 
 LossFn = Callable[..., torch.Tensor]
-
-#: Ops whose output is always a view of their first tensor input.
-VIEW_OPS = frozenset({
-    "aten.view.default", "aten.transpose.int", "aten.permute.default", "aten.t.default", "aten.expand.default",
-    "aten.unsqueeze.default", "aten.squeeze.dim", "aten.squeeze.default", "aten.squeeze.dims", "aten.slice.Tensor",
-    "aten.select.int", "aten.alias.default", "aten.split.Tensor", "aten.split_with_sizes.default",
-    "aten.chunk.default", "aten.unflatten.int", "aten.narrow.default", "aten.unbind.int", "aten.view_as.default",
-    "aten.expand_as.default", "aten.detach.default", "aten.as_strided.default", "aten.diagonal.default",
-    "aten.movedim.int", "aten.swapaxes.default", "aten.tensor_split.sections", "aten.numpy_T.default",
-    "aten.mT.default",
-})
-#: Views that move dimensions.
-PERMUTING_VIEW_OPS = frozenset({"aten.transpose.int", "aten.permute.default", "aten.movedim.int",
-                                "aten.swapaxes.default"})
-#: Ops that return a view when their input is contiguous and a copy otherwise.
-VIEW_IF_CONTIGUOUS_OPS = frozenset({
-    "aten.reshape.default", "aten.flatten.using_ints", "aten.contiguous.default", "aten.view_as.default",
-})
 
 #: Dtype conversions, which return their input unchanged when it already has the target dtype.
 CONVERSION_OPS = frozenset({"aten.to.dtype", "aten.to.dtype_layout", "aten.to.device", "aten.type_as.default",

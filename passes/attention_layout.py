@@ -13,25 +13,20 @@ from __future__ import annotations
 
 from autopar.passes.context import PassContext
 
-from autopar.ir import Node, OpGraph, Ref
+from autopar.ir import PERMUTING_VIEW_OPS, VIEW_IF_CONTIGUOUS_OPS, Node, OpGraph, Ref
 
 ATTENTION = "aten.scaled_dot_product_attention.default"
-#: Views that move dimensions (``autopar.tracing.PERMUTING_VIEW_OPS``).
-PERMUTING_VIEWS = frozenset({"aten.transpose.int", "aten.permute.default", "aten.movedim.int",
-                             "aten.swapaxes.default"})
-#: Ops that are a view of a contiguous input and a copy of any other (``autopar.tracing.VIEW_IF_CONTIGUOUS_OPS``).
-COPY_IF_STRIDED = frozenset({"aten.reshape.default", "aten.flatten.using_ints", "aten.contiguous.default"})
 
 
 def _reshapes_permuted_attention(graph: OpGraph, node: Node) -> bool:
     """Whether ``node`` reshapes an attention output through a view that moved its dimensions."""
     src = node.args[0] if node.args and isinstance(node.args[0], Ref) else None
-    if node.op not in COPY_IF_STRIDED or src is None:
+    if node.op not in VIEW_IF_CONTIGUOUS_OPS or src is None:
         return False
     permuted = False
     view = graph[src.name]
     while view.alias_of is not None:
-        permuted = permuted or view.op in PERMUTING_VIEWS
+        permuted = permuted or view.op in PERMUTING_VIEW_OPS
         view = graph[view.alias_of]
     return permuted and view.op == ATTENTION
 
