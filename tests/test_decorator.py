@@ -114,8 +114,8 @@ def test_under_torchrun_it_plans_once_then_reuses_the_plan(tmp_path):
 
 
 def test_a_plan_of_another_model_in_its_place_is_refused_not_trained(example, tmp_path, monkeypatch, capsys):
-    """Rank 0 of a 4-rank run (a fake process group) finds another model's plan in the plan file: every rank
-    raises the error it broadcasts, and the file is left as it was."""
+    """Rank 0 of a 4-rank run (a fake process group) finds another model's plan in the plan file: it raises the
+    error it broadcasts to the other ranks (which raise it too), and the file is left as it was."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
