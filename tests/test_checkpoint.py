@@ -272,15 +272,19 @@ def test_a_checkpoint_of_another_model_is_one_error_on_every_rank(tmp_path, caps
 def _agree_on_two_ranks(rank: int, store_path: str, out: str) -> None:
     import torch.distributed as dist
 
+    from autopar.runtime.apply import end_distributed
+
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2)
     try:
         checkpoint._agree("rank 0's own reason" if rank == 0 else None, "another rank's reason")
         message = "no error"
     except AutoparError as exc:
         message = str(exc)
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
     Path(out, f"rank{rank}.txt").write_text(message)
+    end_distributed()  # as the generated scripts leave: no interpreter teardown beside gloo's threads
 
 
 def test_ranks_agree_on_an_error_only_one_of_them_found(tmp_path):
