@@ -88,6 +88,17 @@ class AttentionTable:
                 "seq_len": list(self.seq_len), "tflops": list(self.tflops)}
 
 
+def used_nvlink_domain(gpus: int, gpus_per_node: int, domain: int) -> int:
+    """GPUs of each NVLink domain a job of ``gpus`` uses: all of them within one domain; else the most whole nodes
+    of a domain that tile the job, as Megatron-Bridge's Slurm launcher packs GB200 trays (the largest divisor of the
+    job's nodes up to a rack's 18: ``--segment``, scripts/performance/utils/executors.py), so 256 GPUs run as four
+    racks of 64."""
+    if gpus <= domain:
+        return gpus
+    nodes, per_domain = max(1, gpus // gpus_per_node), max(1, domain // gpus_per_node)
+    return gpus_per_node * next(k for k in range(min(per_domain, nodes), 0, -1) if nodes % k == 0)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Cluster:
     """A homogeneous GPU cluster: nodes of ``gpus_per_node`` devices on a switched fabric.
@@ -329,9 +340,9 @@ class Cluster:
         changes = {k: v for k, v in overrides.items() if v is not None}
         if "gpus" in changes and "gpus_per_node" not in changes and changes["gpus"] < self.gpus_per_node:
             changes["gpus_per_node"] = changes["gpus"]
-        if "gpus" in changes and "nvlink_domain_size" not in changes and self.nvlink_domain_size \
-                and changes["gpus"] < self.nvlink_domain_size:
-            changes["nvlink_domain_size"] = changes["gpus"]  # part of one domain
+        if "gpus" in changes and "nvlink_domain_size" not in changes and self.nvlink_domain_size:
+            per_node = changes.get("gpus_per_node", self.gpus_per_node)
+            changes["nvlink_domain_size"] = used_nvlink_domain(changes["gpus"], per_node, self.nvlink_domain_size)
         try:
             return dataclasses.replace(self, **changes)
         except TypeError as exc:

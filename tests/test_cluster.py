@@ -114,8 +114,21 @@ def test_nvlink_domains_are_whole_nodes_and_tile_the_cluster(tmp_path):
     bad.write_text('base = "a100-80gb"\nnvlink_domain_size = 12\n')
     with pytest.raises(ClusterSpecError, match="multiple of gpus_per_node"):
         load_cluster(str(bad))
+    ragged = tmp_path / "r.toml"
+    ragged.write_text('base = "gb200-nvl72"\ngpus = 100\n')
     with pytest.raises(ClusterSpecError, match="multiple of the NVLink domain"):
-        load_cluster("gb200-nvl72").with_overrides(gpus=100)
+        load_cluster(str(ragged))
+
+
+def test_a_job_that_does_not_fill_whole_racks_uses_the_same_part_of_each():
+    """As Megatron-Bridge's launcher packs GB200 trays (Slurm segments: the largest divisor of the job's trays up
+    to a rack's 18): 256 GPUs run as four racks of 64, 100 as five domains of 20, whole racks stay whole."""
+    nvl72 = load_cluster("gb200-nvl72")
+    assert nvl72.with_overrides(gpus=256).nvlink_domain == 64
+    assert nvl72.with_overrides(gpus=100).nvlink_domain == 20
+    assert nvl72.with_overrides(gpus=144).nvlink_domain == 72
+    assert nvl72.with_overrides(gpus=8).nvlink_domain == 8
+    assert load_cluster("h100-80gb").with_overrides(gpus=256).nvlink_domain == 8  # a DGX's domain is its node
 
 
 def test_tp_is_searched_inside_a_domain_and_across_only_on_a_fast_network():
