@@ -12,6 +12,7 @@ of ``WIDER`` (``calibration.py --references`` on another published table, e.g. l
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import textwrap
 from pathlib import Path
@@ -40,7 +41,11 @@ WIDER = (("llm_foundry_tables", "MosaicML llm-foundry's MPT benchmark tables (FS
          ("torchtitan_h100_tables", "torchtitan's H100 runs of Llama 3.1 8B eager, compiled and compiled with Float8 "
           "(FSDP, 8 and 128 GPUs; what torch.compile and compiled FP8 casts buy)",
           "python benchmarks/calibration.py --references benchmarks/reference/torchtitan_h100_tables.json "
-          "--output benchmarks/results/torchtitan_h100_tables.json"))
+          "--output benchmarks/results/torchtitan_h100_tables.json"),
+         ("nvidia_blackwell_tables", "NVIDIA's published Blackwell FP8 runs (Megatron-Bridge 25.11 and 26.06: DGX B200 "
+          "and GB200 NVL72, beside the H100 run of the same model and release; 8-1024 GPUs)",
+          "python benchmarks/calibration.py --references benchmarks/reference/nvidia_blackwell_tables.json "
+          "--output benchmarks/results/nvidia_blackwell_tables.json"))
 
 
 #: Models other than decoder LMs: (results file stem, what, command); each row shown, none pooled into the per-GPU
@@ -179,7 +184,32 @@ def _wider_checks() -> list[str]:
         lines += [f"## Wider check: {what}", "", f"Written by `{command}`; none of these rows set a number of the",
                   "cost model.", ""]
         lines += _by_gpu(rows)
+        lines += _generations(rows)
     return lines
+
+
+#: A wider row's case id: (what ran, GPUs, GPU type, precision), e.g. ``mbridge2606_llama31_405b_256_gb200_fp8``.
+_CASE = re.compile(r"^(?P<what>.+)_(?P<gpus>\d+)_(?P<gpu>[a-z0-9]+)_(?P<precision>bf16|fp8)$")
+
+
+def _generations(rows: list[dict[str, Any]]) -> list[str]:
+    """What one GPU type does per GPU over another, measured and estimated, where a table ran the same model and
+    global batch on both (case ids alike but for the GPUs): the ratio capacity planning across GPU types rests on."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        if (m := _CASE.match(r["case_id"])) and r.get("error") is not None:
+            groups.setdefault((m["what"], m["precision"]), []).append(r)
+    lines = []
+    for (what, precision), group in sorted(groups.items()):
+        if len({r["cluster"] for r in group}) < 2:
+            continue
+        base, *others = sorted(group, key=lambda r: r["measured_s"] * r["gpus"], reverse=True)  # slowest per GPU
+        for r in others:
+            measured = base["measured_s"] * base["gpus"] / (r["measured_s"] * r["gpus"])
+            estimated = base["estimate_s"] * base["gpus"] / (r["estimate_s"] * r["gpus"])
+            lines.append(f"- {what} ({precision}): {r['cluster']} over {base['cluster']}, per GPU: measured "
+                         f"{measured:.2f}x, estimated {estimated:.2f}x ({estimated / measured - 1:+.1%}).")
+    return [*lines, ""] if lines else []
 
 
 def _beyond_decoders() -> list[str]:

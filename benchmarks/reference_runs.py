@@ -154,14 +154,16 @@ def _before_flash_attention(case: dict[str, Any]) -> bool:
 
 
 def attention_of(case: dict[str, Any]) -> str:
-    """The row's attention kernel: unfused before FlashAttention; Megatron-Core on Hopper runs Transformer
-    Engine's cuDNN fused attention (FlashAttention-3 class); llm-foundry's tables MPT's Triton kernel
-    (FlashAttention v1 class); other rows FlashAttention-2.  A row may name its kernel (``layout.attention_kernel``)."""
+    """The row's attention kernel: unfused before FlashAttention; Megatron-Core on Hopper and Blackwell runs
+    Transformer Engine's cuDNN fused attention (FlashAttention-3 class; FlashAttention-4's on Blackwell);
+    llm-foundry's tables MPT's Triton kernel (FlashAttention v1 class); other rows FlashAttention-2.  A row may
+    name its kernel (``layout.attention_kernel``)."""
     if case.get("layout", {}).get("attention_kernel"):
         return case["layout"]["attention_kernel"]
     if _before_flash_attention(case):
         return "math"
-    if framework_of(case) in ("megatron-core", "nemo") and "h100" in _lower(case["cluster"].get("gpu")):
+    if framework_of(case) in ("megatron-core", "nemo") and any(g in _lower(case["cluster"].get("gpu"))
+                                                                for g in ("h100", "b200")):
         return "flash3"
     if framework_of(case) == "llm-foundry":
         # The benchmark tables (scripts/train/benchmarking/README.md, last regenerated 2023-10 and 2024-01) come
@@ -223,6 +225,10 @@ def cluster_of(case: dict[str, Any]) -> Cluster:
     fabric = _lower(c.get("inter_node"))
     if "h100" in gpu:
         preset = "h100-80gb-roce" if "roce" in fabric else "h100-80gb"
+    elif "gb200" in gpu:
+        preset = "gb200-nvl72"
+    elif "b200" in gpu:
+        preset = "b200"
     elif "40gb" in gpu:
         preset = "a100-40gb"
     else:

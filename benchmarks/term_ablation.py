@@ -31,7 +31,8 @@ import calibration
 import reference_runs
 
 RESULTS = Path(__file__).resolve().parent / "results" / "term_ablation.json"
-TABLES = ("calibration", "llm_foundry_tables", "megatron_core_h100_table", "nvidia_h100_tables")
+TABLES = ("calibration", "llm_foundry_tables", "megatron_core_h100_table", "nvidia_h100_tables",
+          "nvidia_blackwell_tables")
 
 
 def _without(term: str, run: reference_runs.ReferenceRun) -> reference_runs.ReferenceRun:

@@ -31,7 +31,7 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 GUARD_MAX_ABS_ERROR = 0.20
 GUARD_MEDIAN_ABS_ERROR = 0.07
 GUARD_SIGNED_MEDIAN = -0.07  # the median row is estimated at most 7 % fast
-KNOWN_REFUSED = {"llama3_405b_8192_cp1"}  # Llama 3's schedule keeps fewer micro-batches in flight than any we can price
+KNOWN_REFUSED = {"llama3_405b_8192_cp1"}  # saves more per layer than fits (test_target_no_refused_layout)
 #: Issue 29's acceptance.
 TARGET_MAX_ABS_ERROR = 0.15
 TARGET_MEDIAN_ABS_ERROR = 0.06
@@ -45,6 +45,10 @@ GUARD_DIT_ABS_ERROR = 0.45
 #: NVIDIA's H100 BF16/FP8 runs today, as a guard against a correction that only makes H100 estimates slower.
 GUARD_NVIDIA_MEDIAN = 0.06
 GUARD_NVIDIA_SIGNED = 0.03
+#: NVIDIA's Blackwell FP8 runs today (within 7 %), and the GB200-over-H100 speed-up per GPU of the one model a release
+#: ran on both (2.54x estimated, 2.59x measured): what capacity planning across GPU types rests on.
+GUARD_BLACKWELL_ABS_ERROR = 0.10
+GUARD_GENERATION_RATIO = 0.05
 
 #: llm-foundry runs (benchmarks/reference/llm_foundry_tables.json) whose estimated peak memory comes closest
 #: to their GPU's (82-89 % of it, 90-100 % of what the planner counts usable), one per model, sequence and GPU
@@ -151,7 +155,8 @@ def test_target_no_refused_layout(results):
     assert not [r for r in rows if r["error"] is None or r.get("fits") is False]
 
 
-WIDER = ("llm_foundry_tables", "megatron_core_h100_table", "nvidia_h100_tables", "beyond_decoders")
+WIDER = ("llm_foundry_tables", "megatron_core_h100_table", "nvidia_h100_tables", "nvidia_blackwell_tables",
+         "beyond_decoders")
 
 
 @pytest.fixture(scope="module")
@@ -198,6 +203,20 @@ def test_guard_nvidia_h100_runs_stay_balanced_in_bf16_and_fp8(wider):
     for (gpu, precision), errors in _by_gpu(wider["nvidia_h100_tables"]).items():
         assert statistics.median(abs(e) for e in errors) <= GUARD_NVIDIA_MEDIAN, (gpu, precision)
         assert abs(statistics.median(errors)) <= GUARD_NVIDIA_SIGNED, (gpu, precision)
+
+
+def test_guard_blackwell_runs_and_the_speed_up_over_hopper(wider):
+    """NVIDIA's B200 and GB200 runs each within 10 %, and Llama 3.1 405B's per-GPU speed-up from 1024 H100s to 256
+    GB200s (one Megatron-Bridge release, one global batch) within 5 % of the published one."""
+    rows = {r["case_id"]: r for r in wider["nvidia_blackwell_tables"]}
+    for (gpu, _), errors in _by_gpu(rows.values()).items():
+        assert all(abs(e) <= GUARD_BLACKWELL_ABS_ERROR for e in errors), gpu
+    hopper, blackwell = rows["mbridge2606_llama31_405b_1024_h100_fp8"], rows["mbridge2606_llama31_405b_256_gb200_fp8"]
+
+    def speed_up(key: str) -> float:
+        return hopper[key] * hopper["gpus"] / (blackwell[key] * blackwell["gpus"])
+
+    assert speed_up("estimate_s") == pytest.approx(speed_up("measured_s"), rel=GUARD_GENERATION_RATIO)
 
 
 def test_guard_beyond_decoders(wider):

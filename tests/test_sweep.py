@@ -130,6 +130,7 @@ def test_accuracy_notes_come_from_the_published_runs() -> None:
     note = accuracy_note("h100-80gb", "bf16")
     assert note.startswith("h100-80gb estimates: median error ") and "published runs" in note
     assert accuracy_note("b200", "bf16") == "b200: no published run to check its estimates against"
+    assert accuracy_note("b200", "fp8").startswith("b200 estimates: median error ")  # Megatron-Bridge's FP8 runs
 
 
 def test_cache_serves_the_same_model_traced_again() -> None:
@@ -185,7 +186,7 @@ def test_sweep_writes_its_report(tiny_sweep: Path) -> None:
         assert plan.estimate["iteration_time_s"] == pytest.approx(p["iteration_time_s"], rel=1e-6)
         assert p["wall_s"] == pytest.approx(20e9 / p["tokens_per_s"] / p["goodput"])
     assert points["h100-80gb-8"]["scaling_efficiency"] == 1.0
-    assert points["gb200-nvl72-8"]["error_band"] is None  # no published GB200 run
+    assert points["gb200-nvl72-8"]["error_band"] is None  # no published GB200 run in BF16
     assert points["h100-80gb-8"]["error_band"] > 0
     rows = list(csv.DictReader(io.StringIO((tiny_sweep / "points.csv").read_text())))
     assert [r["point"] for r in rows] == [p["point"] for p in data["points"]]
