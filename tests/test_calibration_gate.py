@@ -206,8 +206,9 @@ def test_guard_nvidia_h100_runs_stay_balanced_in_bf16_and_fp8(wider):
 
 
 def test_guard_blackwell_runs_and_the_speed_up_over_hopper(wider):
-    """NVIDIA's B200 and GB200 runs each within 10 %, and Llama 3.1 405B's per-GPU speed-up from 1024 H100s to 256
-    GB200s (one Megatron-Bridge release, one global batch) within 5 % of the published one."""
+    """Each run of the table (B200, GB200, and the H100 run beside them) within 10 %, and Llama 3.1 405B's per-GPU
+    speed-up from 1024 H100s to 256 GB200s (one Megatron-Bridge release, one global batch) within 5 % of the
+    published one."""
     rows = {r["case_id"]: r for r in wider["nvidia_blackwell_tables"]}
     for (gpu, _), errors in _by_gpu(rows.values()).items():
         assert all(abs(e) <= GUARD_BLACKWELL_ABS_ERROR for e in errors), gpu
