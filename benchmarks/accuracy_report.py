@@ -42,8 +42,9 @@ WIDER = (("llm_foundry_tables", "MosaicML llm-foundry's MPT benchmark tables (FS
           "(FSDP, 8 and 128 GPUs; what torch.compile and compiled FP8 casts buy)",
           "python benchmarks/calibration.py --references benchmarks/reference/torchtitan_h100_tables.json "
           "--output benchmarks/results/torchtitan_h100_tables.json"),
-         ("nvidia_blackwell_tables", "NVIDIA's published Blackwell FP8 runs (Megatron-Bridge 25.11 and 26.06: DGX B200 "
-          "and GB200 NVL72, beside the H100 run of the same model and release; 8-1024 GPUs)",
+         ("nvidia_blackwell_tables", "NVIDIA's published Blackwell FP8 runs (NeMo 25.02 and 25.04, Megatron-Bridge "
+          "25.11 and 26.06: DGX B200 and GB200 NVL72, beside the H100 runs of the same models and releases; "
+          "8-1024 GPUs)",
           "python benchmarks/calibration.py --references benchmarks/reference/nvidia_blackwell_tables.json "
           "--output benchmarks/results/nvidia_blackwell_tables.json"))
 

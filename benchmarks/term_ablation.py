@@ -12,6 +12,8 @@ at a time, and the per-GPU median signed errors are printed and written to ``res
   ``Cluster.gemm_stores_after_main_loop``).
 
     python benchmarks/term_ablation.py [--tables calibration,nvidia_h100_tables]
+
+``--tables`` reruns those tables and replaces their entries in the results file, keeping the others'.
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tables", default=",".join(TABLES))
     args = ap.parse_args()
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     t0 = time.perf_counter()
     for stem in args.tables.split(","):
         out[stem] = {}
