@@ -70,8 +70,10 @@ def render_show(plan: Plan, console: Console) -> None:
     head.add_column("value")
     model = plan.model
     head.add_row("model", f"{model['ref']} ({model['num_layers']} layers, fingerprint {model['fingerprint'][:12]})")
+    domain = plan.cluster.get("nvlink_domain_size") or 0  # NVL72 racks: the part of each one the job uses
     head.add_row("cluster", f"{plan.cluster['name']}: {plan.cluster['gpus']} x {plan.cluster['device']}, "
-                            f"{plan.cluster['gpus_per_node']} per node")
+                            f"{plan.cluster['gpus_per_node']} per node"
+                 + (f", NVLink domains of {domain}" if domain > plan.cluster["gpus_per_node"] else ""))
     axes = " x ".join(f"{a}={n}" for a, n in zip(plan.mesh["axes"], plan.mesh["shape"]))
     head.add_row("mesh", f"{axes} = {plan.num_devices} devices (ranks: pp outermost, tp innermost)")
     head.add_row("layout", layout_text(lay))

@@ -127,3 +127,13 @@ def test_show_refuses_a_file_that_is_not_a_plan(tmp_path, capsys):
     assert main(["show", str(bad)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "not a JSON plan file" in err
+
+
+def test_show_names_the_part_of_each_rack_a_gb200_job_uses(tmp_path, capsys):
+    """256 GB200s are not whole NVL72 racks: the plan uses 64 GPUs of each (docs/clusters.md), and says so."""
+    out = tmp_path / "gb200"
+    assert main(["plan", "gpt", "--config", GPT, "--cluster", "gb200-nvl72", "--gpus", "256", "--global-batch", "256",
+                 "-o", str(out), "--json"]) == 0
+    capsys.readouterr()
+    assert main(["show", str(out / "plan.json")]) == 0
+    assert "256 x B200 (GB200 NVL72), 4 per node, NVLink domains of 64" in "\n".join(_lines(capsys))
