@@ -49,13 +49,16 @@ MAX_TOKENS = 8192
 
 def reference_gemm_shapes(limit: int = MAX_SHAPES) -> list[tuple[int, int, int]]:
     """(m, n, k) of the forward products of the reference rows' layers and heads on one tp rank, for a micro-batch of
-    one sequence of at most ``MAX_TOKENS`` tokens, deduplicated, the largest first."""
+    one sequence of at most ``MAX_TOKENS`` tokens, deduplicated, the largest first.  Rows of decoder LMs only: a row
+    that names a model file (``benchmarks/reference/beyond_decoders.json``) has no decoder's shapes to list."""
     shapes: set[tuple[int, int, int]] = set()
     for path in sorted(REFERENCE_DIR.glob("*.json")):
         if path.name == "sweeps.json":
             continue
         for case in load_calibration(path):
             m, lay = case["model"], case.get("layout", {})
+            if m.get("file"):
+                continue
             tp, cp = lay.get("tp") or 1, lay.get("cp") or 1
             tokens = min(MAX_TOKENS, m["seq_len"] // cp)
             h, heads = m["hidden"], m["heads"]
