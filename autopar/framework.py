@@ -144,6 +144,11 @@ class Framework:
     """HBM bytes the optimizer step moves per parameter it updates: Adam's own (read the fp32 master weight, both
     moments and the gradient, write the three back and the 16-bit weight: 28) and the framework's passes around it
     (gradient copies and unscaling, the clipping norm, the master-to-model copy)."""
+    metric_cross_entropies: int = 0
+    """Cross-entropies of the logits the training loop computes per micro-batch besides the loss, outside autograd, for
+    its training metrics: each a forward of PyTorch's cross-entropy under autocast (an fp32 copy of the logits and
+    its ``log_softmax``).  Composer updates MosaicML's language-model metrics (``LanguageCrossEntropy``,
+    ``LanguagePerplexity``) after every micro-batch's backward: 2 for llm-foundry."""
     host_op_s: float = 0.0
     """CPU time the runtime spends issuing one traced op (Python, the dispatcher, autograd's bookkeeping), besides
     the driver's launch of its kernels: the host timeline that a stage's GPU time must outlast
@@ -211,6 +216,9 @@ class Framework:
         if self.cross_entropy not in CROSS_ENTROPIES:
             raise FrameworkSpecError(f"framework {self.name}: cross_entropy must be one of "
                                      f"{', '.join(CROSS_ENTROPIES)}")
+        if isinstance(self.metric_cross_entropies, bool) or not isinstance(self.metric_cross_entropies, int) \
+                or self.metric_cross_entropies < 0:
+            raise FrameworkSpecError(f"framework {self.name}: metric_cross_entropies must be a whole number >= 0")
         if self.fp8_scaling not in FP8_SCALINGS:
             raise FrameworkSpecError(f"framework {self.name}: fp8_scaling must be one of {', '.join(FP8_SCALINGS)}")
         if self.zero3_unit not in ZERO_UNITS:
@@ -260,7 +268,7 @@ TECHNIQUE_KEYS: dict[str, tuple[str, ...]] = {
                  "pp_scatter_gather_grads", "interleaved_groups"),
     "context_parallelism": ("context_parallel",),
     "recompute": ("recompute_early_stop", "selective_recompute"),
-    "loss": ("cross_entropy",),
+    "loss": ("cross_entropy", "metric_cross_entropies"),
     "fp8": ("fp8_scaling", "fp8_param_gather"),
     "compile": ("compiles_blocks",),
     "host": ("host_op_s",),

@@ -9,7 +9,9 @@ at a time, and the per-GPU median signed errors are printed and written to ``res
 - ``host``: launching costs the host nothing (no host-bound passes);
 - ``kernel_latency``: a product kernel has no fixed time beyond the gap every kernel pays;
 - ``gemm_store``: products store their results beside their main loop on every device (Ampere's store after it,
-  ``Cluster.gemm_stores_after_main_loop``).
+  ``Cluster.gemm_stores_after_main_loop``);
+- ``metrics``: the training loop computes no metric over the logits (``Framework.metric_cross_entropies``: Composer's
+  two cross-entropies per micro-batch in llm-foundry).
 
     python benchmarks/term_ablation.py [--tables calibration,nvidia_h100_tables]
 
@@ -35,6 +37,7 @@ import reference_runs
 RESULTS = Path(__file__).resolve().parent / "results" / "term_ablation.json"
 TABLES = ("calibration", "llm_foundry_tables", "megatron_core_h100_table", "nvidia_h100_tables",
           "nvidia_blackwell_tables")
+TERMS = ("power", "interference", "host", "kernel_latency", "gemm_store", "metrics")
 
 
 def _without(term: str, run: reference_runs.ReferenceRun) -> reference_runs.ReferenceRun:
@@ -51,6 +54,8 @@ def _without(term: str, run: reference_runs.ReferenceRun) -> reference_runs.Refe
         c = dataclasses.replace(c, gemm_latency_s=c.kernel_gap_s)
     elif term == "gemm_store":
         c = dataclasses.replace(c, gemm_stores_after_main_loop=False)
+    elif term == "metrics":
+        fw["metric_cross_entropies"] = 0
     return dataclasses.replace(run, cluster=c, framework_overrides=fw)
 
 
@@ -84,7 +89,7 @@ def main() -> None:
     t0 = time.perf_counter()
     for stem in args.tables.split(","):
         out[stem] = {}
-        for term in (None, "power", "interference", "host", "kernel_latency", "gemm_store"):
+        for term in (None, *TERMS):
             out[stem][term or "full model"] = summary(estimate_table(stem, term))
         full = out[stem]["full model"]
         print(f"{stem}: median signed error by GPU, full model and with each term off")

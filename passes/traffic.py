@@ -134,32 +134,55 @@ def loss_traffic(graph: OpGraph, node: Node, ctx: PassContext) -> NodeTraffic:
     Logits the model already upcast (``logits.float()``, priced as its own op) skip both casts.  ``fused``
     (FlashAttention's ``CrossEntropyLoss``): one online-softmax pass reads the logits; backward rewrites them in
     place (read and write).
+
+    The framework's training metrics (``Framework.metric_cross_entropies``) add the forward of an ``autocast``
+    cross-entropy each, after the backward.
     """
     logits = graph.tensor(node.args[0])
     w = graph.width(logits, ctx.precision.activation_bytes)
     n = logits.numel_at(1)
     scale = (lambda b: BatchLinear(b, 0.0)) if logits.batch_dim is not None else (lambda b: BatchLinear(0.0, b))
-    kind = ctx.framework.cross_entropy
-    if kind == "fused":
-        return NodeTraffic(scale(n * w), scale(n * 2 * w), 1, 1)
     upcast, cast_back = (w + FP32_BYTES, FP32_BYTES + w) if w < FP32_BYTES else (0, 0)
     casts = 1 if upcast else 0  # the casts are kernels of their own
+    metrics = ctx.framework.metric_cross_entropies
+    loss = _loss_traffic(ctx.framework.cross_entropy, n, w, upcast, cast_back, casts)
+    if not metrics:
+        return NodeTraffic(scale(loss.fwd_bytes), scale(loss.bwd_bytes), loss.fwd_kernels, loss.bwd_kernels)
+    metric = _loss_traffic("autocast", n, w, upcast, cast_back, casts)
+    return NodeTraffic(scale(loss.fwd_bytes + metrics * metric.fwd_bytes), scale(loss.bwd_bytes),
+                       loss.fwd_kernels + metrics * metric.fwd_kernels, loss.bwd_kernels)
+
+
+@dataclass(frozen=True, slots=True)
+class _LossPasses:
+    """A cross-entropy's bytes and kernels per row of logits (``loss_traffic``)."""
+
+    fwd_bytes: float
+    bwd_bytes: float
+    fwd_kernels: int
+    bwd_kernels: int
+
+
+def _loss_traffic(kind: str, n: float, w: float, upcast: float, cast_back: float, casts: int) -> _LossPasses:
+    """``loss_traffic``'s passes of a ``kind`` cross-entropy over rows of ``n`` logits ``w`` bytes wide."""
+    if kind == "fused":
+        return _LossPasses(n * w, n * 2 * w, 1, 1)
     if kind == "vocab_parallel":
         fwd = n * (upcast + FP32_BYTES + 2 * FP32_BYTES + 2 * FP32_BYTES + FP32_BYTES + 2 * FP32_BYTES)
         bwd = n * (2 * FP32_BYTES + cast_back)
         # forward: max, subtract, exponential, sum, divide and 12 per-token kernels (the masks, the gather, the
         # log); backward: the multiply and 6 per-token ones (megatron/core/tensor_parallel/cross_entropy.py)
-        return NodeTraffic(scale(fwd), scale(bwd), 17 + casts, 7 + casts)
+        return _LossPasses(fwd, bwd, 17 + casts, 7 + casts)
     if kind == "vocab_parallel_fused":
         max_pass = upcast or FP32_BYTES  # the max rides on the upcast's pass, else reads the fp32 logits once
         fwd = n * (max_pass + 2 * FP32_BYTES + 2 * FP32_BYTES)
         bwd = n * (FP32_BYTES + w if upcast else 2 * FP32_BYTES)
         # forward: the max (with the upcast), the exponential pass, the division and 5 per-token kernels;
         # backward: the multiply (with the cast back) and the scatter at the targets
-        return NodeTraffic(scale(fwd), scale(bwd), 8, 2)
+        return _LossPasses(fwd, bwd, 8, 2)
     fwd = n * (upcast + 2 * FP32_BYTES + FP32_BYTES)
     bwd = n * (FP32_BYTES + 2 * FP32_BYTES + FP32_BYTES + cast_back)
-    return NodeTraffic(scale(fwd), scale(bwd), 2 + casts, 2 + casts)
+    return _LossPasses(fwd, bwd, 2 + casts, 2 + casts)
 
 
 def fused_traffic(graph: OpGraph, node: Node, fused: FusedIO, ctx: PassContext) -> NodeTraffic:

@@ -33,16 +33,18 @@ class StageSplit:
 
 
 def stage_memory_bytes(state_bytes: list[float], activation_bytes: list[float], extra_bytes: list[float],
-                       in_flight: float) -> float:
+                       in_flight: float, after_bytes: list[float] | None = None) -> float:
     """Peak memory of a stage running these units (in order), ``in_flight`` micro-batches deep.
 
     Every unit's state, the saved activations of the other ``in_flight - 1`` micro-batches, and, for the
     micro-batch at hand, the worst moment of its pass: while unit ``k`` runs (its forward, or its backward
     with any recomputation) the activations of units ``<= k`` are held, plus ``extra_bytes[k]``; those of
     the units after ``k`` are not yet made in forward and already freed in backward.  So a layer's
-    recomputation never coexists with the head's saved logits of the same micro-batch.
+    recomputation never coexists with the head's saved logits of the same micro-batch.  ``after_bytes[k]``: what
+    unit ``k`` holds once the micro-batch's backward is over and its activations are freed (a training loop's
+    metrics over the logits).
     """
-    peak, held = 0.0, 0.0
+    peak, held = max(after_bytes or [0.0]), 0.0
     for act, extra in zip(activation_bytes, extra_bytes, strict=True):
         held += act
         peak = max(peak, held + extra)
@@ -51,11 +53,11 @@ def stage_memory_bytes(state_bytes: list[float], activation_bytes: list[float], 
 
 def split_stages(time_s: list[float], state_bytes: list[float], activation_bytes: list[float],
                  in_flight: list[float], budget_bytes: float, extra_bytes: list[float] | None = None,
-                 ) -> StageSplit | None:
+                 after_bytes: list[float] | None = None) -> StageSplit | None:
     """Best split of ``len(time_s)`` units into ``len(in_flight)`` non-empty stages; ``None`` if none fits.
 
     ``extra_bytes[u]``: memory unit ``u`` needs on top while it runs (e.g. a recomputed layer's
-    activations); a stage needs ``stage_memory_bytes``.
+    activations); ``after_bytes[u]``: what it holds after the backward; a stage needs ``stage_memory_bytes``.
     """
     n, p = len(time_s), len(in_flight)
     if p > n:
@@ -70,6 +72,9 @@ def split_stages(time_s: list[float], state_bytes: list[float], activation_bytes
     table = np.where(j_idx[:n, :n] >= i_idx[:n, :n], (a[1:] + extra)[None, :], -np.inf)
     peak = np.zeros((n + 1, n + 1))
     peak[:n, 1:] = np.maximum(np.maximum.accumulate(table, axis=1) - a[:n, None], 0.0)
+    if after_bytes is not None and any(after_bytes):
+        after = np.where(j_idx[:n, :n] >= i_idx[:n, :n], np.asarray(after_bytes, dtype=float)[None, :], 0.0)
+        peak[:n, 1:] = np.maximum(peak[:n, 1:], np.maximum.accumulate(after, axis=1))
     valid = j_idx > i_idx
     cost = np.where(valid, t[j_idx] - t[i_idx], np.inf)
     inf = np.inf
@@ -104,6 +109,7 @@ class UnitLoad:
     state_bytes: float
     activation_bytes: float
     extra_bytes: float = 0.0
+    after_bytes: float = 0.0  # held after the micro-batch's backward, when its activations are freed
 
 
 @functools.lru_cache(maxsize=65536)
@@ -127,13 +133,14 @@ def split_uniform_stages(pre: UnitLoad, layer: UnitLoad, post: UnitLoad, num_lay
         first, last = (pre if k == 0 else None), (post if k == p - 1 else None)
         a_first = first.activation_bytes if first else 0.0
         held = a_first + n * layer.activation_bytes
-        peak = max(0.0, a_first + first.extra_bytes if first else 0.0, held + layer.extra_bytes if n else 0.0)
+        peak = max(0.0, a_first + first.extra_bytes if first else 0.0, held + layer.extra_bytes if n else 0.0,
+                   first.after_bytes if first else 0.0, layer.after_bytes if n else 0.0)
         state = n * layer.state_bytes
         if first:
             state += first.state_bytes
         if last:
             held += last.activation_bytes
-            peak = max(peak, held + last.extra_bytes)
+            peak = max(peak, held + last.extra_bytes, last.after_bytes)
             state += last.state_bytes
         return state + (in_flight[k] - 1) * held + peak
 

@@ -185,6 +185,39 @@ def test_a_loss_on_logits_the_model_upcast_casts_nothing():
         assert (traffic.fwd_bytes.at(1) / logits, traffic.bwd_bytes.at(1) / logits) == (fwd, bwd)
 
 
+def test_training_metrics_stream_the_logits_again_after_the_backward_and_hold_them():
+    """Composer (llm-foundry) updates two cross-entropy metrics after every micro-batch's backward: each the forward
+    of an autocast cross-entropy (upcast 2 + 4, log_softmax 8 + 4) on top of the fused loss's (read 2; backward
+    read and rewrite, 4), and, once the activations are freed, the kept 16-bit logits with one metric's fp32 copy
+    and log-probabilities."""
+    fused = TORCH.with_overrides(cross_entropy="fused")
+    metered = fused.with_overrides(metric_cross_entropies=2)
+    traffic = {}
+    for fw in (fused, metered):
+        graph = trace_model("gpt", GPT, ctx=_ctx(fw, NODE)).graph
+        node = _loss_node(graph)
+        logits = graph.tensor(node.args[0]).numel_at(1)
+        t = node.annotations["traffic"]
+        traffic[fw.metric_cross_entropies] = (t.fwd_bytes.at(1) / logits, t.bwd_bytes.at(1) / logits,
+                                              t.fwd_kernels, t.bwd_kernels)
+    assert traffic[0] == (2, 4, 1, 1)
+    assert traffic[2] == (2 + 2 * 18, 4, 1 + 2 * 3, 1)
+    # memory: no activation is held beside them (full recomputation keeps little), so with a large vocabulary
+    # the metrics set the peak, 10 B per logit above the state; without them the forward's is lower
+    cluster = A100.with_overrides(gpus=8)
+    fix = "dp=8,tp=1,pp=1,mbs=4,recompute=full,zero=3"
+    big_vocab = {**GPT, "vocab": 65536}
+    peaks = {}
+    for fw in (fused, metered):
+        graph = trace_model("gpt", big_vocab, ctx=_ctx(fw, cluster)).graph
+        peaks[fw.metric_cross_entropies] = _estimate(graph, fix, fw, cluster, 32).peak_memory_bytes
+    logits = 4 * 1024 * 65536
+    assert peaks[2] > peaks[0] + 5 * logits
+    assert peaks[2] < peaks[0] + 10 * logits  # not stacked on the forward's activations and loss
+    with pytest.raises(FrameworkSpecError, match="metric_cross_entropies"):
+        load_framework("torch").with_overrides(metric_cross_entropies=-1)
+
+
 def test_megatrons_vocab_parallel_loss_rewrites_its_fp32_copy_in_place():
     # per logit, forward: the upcast (2 + 4), a max (4), then in place a subtraction (4 + 4), an exponential
     # (4 + 4), a sum (4) and a division (4 + 4); backward: the in-place multiply (4 + 4) and the cast back (4 + 2).

@@ -77,16 +77,35 @@ def test_a_layers_recomputation_does_not_stack_on_the_heads_saved_logits():
     assert split is not None and split.stage_memory_bytes == (9.0,)
 
 
+def test_what_a_unit_holds_after_the_backward_does_not_stack_on_the_activations():
+    """A training loop's metrics over the logits run once the micro-batch's backward has freed its activations:
+    their 12 stand alone (not 7 + 12), beside what the other micro-batches in flight still hold."""
+    state, act, extra = [0.0] * 4, [1.0, 1.0, 1.0, 4.0], [5.0, 5.0, 5.0, 2.0]
+    after = [0.0, 0.0, 0.0, 12.0]
+    assert stage_memory_bytes(state, act, extra, 1.0, after) == 12.0
+    assert stage_memory_bytes(state, act, extra, 1.0, [0.0, 0.0, 0.0, 5.0]) == 9.0  # under the forward's peak
+    assert stage_memory_bytes(state, act, extra, 2.0, after) == 7.0 + 12.0
+    for budget, fits in ((12.0, True), (11.0, False)):
+        split = split_stages([1.0] * 4, state, act, [1.0], budget, extra, after)
+        assert (split is not None) == fits
+        if fits:
+            assert split.stage_memory_bytes == (12.0,)
+    # two stages: only the one holding the head pays it
+    split = split_stages([1.0] * 4, state, act, [1.0, 1.0], float("inf"), extra, after)
+    assert split.stage_memory_bytes[-1] == 12.0 and split.stage_memory_bytes[0] < 12.0
+
+
 @pytest.mark.parametrize("p", [1, 2, 3, 4])
 def test_uniform_split_matches_the_general_dp(p):
-    pre, layer, post = UnitLoad(3.0, 1.0, 2.0), UnitLoad(2.0, 4.0, 3.0, 1.0), UnitLoad(5.0, 1.0, 6.0)
+    pre, layer, post = UnitLoad(3.0, 1.0, 2.0), UnitLoad(2.0, 4.0, 3.0, 1.0), UnitLoad(5.0, 1.0, 6.0, 0.0, 40.0)
     n = 8
     in_flight = [float(p - i) for i in range(p)]
-    for budget in (float("inf"), 80.0, 60.0):
+    for budget in (float("inf"), 80.0, 60.0, 45.0):
         fast = split_uniform_stages(pre, layer, post, n, tuple(in_flight), budget)
         units = [pre, *[layer] * n, post]
         general = split_stages([u.time_s for u in units], [u.state_bytes for u in units],
-                               [u.activation_bytes for u in units], in_flight, budget, [u.extra_bytes for u in units])
+                               [u.activation_bytes for u in units], in_flight, budget, [u.extra_bytes for u in units],
+                               [u.after_bytes for u in units])
         assert (fast is None) == (general is None)
         if fast is not None:
             assert max(fast.stage_times_s) == pytest.approx(max(general.stage_times_s))
@@ -95,7 +114,7 @@ def test_uniform_split_matches_the_general_dp(p):
                 held = units[a:b]
                 assert fast.stage_memory_bytes[k] == pytest.approx(stage_memory_bytes(
                     [u.state_bytes for u in held], [u.activation_bytes for u in held], [u.extra_bytes for u in held],
-                    in_flight[k]))
+                    in_flight[k], [u.after_bytes for u in held]))
 
 
 @pytest.mark.parametrize("schedule,p,v,m", [("1f1b", 4, 1, 8), ("gpipe", 4, 1, 8), ("1f1b", 8, 1, 3),

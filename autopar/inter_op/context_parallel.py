@@ -35,6 +35,7 @@ _PER_TOKEN = (
     "attention_saved_bytes", "fwd_flops", "attention_fwd_flops", "attention_module_recompute_s",
     "attention_module_saved_bytes", "attention_module_recompute_flops", "full_recompute_s", "full_recompute_flops",
     "op_recompute_s", "op_saved_bytes", "op_recompute_flops", "transient_bytes", "forward_transient_bytes",
+    "after_backward_bytes",
     "bwd_weight_s", "weight_grad_residue_bytes", "product_s", "attention_s", "fp8_cast_s",
 )
 

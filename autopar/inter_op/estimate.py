@@ -185,10 +185,11 @@ class _UnitLoad:
     ep_s: float = 0.0  # expert parallelism's dispatch and combine all-to-alls, forward and backward
     ep_fwd_s: float = 0.0  # the forward's share of ``ep_s``
     power: PowerMix = NO_POWER  # its kernels at the boost clock (``autopar.power``)
+    after_bytes: float = 0.0  # held after the micro-batch's backward (``UnitCost.after_backward_bytes``)
 
     def merged(self, other: _UnitLoad) -> _UnitLoad:
         """This unit and ``other`` on one rank (a V's first rank holds the embedding and the head)."""
-        peak = ("extra_bytes", "gathered_bytes")
+        peak = ("extra_bytes", "gathered_bytes", "after_bytes")
         return _UnitLoad(**{f.name: (max if f.name in peak else operator.add)(getattr(self, f.name),
                                                                                getattr(other, f.name))
                             for f in dataclasses.fields(self)})
@@ -298,7 +299,7 @@ def _unit_load(u: UnitCost, is_layer: bool, layout: Layout, links: Links, cluste
     return _UnitLoad(time, d.compute_s, d.tp_s, d.tp_fwd_s, d.cp_s, d.cp_fwd_s, d.recompute_s, d.zero3_exposed_s,
                      d.fwd_s, d.bwd_s, d.state_bytes, d.activation_bytes, d.extra_bytes, d.gathered_bytes, d.weight_s,
                      d.rerun_s, d.residue_bytes, u.product_s, u.attention_s, u.fp8_cast_s, d.ep_s, d.ep_fwd_s,
-                     u.power)
+                     u.power, u.after_backward_bytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -597,7 +598,7 @@ def _uniform_split(loads: list[_UnitLoad], in_flight: list[float], budget: float
         units = loads[bounds[k]:bounds[k + 1]]
         times.append(sum(u.time_s for u in units))
         mems.append(stage_memory_bytes([u.state_bytes for u in units], [u.activation_bytes for u in units],
-                                       [u.extra_bytes for u in units], in_flight[k]))
+                                       [u.extra_bytes for u in units], in_flight[k], [u.after_bytes for u in units]))
     if max(mems) > budget:
         return None
     return StageSplit(tuple(bounds), tuple(times), tuple(mems))
@@ -614,11 +615,12 @@ def _split(keys: list[str], by_key: dict[str, _UnitLoad], loads: list[_UnitLoad]
         pre, layer, post = (_as_solver_load(by_key[k]) for k in (keys[0], keys[1], keys[-1]))
         return split_uniform_stages(pre, layer, post, len(keys) - 2, tuple(in_flight), budget)
     return split_stages([x.time_s for x in loads], [x.state_bytes for x in loads],
-                        [x.activation_bytes for x in loads], in_flight, budget, [x.extra_bytes for x in loads])
+                        [x.activation_bytes for x in loads], in_flight, budget, [x.extra_bytes for x in loads],
+                        [x.after_bytes for x in loads])
 
 
 def _as_solver_load(x: _UnitLoad) -> UnitLoad:
-    return UnitLoad(x.time_s, x.state_bytes, x.activation_bytes, x.extra_bytes)
+    return UnitLoad(x.time_s, x.state_bytes, x.activation_bytes, x.extra_bytes, x.after_bytes)
 
 
 def tied_params(costs: dict[str, UnitCost], frozen: bool = False) -> float:

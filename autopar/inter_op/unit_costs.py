@@ -81,6 +81,8 @@ class UnitCost:
     op_recompute_flops: float = 0.0
     transient_bytes: float = 0.0  # memory alive only while the unit runs (fp32 logits and loss gradients)
     forward_transient_bytes: float = 0.0  # the most its forward holds at once beside what it saves
+    after_backward_bytes: float = 0.0  # what it holds after the micro-batch's backward, its activations freed: the
+    # framework's training metrics over the logits (``metric_after_backward_bytes``)
     param_modules: int = 0  # modules holding parameters (one ZeRO-3 collective each for per-module runtimes)
     largest_module_params: float = 0.0  # elements one device holds of the largest of them
     attention_kv_bytes: float = 0.0  # the keys and values attention reads, on one device: what context
@@ -242,6 +244,15 @@ def loss_transient_bytes_per_logit(ctx: PassContext) -> float:
     return ctx.precision.activation_bytes if kind.startswith("vocab_parallel") else 2 * FP32_BYTES
 
 
+def metric_bytes_per_logit(graph: OpGraph, logits: TensorInfo, ctx: PassContext) -> float:
+    """What the framework's training metrics hold per logit after the backward (``Framework.metric_cross_entropies``,
+    one after the other): the logits the training loop keeps for them, and one metric's fp32 copy of them and its
+    fp32 log-probabilities; nothing without metrics."""
+    if not ctx.framework.metric_cross_entropies:
+        return 0.0
+    return graph.width(logits, ctx.precision.activation_bytes) + 2 * FP32_BYTES
+
+
 def _op_checkpoint_saves(node_op: str, product_index: int) -> bool:
     """Whether per-op checkpointing keeps this op's output (``product_index``: 1 for a unit's first product)."""
     if node_op in ATTENTION_OPS:
@@ -367,7 +378,7 @@ def _unit_cost(graph: OpGraph, names: list[str], strategies: dict[str, Strategy]
     attn_module_s = attn_module_bytes = attn_module_flops = 0.0
     full_recompute = full_recompute_flops = 0.0
     products = 0
-    op_recompute = op_saved = op_recompute_flops = transient = 0.0
+    op_recompute = op_saved = op_recompute_flops = transient = after_backward = 0.0
     modules: dict[str, float] = {}
     fwd = bwd = tp_sync = attn_s = attn_bytes = bwd_weight = residue = 0.0
     host_fwd = host_bwd = 0.0
@@ -428,8 +439,9 @@ def _unit_cost(graph: OpGraph, names: list[str], strategies: dict[str, Strategy]
         produced_of: dict[str, tuple] | None = {} if ctx.framework.sp_saves_sharded_input else None
         if node.op in LOSS_OPS:
             logits = graph.tensor(refs[0])
-            transient += (logits.numel_at(mbs) * loss_transient_bytes_per_logit(ctx)
-                          / shard_factor(tuple(ax.inputs[0] for ax in strat), mesh))
+            shards = shard_factor(tuple(ax.inputs[0] for ax in strat), mesh)
+            transient += logits.numel_at(mbs) * loss_transient_bytes_per_logit(ctx) / shards
+            after_backward += logits.numel_at(mbs) * metric_bytes_per_logit(graph, logits, ctx) / shards
         for k, r in enumerate(refs):
             src = graph[r.name]
             required = tuple(ax.inputs[k] for ax in strat)
@@ -470,7 +482,8 @@ def _unit_cost(graph: OpGraph, names: list[str], strategies: dict[str, Strategy]
                     attention_module_recompute_flops=attn_module_flops,
                     full_recompute_s=full_recompute, full_recompute_flops=full_recompute_flops,
                     op_recompute_s=op_recompute, op_saved_bytes=input_bytes + op_saved,
-                    op_recompute_flops=op_recompute_flops, transient_bytes=transient, param_modules=len(modules),
+                    op_recompute_flops=op_recompute_flops, transient_bytes=transient,
+                    after_backward_bytes=after_backward, param_modules=len(modules),
                     largest_module_params=max(modules.values(), default=0.0), attention_kv_bytes=kv_bytes,
                     bwd_weight_s=bwd_weight, weight_grad_residue_bytes=residue, product_s=product,
                     attention_s=attention, fp8_cast_s=fp8_cast,
