@@ -50,10 +50,11 @@ MAX_TOKENS = 8192
 def reference_gemm_shapes(limit: int = MAX_SHAPES) -> list[tuple[int, int, int]]:
     """(m, n, k) of the forward products of the reference rows' layers and heads on one tp rank, for a micro-batch of
     one sequence of at most ``MAX_TOKENS`` tokens, deduplicated, the largest first.  Rows of decoder LMs only: a row
-    that names a model file (``benchmarks/reference/beyond_decoders.json``) has no decoder's shapes to list."""
+    that names a model file (``benchmarks/reference/beyond_decoders.json``) has no decoder's shapes to list, and a file
+    that holds no runs (the sweeps, OpenXLA's GEMM table) none at all."""
     shapes: set[tuple[int, int, int]] = set()
     for path in sorted(REFERENCE_DIR.glob("*.json")):
-        if path.name == "sweeps.json":
+        if "cases" not in json.loads(path.read_text()):
             continue
         for case in load_calibration(path):
             m, lay = case["model"], case.get("layout", {})
