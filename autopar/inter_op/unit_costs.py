@@ -82,7 +82,7 @@ class UnitCost:
     transient_bytes: float = 0.0  # memory alive only while the unit runs (fp32 logits and loss gradients)
     forward_transient_bytes: float = 0.0  # the most its forward holds at once beside what it saves
     after_backward_bytes: float = 0.0  # what it holds after the micro-batch's backward, its activations freed: the
-    # framework's training metrics over the logits (``metric_after_backward_bytes``)
+    # framework's training metrics over the logits (``metric_bytes_per_logit``)
     param_modules: int = 0  # modules holding parameters (one ZeRO-3 collective each for per-module runtimes)
     largest_module_params: float = 0.0  # elements one device holds of the largest of them
     attention_kv_bytes: float = 0.0  # the keys and values attention reads, on one device: what context
