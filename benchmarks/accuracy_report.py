@@ -150,6 +150,10 @@ def render(calib: dict[str, Any], ranking: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+#: The terms ``term_ablation.py`` switches off, in column order (its ``TERMS``; not imported: it imports torch).
+ABLATED = ("power", "interference", "host", "kernel_latency", "gemm_store", "metrics")
+
+
 def _ablation() -> list[str]:
     """What each term of the cost model moves, from ``results/term_ablation.json`` (``term_ablation.py``)."""
     path = RESULTS / "term_ablation.json"
@@ -163,14 +167,12 @@ def _ablation() -> list[str]:
              "`kernel_latency`: a product kernel has no fixed time; `gemm_store`: products store their results",
              "beside their main loop on every GPU, Ampere's included; `metrics`: the training loop computes no",
              "metric over the logits, as llm-foundry's Composer does twice per micro-batch).", "",
-             "| table | GPU | full model | power off | interference off | host off | kernel latency off "
-             "| gemm store off | metrics off |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| table | GPU | full model | " + " | ".join(f"{t.replace('_', ' ')} off" for t in ABLATED) + " |",
+             "|---|---|---:|" + "---:|" * len(ABLATED)]
     for stem, variants in data.items():
         full = variants["full model"]
         for group, value in full.items():
-            cells = [f"{variants[t].get(group, float('nan')):+.1%}" if t in variants else "" for t in
-                     ("power", "interference", "host", "kernel_latency", "gemm_store", "metrics")]
+            cells = [f"{variants[t].get(group, float('nan')):+.1%}" if t in variants else "" for t in ABLATED]
             lines.append(f"| {stem} | {group} | {value:+.1%} | " + " | ".join(cells) + " |")
     return [*lines, ""]
 

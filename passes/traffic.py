@@ -146,8 +146,6 @@ def loss_traffic(graph: OpGraph, node: Node, ctx: PassContext) -> NodeTraffic:
     casts = 1 if upcast else 0  # the casts are kernels of their own
     metrics = ctx.framework.metric_cross_entropies
     loss = _loss_traffic(ctx.framework.cross_entropy, n, w, upcast, cast_back, casts)
-    if not metrics:
-        return NodeTraffic(scale(loss.fwd_bytes), scale(loss.bwd_bytes), loss.fwd_kernels, loss.bwd_kernels)
     metric = _loss_traffic("autocast", n, w, upcast, cast_back, casts)
     return NodeTraffic(scale(loss.fwd_bytes + metrics * metric.fwd_bytes), scale(loss.bwd_bytes),
                        loss.fwd_kernels + metrics * metric.fwd_kernels, loss.bwd_kernels)
